@@ -1,0 +1,367 @@
+"""Devices and clusters: memory, speed, and the bandwidth of every link, as data.
+
+A cluster lists its devices in pipeline order: stage k of a plan runs on the k-th device that
+holds any node, so put devices that are close (same node, NVLink) next to each other.
+
+Example:
+    >>> import partitioner as pt
+    >>> c = pt.Cluster.uniform(4, memory="16GiB", flops_per_s=100e12, bandwidth="50GB/s")
+    >>> c.devices[0].name, c.devices[0].memory_bytes
+    ('/GPU:0', 17179869184)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import ClusterError, InputError
+from partitioner.units import parse_bytes, parse_rate
+
+CLUSTER_SCHEMA_VERSION = 1
+DEFAULT_FLOPS_PER_S = 100e12  # a mid-range accelerator
+DEFAULT_BANDWIDTH = 50e9  # bytes/s, about PCIe 4.0 x16 in both directions
+
+
+@dataclass(frozen=True, init=False)
+class Device:
+    """One device: its TensorFlow name, memory and sustained FLOP/s.
+
+    Example:
+        >>> Device(name="/GPU:0", memory="80GiB", flops_per_s=989e12).memory_bytes
+        85899345920
+    """
+
+    name: str  # TensorFlow device name, e.g. "/GPU:0"
+    memory_bytes: int  # capacity available to the model
+    flops_per_s: float  # sustained FLOP/s used by the cost model
+    hardware: str | None = None  # the hardware profile it came from, e.g. "H100-SXM-80GB"
+
+    def __init__(
+        self,
+        name: str,
+        memory: int | float | str | None = None,
+        flops_per_s: float | str = DEFAULT_FLOPS_PER_S,
+        hardware: str | None = None,
+        *,
+        memory_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ClusterError(f"A device needs a non-empty name such as '/GPU:0'. Received: {name!r}.")
+        if memory is None and memory_bytes is None:
+            raise ClusterError(f"Device '{name}' needs a memory size, e.g. memory='16GiB'.")
+        size = memory if memory is not None else memory_bytes
+        assert size is not None
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "memory_bytes", parse_bytes(size, name=f"memory of device '{name}'"))
+        object.__setattr__(
+            self, "flops_per_s", parse_rate(flops_per_s, name=f"flops_per_s of device '{name}'", unit="FLOP/s")
+        )
+        object.__setattr__(self, "hardware", hardware)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-ready form of the device."""
+        data: dict[str, Any] = {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "flops_per_s": self.flops_per_s,
+        }
+        if self.hardware:
+            data["hardware"] = self.hardware
+        return data
+
+
+@dataclass(frozen=True, init=False)
+class Cluster:
+    """Devices in pipeline order and the bandwidth of every link between them.
+
+    Args:
+        devices: the devices, in the order pipeline stages should use them.
+        bandwidth: bytes/s of every link (one number or a string like "50GB/s"), a K x K matrix
+            (row = sender, column = receiver; the diagonal is ignored), or a mapping
+            {(sender name, receiver name): bytes/s} that must cover every ordered pair.
+        name: a label for tables and JSON.
+
+    Raises:
+        ClusterError: for an empty cluster, duplicate device names, or a malformed bandwidth.
+    """
+
+    devices: tuple[Device, ...]
+    bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]  # [sender][receiver]; inf on the diagonal
+    name: str = "cluster"
+    _index: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        bandwidth: Any = DEFAULT_BANDWIDTH,
+        name: str = "cluster",
+    ) -> None:
+        devices = tuple(devices)
+        if not devices:
+            raise ClusterError("A cluster needs at least one device. Received: devices=[].")
+        for device in devices:
+            if not isinstance(device, Device):
+                raise ClusterError(f"Cluster devices must be partitioner.Device objects. Received: {device!r}.")
+        names = [d.name for d in devices]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ClusterError(f"Device names must be unique. Received duplicates: {duplicates}.")
+        object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_index", {n: i for i, n in enumerate(names)})
+        object.__setattr__(self, "bandwidth_bytes_per_s", self._bandwidth_matrix(bandwidth))
+
+    def _bandwidth_matrix(self, bandwidth: Any) -> tuple[tuple[float, ...], ...]:
+        k = len(self.devices)
+        names = self.names
+        if isinstance(bandwidth, (int, float, str)) and not isinstance(bandwidth, bool):
+            rate = parse_rate(bandwidth, name="bandwidth")
+            rows = [[rate] * k for _ in range(k)]
+        elif isinstance(bandwidth, Mapping):
+            rows = [[math.inf] * k for _ in range(k)]
+            for i, a in enumerate(names):
+                for j, b in enumerate(names):
+                    if i == j:
+                        continue
+                    if (a, b) not in bandwidth:
+                        raise ClusterError(
+                            f"The bandwidth mapping has no entry for link ('{a}', '{b}'); it must cover "
+                            "every ordered pair of devices, or pass one number for all links."
+                        )
+                    rows[i][j] = parse_rate(bandwidth[(a, b)], name=f"bandwidth {a}->{b}")
+        elif isinstance(bandwidth, Iterable):
+            rows = [list(row) for row in bandwidth]
+            if len(rows) != k or any(len(row) != k for row in rows):
+                raise ClusterError(
+                    f"The bandwidth matrix must be {k} x {k} for {k} devices. "
+                    f"Received: {len(rows)} rows of lengths {[len(r) for r in rows]}."
+                )
+            rows = [
+                [math.inf if i == j else parse_rate(rows[i][j], name=f"bandwidth[{i}][{j}]") for j in range(k)]
+                for i in range(k)
+            ]
+        else:
+            raise ClusterError(f"bandwidth must be a number, a K x K matrix or a mapping. Received: {bandwidth!r}.")
+        for i in range(k):
+            rows[i][i] = math.inf
+        return tuple(tuple(float(x) for x in row) for row in rows)
+
+    @property
+    def names(self) -> list[str]:
+        """Device names in pipeline order."""
+        return [d.name for d in self.devices]
+
+    @property
+    def num_devices(self) -> int:
+        """How many devices the cluster has."""
+        return len(self.devices)
+
+    def index(self, name: str) -> int:
+        """Position of device ``name`` in pipeline order.
+
+        Raises:
+            ClusterError: when no device has that name; the message lists those that exist.
+        """
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ClusterError(f"Unknown device '{name}'. The cluster has: {self.names}.") from None
+
+    def bandwidth(self, sender: int, receiver: int) -> float:
+        """Bytes/s from device index ``sender`` to device index ``receiver`` (inf for itself)."""
+        return self.bandwidth_bytes_per_s[sender][receiver]
+
+    @property
+    def total_memory_bytes(self) -> int:
+        """Sum of the devices' memory."""
+        return sum(d.memory_bytes for d in self.devices)
+
+    @classmethod
+    def uniform(
+        cls,
+        num_devices: int,
+        *,
+        memory: int | float | str,
+        flops_per_s: float | str = DEFAULT_FLOPS_PER_S,
+        bandwidth: Any = DEFAULT_BANDWIDTH,
+        prefix: str = "/GPU:",
+        name: str | None = None,
+    ) -> Cluster:
+        """A cluster of ``num_devices`` identical devices named ``/GPU:0`` ... with one link speed.
+
+        Example:
+            >>> Cluster.uniform(2, memory="16GiB").names
+            ['/GPU:0', '/GPU:1']
+        """
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ClusterError(f"num_devices must be an integer >= 1. Received: {num_devices!r}.")
+        devices = [Device(f"{prefix}{i}", memory=memory, flops_per_s=flops_per_s) for i in range(num_devices)]
+        return cls(devices, bandwidth=bandwidth, name=name or f"{num_devices}x uniform")
+
+    @classmethod
+    def local(
+        cls,
+        num_devices: int | None = None,
+        *,
+        memory: int | float | str | None = None,
+        flops_per_s: float | str | None = None,
+        bandwidth: Any = None,
+    ) -> Cluster:
+        """The devices TensorFlow sees here: logical GPUs if any, else logical CPU devices.
+
+        Imports TensorFlow. Memory comes from a virtual device's memory limit, else ``memory``,
+        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given.
+        """
+        from profiles.hardware import local_cluster  # lazy: TensorFlow side
+
+        return local_cluster(num_devices, memory=memory, flops_per_s=flops_per_s, bandwidth=bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the explicit JSON-ready form (every device, the full bandwidth matrix)."""
+        k = self.num_devices
+        matrix = [[0.0 if i == j else self.bandwidth(i, j) for j in range(k)] for i in range(k)]
+        flat = {matrix[i][j] for i in range(k) for j in range(k) if i != j}
+        return {
+            "schema_version": CLUSTER_SCHEMA_VERSION,
+            "kind": "cluster",
+            "name": self.name,
+            "devices": [d.to_dict() for d in self.devices],
+            "bandwidth_bytes_per_s": flat.pop() if len(flat) == 1 else matrix,
+        }
+
+    def to_json(self) -> str:
+        """Returns the cluster as JSON text that :meth:`from_json` reads back."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "cluster") -> Cluster:
+        """Builds a cluster from its JSON form (explicit devices, or a bundled device profile).
+
+        Two forms are read. Explicit: ``devices`` (name, memory_bytes, flops_per_s) and
+        ``bandwidth_bytes_per_s`` (a number or a matrix). From a profile: ``device_profile``
+        (a file under profiles/hardware/devices), ``dtype``, ``num_devices`` and either
+        ``bandwidth_bytes_per_s`` or ``topology`` with ``devices_per_node``,
+        ``intra_node_bandwidth_bytes_per_s`` and ``inter_node_bandwidth_bytes_per_s``.
+        """
+        if not isinstance(data, dict) or data.get("kind") != "cluster":
+            raise ClusterError(f"{source} is not a cluster description (expected kind='cluster').")
+        version = data.get("schema_version")
+        if not isinstance(version, int) or version < 1:
+            raise ClusterError(f"{source} has no valid schema_version (got {version!r}); the file is corrupt.")
+        if version > CLUSTER_SCHEMA_VERSION:
+            raise ClusterError(
+                f"{source} has schema_version {version}; this version reads up to {CLUSTER_SCHEMA_VERSION}. "
+                "Upgrade keras-partitioner."
+            )
+        try:
+            name = str(data.get("name", "cluster"))
+            if "devices" in data:
+                devices = [
+                    Device(
+                        d["name"],
+                        memory_bytes=d["memory_bytes"],
+                        flops_per_s=d["flops_per_s"],
+                        hardware=d.get("hardware"),
+                    )
+                    for d in data["devices"]
+                ]
+            else:
+                profile = load_device_profile(data["device_profile"])
+                dtype = data.get("dtype", "float32")
+                peaks = profile["peak_flops_per_s"]
+                if dtype not in peaks:
+                    raise ClusterError(
+                        f"{source}: device profile '{profile['name']}' has no peak for dtype '{dtype}'. "
+                        f"It has: {sorted(peaks)}."
+                    )
+                efficiency = float(data.get("efficiency", 1.0))
+                prefix = data.get("device_prefix", "/GPU:")
+                devices = [
+                    Device(
+                        f"{prefix}{i}",
+                        memory_bytes=profile["memory_bytes"],
+                        flops_per_s=peaks[dtype] * efficiency,
+                        hardware=profile["name"],
+                    )
+                    for i in range(int(data["num_devices"]))
+                ]
+            if "topology" in data:
+                topo = data["topology"]
+                per_node = int(topo["devices_per_node"])
+                intra = parse_rate(topo["intra_node_bandwidth_bytes_per_s"], name="intra-node bandwidth")
+                inter = parse_rate(topo["inter_node_bandwidth_bytes_per_s"], name="inter-node bandwidth")
+                k = len(devices)
+                bandwidth: Any = [
+                    [intra if i // per_node == j // per_node else inter for j in range(k)] for i in range(k)
+                ]
+            else:
+                bandwidth = data["bandwidth_bytes_per_s"]
+                if isinstance(bandwidth, list):
+                    bandwidth = [[x if x else math.inf for x in row] for row in bandwidth]
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, InputError):
+                raise
+            raise ClusterError(f"{source} is corrupt: missing or malformed field {err}.") from err
+        return cls(devices, bandwidth=bandwidth, name=name)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> Cluster:
+        """Reads a cluster from a JSON file path, JSON text, or the name of a bundled cluster.
+
+        Example:
+            >>> Cluster.from_json("8xH100-nvlink").num_devices
+            8
+        """
+        text = str(source)
+        if text.lstrip().startswith("{"):
+            label = "cluster JSON"
+        else:
+            path = Path(text)
+            if not path.exists():
+                bundled = _hardware_dir() / f"{text}.json"
+                if not bundled.exists():
+                    raise ClusterError(
+                        f"No cluster file '{text}'. Pass a path to a cluster JSON or one of the bundled "
+                        f"clusters: {bundled_clusters()}."
+                    )
+                path = bundled
+            label = f"'{path}'"
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ClusterError(f"{label} is not valid JSON ({err.msg} at line {err.lineno}).") from err
+        return cls.from_dict(data, source=label)
+
+
+def _hardware_dir() -> Path:
+    return Path(str(resources.files("profiles") / "hardware"))
+
+
+def bundled_clusters() -> list[str]:
+    """Names of the cluster files shipped in profiles/hardware."""
+    return sorted(p.stem for p in _hardware_dir().glob("*.json"))
+
+
+def bundled_device_profiles() -> list[str]:
+    """Names of the device profiles shipped in profiles/hardware/devices."""
+    return sorted(p.stem for p in (_hardware_dir() / "devices").glob("*.json"))
+
+
+def load_device_profile(name: str) -> dict[str, Any]:
+    """Returns a bundled device profile (peak FLOP/s by dtype, memory, spec-sheet source) by name.
+
+    Raises:
+        ClusterError: when no such profile ships; the message lists the ones that do.
+    """
+    path = _hardware_dir() / "devices" / f"{name}.json"
+    if not path.exists():
+        raise ClusterError(f"No device profile '{name}'. Bundled profiles: {bundled_device_profiles()}.")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data

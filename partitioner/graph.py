@@ -1,0 +1,200 @@
+"""The layer graph: the contract between the profiler and the planner, and its JSON form.
+
+A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras model::
+
+    node attribute      type    meaning
+    ------------------  ------  -----------------------------------------------------------
+    flops               float   forward + backward FLOPs for one micro-batch
+    param_bytes         int     bytes of the layer's weights (dtype-aware)
+    activation_bytes    int     bytes kept alive for the backward pass, per micro-batch
+    time_s              float   measured forward + backward seconds per micro-batch (optional)
+    layer_type          str     the Keras class name (optional)
+    colocation_group    str     nodes sharing a group share weights: one device (optional)
+    edge bytes          int     bytes of the tensor sent from u to v per micro-batch
+
+Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size``,
+``num_microbatches``, ``profiled_device``, ``profiled_flops_per_s`` (the measured matmul rate
+of the device ``time_s`` was measured on, used to rescale times to other devices).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from partitioner.errors import GraphError
+
+GRAPH_SCHEMA_VERSION = 1
+_KIND = "layer_graph"
+_NODE_NUMBERS = ("flops", "param_bytes", "activation_bytes")
+_GRAPH_KEYS = (
+    "model_name",
+    "batch_size",
+    "num_microbatches",
+    "profiled_device",
+    "profiled_flops_per_s",
+)
+
+
+def validate_graph(graph: nx.DiGraph) -> None:
+    """Checks that ``graph`` is a layer graph the planner can use.
+
+    Raises:
+        GraphError: naming the first node or edge that breaks the contract, and how to fix it.
+    """
+    if not isinstance(graph, nx.DiGraph):
+        raise GraphError(
+            f"Expected a networkx.DiGraph layer graph. Received: {type(graph).__name__}. "
+            "Build one with profiles.profile_model(model) or partitioner.load_graph(path)."
+        )
+    if graph.number_of_nodes() == 0:
+        raise GraphError("The layer graph has no nodes. Profile a model with at least one layer.")
+    for node, data in graph.nodes(data=True):
+        if not isinstance(node, str):
+            raise GraphError(f"Node names must be strings. Received: {node!r}.")
+        for key in _NODE_NUMBERS:
+            value = data.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise GraphError(
+                    f"Node '{node}' has no numeric '{key}' attribute (got {value!r}). Every node needs "
+                    f"{', '.join(_NODE_NUMBERS)}; profiles.profile_model sets them."
+                )
+            if not math.isfinite(value) or value < 0:
+                raise GraphError(f"Node '{node}' has {key}={value!r}; expected a finite value >= 0.")
+        time_s = data.get("time_s")
+        if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
+            raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
+    for u, v, data in graph.edges(data=True):
+        value = data.get("bytes")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise GraphError(f"Edge '{u}' -> '{v}' needs a 'bytes' attribute >= 0. Received: {value!r}.")
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise GraphError(
+            f"The layer graph has a cycle through {[u for u, _ in cycle]}; a pipeline needs a DAG. "
+            "Recurrent loops must stay inside one layer."
+        )
+
+
+def topological_order(graph: nx.DiGraph) -> list[str]:
+    """Returns the nodes in a deterministic topological order that keeps insertion order where it can."""
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    return list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
+
+
+def is_chain(graph: nx.DiGraph) -> bool:
+    """True iff the graph is a single path: every node has at most one predecessor and one successor."""
+    if not nx.is_weakly_connected(graph):
+        return False
+    return all(graph.in_degree(n) <= 1 and graph.out_degree(n) <= 1 for n in graph.nodes)
+
+
+def colocation_groups(graph: nx.DiGraph) -> dict[str, list[str]]:
+    """Returns {group: nodes} for every colocation group with at least two nodes."""
+    groups: dict[str, list[str]] = {}
+    for node, group in graph.nodes(data="colocation_group"):
+        if group is not None:
+            groups.setdefault(str(group), []).append(node)
+    return {g: nodes for g, nodes in groups.items() if len(nodes) > 1}
+
+
+def graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:
+    """Returns the JSON-ready form of a layer graph, with its schema version."""
+    validate_graph(graph)
+    return {
+        "schema_version": GRAPH_SCHEMA_VERSION,
+        "kind": _KIND,
+        **{key: graph.graph[key] for key in _GRAPH_KEYS if graph.graph.get(key) is not None},
+        "nodes": [{"name": node, **data} for node, data in graph.nodes(data=True)],
+        "edges": [{"source": u, "target": v, **data} for u, v, data in graph.edges(data=True)],
+    }
+
+
+def graph_from_dict(data: Any, *, source: str = "layer graph") -> nx.DiGraph:
+    """Rebuilds a layer graph from :func:`graph_to_dict` output.
+
+    Raises:
+        GraphError: for a corrupt document or one written by a newer version of this project.
+    """
+    if not isinstance(data, dict) or data.get("kind") != _KIND:
+        raise GraphError(f"{source} is not a layer graph (expected an object with kind='{_KIND}').")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise GraphError(f"{source} has no valid schema_version (got {version!r}); the file is corrupt.")
+    if version > GRAPH_SCHEMA_VERSION:
+        raise GraphError(
+            f"{source} has schema_version {version}, newer than the {GRAPH_SCHEMA_VERSION} this version "
+            "reads. Upgrade keras-partitioner or profile the model again."
+        )
+    graph = nx.DiGraph(**{key: data[key] for key in _GRAPH_KEYS if key in data})
+    try:
+        for node in data["nodes"]:
+            attrs = dict(node)
+            graph.add_node(attrs.pop("name"), **attrs)
+        for edge in data["edges"]:
+            attrs = dict(edge)
+            u, v = attrs.pop("source"), attrs.pop("target")
+            if u not in graph or v not in graph:
+                raise GraphError(f"{source}: edge '{u}' -> '{v}' names a node that is not in the graph.")
+            graph.add_edge(u, v, **attrs)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise GraphError(f"{source} is corrupt: missing or malformed field {err}.") from err
+    validate_graph(graph)
+    return graph
+
+
+def save_graph(graph: nx.DiGraph, path: str | Path) -> None:
+    """Writes a layer graph to a JSON file."""
+    Path(path).write_text(json.dumps(graph_to_dict(graph), indent=1))
+
+
+def load_graph(path: str | Path) -> nx.DiGraph:
+    """Reads a layer graph written by :func:`save_graph` (or ``partitioner profile --out``).
+
+    Raises:
+        GraphError: when the file is missing, not JSON, corrupt, or from a newer version.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise GraphError(f"Cannot read layer graph '{path}': {err.strerror}.") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise GraphError(f"'{path}' is not valid JSON ({err.msg} at line {err.lineno}).") from err
+    return graph_from_dict(data, source=f"'{path}'")
+
+
+def chain_graph(
+    flops: Iterable[float],
+    *,
+    param_bytes: Iterable[int] | None = None,
+    activation_bytes: Iterable[int] | None = None,
+    edge_bytes: Iterable[int] | None = None,
+    prefix: str = "layer",
+) -> nx.DiGraph:
+    """Builds a chain layer graph from per-layer numbers; handy for tests, examples and benchmarks.
+
+    Example:
+        >>> g = chain_graph([1e9, 2e9, 1e9], edge_bytes=[4096, 4096])
+        >>> list(g.edges)
+        [('layer_0', 'layer_1'), ('layer_1', 'layer_2')]
+    """
+    flops = list(flops)
+    params = list(param_bytes) if param_bytes is not None else [0] * len(flops)
+    acts = list(activation_bytes) if activation_bytes is not None else [0] * len(flops)
+    sends = list(edge_bytes) if edge_bytes is not None else [0] * max(len(flops) - 1, 0)
+    if not (len(params) == len(acts) == len(flops)) or len(sends) != max(len(flops) - 1, 0):
+        raise GraphError("chain_graph needs one flops/param/activation value per layer and one edge fewer.")
+    graph = nx.DiGraph()
+    names = [f"{prefix}_{i}" for i in range(len(flops))]
+    for name, f, p, a in zip(names, flops, params, acts):
+        graph.add_node(name, flops=float(f), param_bytes=int(p), activation_bytes=int(a), layer_type="Dense")
+    for (u, v), b in zip(zip(names, names[1:]), sends):
+        graph.add_edge(u, v, bytes=int(b))
+    return graph

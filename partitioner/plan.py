@@ -1,0 +1,184 @@
+"""The plan: which device runs each node, and what the cost model predicts for it, as plain data.
+
+Example:
+    >>> plan = pt.solve(graph, cluster, num_microbatches=8)          # doctest: +SKIP
+    >>> plan.assignment["conv1"], plan.bottleneck_s, plan.status      # doctest: +SKIP
+    ('/GPU:0', 0.0123, 'optimal')
+    >>> pt.Plan.from_json(plan.to_json()) == plan                     # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from partitioner.cost import CostModel, bubble_fraction, relative_gap
+from partitioner.errors import PlanError
+
+PLAN_SCHEMA_VERSION = 1
+STATUSES = ("optimal", "feasible", "heuristic")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement of every node of a layer graph on a device, with its predicted costs.
+
+    Device-keyed mappings cover every device of the cluster in pipeline order; unused devices
+    show zeros. ``stages`` lists the used devices: stage k runs on ``stages[k]``.
+    """
+
+    assignment: dict[str, str]  # node -> device name
+    devices: tuple[str, ...]  # every device of the cluster, in pipeline order
+    method: str  # "cp-sat", "exact_chain", "uniform", "by_params", "by_time"
+    status: str  # "optimal" (proven), "feasible" (a bound exists) or "heuristic"
+    num_microbatches: int  # M
+    optimizer_slots: int  # 2 for Adam, 0 for SGD
+    cost: str  # "flops" or "time": where compute times came from
+    stage_times: dict[str, float]  # seconds per micro-batch: compute + receive
+    compute_times: dict[str, float]  # seconds per micro-batch
+    receive_times: dict[str, float]  # seconds per micro-batch
+    memory_bytes: dict[str, int]  # predicted peak need per device
+    capacity_bytes: dict[str, int]  # each device's memory
+    bottleneck_s: float  # the slowest stage's time per micro-batch
+    lower_bound_s: float | None  # proven lower bound on the bottleneck, if the method gives one
+    step_time_s: float  # predicted step: (M + K - 1) * bottleneck
+    serial_step_s: float  # the same M micro-batches on the fastest device alone
+    transfer_bytes: int  # bytes received by all stages per micro-batch
+    solve_time_s: float  # wall-clock seconds the method took
+    model_name: str | None = None
+
+    @classmethod
+    def from_assignment(
+        cls,
+        assignment: Mapping[str, str],
+        costs: CostModel,
+        *,
+        method: str,
+        status: str = "heuristic",
+        lower_bound_s: float | None = None,
+        solve_time_s: float = 0.0,
+    ) -> Plan:
+        """Scores ``assignment`` with ``costs`` and returns the plan."""
+        if status not in STATUSES:
+            raise PlanError(f"status must be one of {STATUSES}. Received: {status!r}.")
+        ev = costs.evaluate(assignment)
+        if lower_bound_s is not None:
+            lower_bound_s = min(lower_bound_s, ev.bottleneck_s)
+        return cls(
+            assignment={v: assignment[v] for v in costs.order},
+            devices=tuple(costs.devices),
+            method=method,
+            status=status,
+            num_microbatches=costs.num_microbatches,
+            optimizer_slots=costs.optimizer_slots,
+            cost=costs.cost,
+            stage_times=ev.stage_times,
+            compute_times=ev.compute_times,
+            receive_times=ev.receive_times,
+            memory_bytes=ev.memory_bytes,
+            capacity_bytes={d.name: d.memory_bytes for d in costs.cluster.devices},
+            bottleneck_s=ev.bottleneck_s,
+            lower_bound_s=lower_bound_s,
+            step_time_s=ev.step_time_s,
+            serial_step_s=costs.serial_step_s(),
+            transfer_bytes=ev.transfer_bytes,
+            solve_time_s=solve_time_s,
+            model_name=costs.graph.graph.get("model_name"),
+        )
+
+    # ----- derived views -------------------------------------------------------------------------
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The used devices in pipeline order: stage k runs on ``stages[k]``."""
+        used = set(self.assignment.values())
+        return tuple(d for d in self.devices if d in used)
+
+    @property
+    def num_stages(self) -> int:
+        """K, the number of pipeline stages (used devices)."""
+        return len(self.stages)
+
+    def nodes_on(self, device: str) -> list[str]:
+        """Nodes placed on ``device``, in the graph's topological order."""
+        return [v for v, d in self.assignment.items() if d == device]
+
+    @property
+    def gap(self) -> float | None:
+        """(bottleneck - lower bound) / bottleneck; 0 means proven optimal, None means no bound."""
+        return relative_gap(self.bottleneck_s, self.lower_bound_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of a GPipe step for this plan's K and M: (K - 1) / (M + K - 1)."""
+        return bubble_fraction(self.num_stages, self.num_microbatches)
+
+    @property
+    def speedup(self) -> float:
+        """Predicted step-time speedup over running the whole model on the fastest device."""
+        return self.serial_step_s / self.step_time_s if self.step_time_s > 0 else 1.0
+
+    @property
+    def fits_memory(self) -> bool:
+        """True iff every device's predicted memory is within its capacity."""
+        return all(self.memory_bytes[d] <= self.capacity_bytes[d] for d in self.devices)
+
+    # ----- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-ready form, with a schema version."""
+        data = asdict(self)
+        data["devices"] = list(self.devices)
+        return {"schema_version": PLAN_SCHEMA_VERSION, "kind": "plan", **data}
+
+    def to_json(self) -> str:
+        """Returns the plan as JSON text; :meth:`from_json` gives back an equal plan."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
+        """Rebuilds a plan from :meth:`to_dict` output.
+
+        Raises:
+            PlanError: for a corrupt document or one written by a newer version.
+        """
+        if not isinstance(data, dict) or data.get("kind") != "plan":
+            raise PlanError(f"{source} is not a plan (expected a JSON object with kind='plan').")
+        version = data.get("schema_version")
+        if not isinstance(version, int) or version < 1:
+            raise PlanError(f"{source} has no valid schema_version (got {version!r}); the file is corrupt.")
+        if version > PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"{source} has schema_version {version}; this version reads up to {PLAN_SCHEMA_VERSION}. "
+                "Upgrade keras-partitioner or plan again."
+            )
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.name != "model_name"}
+        missing = sorted(required - set(data))
+        if missing:
+            raise PlanError(f"{source} is corrupt: missing field(s) {missing}.")
+        values = {k: v for k, v in data.items() if k in names}
+        values["devices"] = tuple(values["devices"])
+        try:
+            plan = cls(**values)
+        except TypeError as err:
+            raise PlanError(f"{source} is corrupt: {err}.") from err
+        if plan.status not in STATUSES or not isinstance(plan.assignment, dict):
+            raise PlanError(f"{source} is corrupt: bad status {plan.status!r} or assignment.")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parses JSON text written by :meth:`to_json`.
+
+        Raises:
+            PlanError: for text that is not JSON, not a plan, or from a newer version.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"The plan is not valid JSON ({err.msg} at line {err.lineno}).") from err
+        return cls.from_dict(data)

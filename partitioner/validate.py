@@ -1,0 +1,56 @@
+"""Checks that a plan is one the runtime can execute: the same validator the runtime and the tests use."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostModel
+from partitioner.errors import PlanError
+from partitioner.graph import colocation_groups
+from partitioner.plan import Plan
+from partitioner.units import format_bytes
+
+
+def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster) -> None:
+    """Raises PlanError unless ``plan`` places exactly ``graph``'s nodes on ``cluster`` legally.
+
+    Checked: every node has a device and no unknown node or device appears; the plan was made for
+    this cluster's devices; every edge goes forward in pipeline order (no backward traffic);
+    colocated nodes share a device; every device's memory holds what is put on it.
+
+    Example:
+        >>> validate_plan(plan, graph, cluster)   # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"Expected a partitioner.Plan. Received: {type(plan).__name__}.")
+    if tuple(cluster.names) != tuple(plan.devices):
+        raise PlanError(
+            f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "
+            "Plan again for this cluster."
+        )
+    costs = CostModel(graph, cluster, num_microbatches=plan.num_microbatches, optimizer_slots=plan.optimizer_slots)
+    where = costs.check_assignment(plan.assignment)
+    for u, v in graph.edges:
+        if where[u] > where[v]:
+            raise PlanError(
+                f"Edge '{u}' -> '{v}' goes backward: '{u}' is on {plan.assignment[u]} (stage position "
+                f"{where[u]}) but '{v}' is on {plan.assignment[v]} (position {where[v]}). Stages must "
+                "follow the graph's order so activations only flow forward."
+            )
+    for group, nodes in colocation_groups(graph).items():
+        placed = sorted({plan.assignment[v] for v in nodes})
+        if len(placed) > 1:
+            raise PlanError(
+                f"Colocation group '{group}' (a shared layer) is split across {placed}; its nodes "
+                f"{nodes} share weights and must be on one device."
+            )
+    evaluation = costs.evaluate(plan.assignment)
+    for device in cluster.devices:
+        need = evaluation.memory_bytes[device.name]
+        if need > device.memory_bytes:
+            raise PlanError(
+                f"Device {device.name} needs {format_bytes(need)} but holds {format_bytes(device.memory_bytes)} "
+                f"(with {plan.num_microbatches} micro-batches in flight and {plan.optimizer_slots} optimizer "
+                "slots). Plan again with the memory constraint, or use fewer micro-batches."
+            )
