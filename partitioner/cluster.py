@@ -60,7 +60,9 @@ class Device:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "memory_bytes", parse_bytes(size, name=f"memory of device '{name}'"))
         object.__setattr__(
-            self, "flops_per_s", parse_rate(flops_per_s, name=f"flops_per_s of device '{name}'", unit="FLOP/s")
+            self,
+            "flops_per_s",
+            parse_rate(flops_per_s, name=f"flops_per_s of device '{name}'", unit="FLOP/s"),
         )
         object.__setattr__(self, "hardware", hardware)
 
@@ -281,6 +283,10 @@ class Cluster:
                         f"It has: {sorted(peaks)}."
                     )
                 efficiency = float(data.get("efficiency", 1.0))
+                if not 0 < efficiency <= 1:
+                    raise ClusterError(
+                        f"{source}: efficiency is the share of peak FLOP/s reached, in (0, 1]. Received: {efficiency}."
+                    )
                 prefix = data.get("device_prefix", "/GPU:")
                 devices = [
                     Device(
@@ -289,11 +295,11 @@ class Cluster:
                         flops_per_s=peaks[dtype] * efficiency,
                         hardware=profile["name"],
                     )
-                    for i in range(int(data["num_devices"]))
+                    for i in range(_positive_int(data["num_devices"], "num_devices", source))
                 ]
             if "topology" in data:
                 topo = data["topology"]
-                per_node = int(topo["devices_per_node"])
+                per_node = _positive_int(topo["devices_per_node"], "devices_per_node", source)
                 intra = parse_rate(topo["intra_node_bandwidth_bytes_per_s"], name="intra-node bandwidth")
                 inter = parse_rate(topo["inter_node_bandwidth_bytes_per_s"], name="inter-node bandwidth")
                 k = len(devices)
@@ -340,6 +346,12 @@ class Cluster:
         return cls.from_dict(data, source=label)
 
 
+def _positive_int(value: Any, name: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{source}: {name} must be an integer >= 1. Received: {value!r}.")
+    return value
+
+
 def _hardware_dir() -> Path:
     return Path(str(resources.files("profiles") / "hardware"))
 
@@ -360,8 +372,14 @@ def load_device_profile(name: str) -> dict[str, Any]:
     Raises:
         ClusterError: when no such profile ships; the message lists the ones that do.
     """
+    if not isinstance(name, str) or name not in bundled_device_profiles():
+        raise ClusterError(f"No device profile {name!r}. Bundled profiles: {bundled_device_profiles()}.")
     path = _hardware_dir() / "devices" / f"{name}.json"
-    if not path.exists():
-        raise ClusterError(f"No device profile '{name}'. Bundled profiles: {bundled_device_profiles()}.")
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ClusterError(f"Device profile '{path}' is not valid JSON ({err.msg} at line {err.lineno}).") from err
+    missing = [key for key in ("name", "memory_bytes", "peak_flops_per_s") if key not in data]
+    if missing:
+        raise ClusterError(f"Device profile '{path}' is corrupt: missing field(s) {missing}.")
+    return dict(data)

@@ -96,9 +96,7 @@ class CostModel:
                     f"cost='time' needs a measured time_s on every node; node '{node}' has none. "
                     "Profile with measure_time=True, or use cost='flops'."
                 )
-            reference = self.graph.graph.get("profiled_flops_per_s") or max(
-                d.flops_per_s for d in self.cluster.devices
-            )
+            reference = self.graph.graph.get("profiled_flops_per_s") or max(d.flops_per_s for d in self.cluster.devices)
             return [float(time_s) * reference / d.flops_per_s for d in self.cluster.devices]
         return [float(data["flops"]) / d.flops_per_s for d in self.cluster.devices]
 
@@ -141,7 +139,9 @@ class CostModel:
         index = {name: k for k, name in enumerate(self.devices)}
         unknown = sorted({d for d in assignment.values() if d not in index})
         if unknown:
-            raise PlanError(f"The plan uses device(s) {unknown} that the cluster lacks. The cluster has: {self.devices}.")
+            raise PlanError(
+                f"The plan uses device(s) {unknown} that the cluster lacks. The cluster has: {self.devices}."
+            )
         return {v: index[assignment[v]] for v in self.order}
 
     def evaluate(self, assignment: Mapping[str, str]) -> Evaluation:
@@ -164,10 +164,10 @@ class CostModel:
         bottleneck = max(stage[k] for k in used)
         num_stages = len(used)
         return Evaluation(
-            compute_times=dict(zip(self.devices, compute)),
-            receive_times=dict(zip(self.devices, receive)),
-            stage_times=dict(zip(self.devices, stage)),
-            memory_bytes=dict(zip(self.devices, memory)),
+            compute_times=dict(zip(self.devices, compute, strict=False)),
+            receive_times=dict(zip(self.devices, receive, strict=False)),
+            stage_times=dict(zip(self.devices, stage, strict=False)),
+            memory_bytes=dict(zip(self.devices, memory, strict=False)),
             bottleneck_s=bottleneck,
             step_time_s=(self.num_microbatches + num_stages - 1) * bottleneck,
             transfer_bytes=transfer,

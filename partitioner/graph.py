@@ -19,6 +19,7 @@ of the device ``time_s`` was measured on, used to rescale times to other devices
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable
@@ -193,8 +194,8 @@ def chain_graph(
         raise GraphError("chain_graph needs one flops/param/activation value per layer and one edge fewer.")
     graph = nx.DiGraph()
     names = [f"{prefix}_{i}" for i in range(len(flops))]
-    for name, f, p, a in zip(names, flops, params, acts):
+    for name, f, p, a in zip(names, flops, params, acts, strict=False):
         graph.add_node(name, flops=float(f), param_bytes=int(p), activation_bytes=int(a), layer_type="Dense")
-    for (u, v), b in zip(zip(names, names[1:]), sends):
+    for (u, v), b in zip(itertools.pairwise(names), sends, strict=False):
         graph.add_edge(u, v, bytes=int(b))
     return graph

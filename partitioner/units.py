@@ -55,7 +55,7 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
         raise InputError(f"{name} must be a number of bytes or a string like '16GiB'. Received: {value!r}.")
     if not math.isfinite(number) or number <= 0:
         raise InputError(f"{name} must be positive and finite. Received: {value!r}. Use e.g. '16GiB'.")
-    return int(round(number * _BYTE_UNITS[unit]))
+    return round(number * _BYTE_UNITS[unit])
 
 
 def parse_rate(value: int | float | str, *, name: str = "rate", unit: str = "bytes/s") -> float:

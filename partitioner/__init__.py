@@ -1,0 +1,70 @@
+"""Plans how to split a Keras model's layer graph across devices as a pipeline.
+
+Pure planning: importing ``partitioner`` imports networkx and OR-Tools, never TensorFlow.
+
+Example:
+    >>> import partitioner as pt
+    >>> graph = pt.chain_graph([4e9, 4e9, 8e9, 4e9], edge_bytes=[2**20] * 3)
+    >>> cluster = pt.Cluster.uniform(2, memory="16GiB", flops_per_s=100e12, bandwidth="50GB/s")
+    >>> plan = pt.solve(graph, cluster, num_microbatches=4, time_limit_s=5)
+    >>> plan.status, plan.num_stages
+    ('optimal', 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partitioner import baselines
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel
+from partitioner.errors import (
+    ClusterError,
+    GraphError,
+    InfeasiblePlanError,
+    InputError,
+    PartitionerError,
+    PlanError,
+    ProfileError,
+    SolverTimeoutError,
+)
+from partitioner.exact import exact_chain
+from partitioner.graph import chain_graph, load_graph, save_graph, validate_graph
+from partitioner.plan import Plan
+from partitioner.solver import SolverOptions, solve
+from partitioner.validate import validate_plan
+
+__all__ = [
+    "Cluster",
+    "ClusterError",
+    "CostModel",
+    "Device",
+    "GraphError",
+    "InfeasiblePlanError",
+    "InputError",
+    "PartitionerError",
+    "Plan",
+    "PlanError",
+    "ProfileError",
+    "SolverOptions",
+    "SolverTimeoutError",
+    "baselines",
+    "chain_graph",
+    "exact_chain",
+    "load_graph",
+    "plan_and_wrap",
+    "save_graph",
+    "solve",
+    "validate_graph",
+    "validate_plan",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "plan_and_wrap":  # the runtime imports TensorFlow: load it only when asked for
+        from runtime import plan_and_wrap
+
+        return plan_and_wrap
+    raise AttributeError(f"module 'partitioner' has no attribute {name!r}")

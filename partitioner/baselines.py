@@ -1,0 +1,119 @@
+"""The splits users get from other tools today, scored by our cost model for comparison.
+
+Each baseline cuts the graph's topological order into contiguous blocks, one per device in
+pipeline order (contiguous blocks of a topological order never send activations backward):
+
+- ``uniform``: equal numbers of layers per stage (DeepSpeed ``partition_method="uniform"``).
+- ``by_params``: balances parameter bytes (DeepSpeed ``partition_method="parameters"``).
+- ``by_time``: balances per-layer compute time (torchgpipe ``balance_by_time``).
+
+None of them looks at memory, transfers or device speed; ``plan.fits_memory`` says whether the
+result fits. Block boundaries minimise the largest block's weight (binary search + greedy fill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import networkx as nx
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostModel
+from partitioner.errors import InputError
+from partitioner.plan import Plan
+
+__all__ = ["BASELINES", "by_params", "by_time", "split_balanced", "uniform"]
+
+
+def check_stage_count(costs: CostModel) -> None:
+    """Raises InputError when there are more devices than nodes to put on them."""
+    num_nodes, num_devices = len(costs.order), len(costs.devices)
+    if num_devices > num_nodes:
+        raise InputError(
+            f"The cluster has {num_devices} devices but the graph has only {num_nodes} nodes; every stage "
+            f"needs at least one node. Use at most {num_nodes} devices."
+        )
+
+
+def _greedy_blocks(weights: Sequence[float], limit: float) -> list[int]:
+    """Block start indices when each block is filled up to ``limit``."""
+    starts, total = [0], 0.0
+    for i, w in enumerate(weights):
+        if total + w > limit and total > 0:
+            starts.append(i)
+            total = 0.0
+        total += w
+    return starts
+
+
+def split_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Cuts ``weights`` into at most ``num_parts`` contiguous blocks minimising the largest block sum.
+
+    Returns the block index of every item. With zero-weight items the blocks still use every part
+    when there are enough items, as DeepSpeed's ``partition_balanced`` does.
+
+    Example:
+        >>> split_balanced([1, 1, 1, 3], 2)
+        [0, 0, 0, 1]
+    """
+    n = len(weights)
+    lo, hi = max(weights, default=0.0), float(sum(weights))
+    for _ in range(100):
+        if hi - lo <= 1e-12 * max(hi, 1e-300):
+            break
+        mid = (lo + hi) / 2
+        if len(_greedy_blocks(weights, mid)) <= num_parts:
+            hi = mid
+        else:
+            lo = mid
+    starts = _greedy_blocks(weights, hi)
+    # Use spare parts by splitting the longest blocks (keeps the max, uses every device).
+    while len(starts) < min(num_parts, n):
+        ends = [*starts[1:], n]
+        longest = max(range(len(starts)), key=lambda b: ends[b] - starts[b])
+        if ends[longest] - starts[longest] < 2:
+            break
+        starts.insert(longest + 1, (starts[longest] + ends[longest] + 1) // 2)
+    block, labels = 0, []
+    for i in range(n):
+        while block + 1 < len(starts) and i >= starts[block + 1]:
+            block += 1
+        labels.append(block)
+    return labels
+
+
+def _plan_from_blocks(costs: CostModel, labels: Sequence[int], method: str, started: float) -> Plan:
+    assignment = {v: costs.devices[b] for v, b in zip(costs.order, labels, strict=False)}
+    return Plan.from_assignment(assignment, costs, method=method, solve_time_s=time.perf_counter() - started)
+
+
+def _baseline(method: str, weight: Callable[[CostModel, str], float]) -> Callable[..., Plan]:
+    def run(
+        graph: nx.DiGraph,
+        cluster: Cluster,
+        *,
+        num_microbatches: int = 1,
+        optimizer_slots: int = 2,
+        cost: str = "flops",
+    ) -> Plan:
+        started = time.perf_counter()
+        costs = CostModel(graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost)
+        check_stage_count(costs)
+        labels = split_balanced([weight(costs, v) for v in costs.order], len(costs.devices))
+        return _plan_from_blocks(costs, labels, method, started)
+
+    run.__name__ = method
+    return run
+
+
+uniform = _baseline("uniform", lambda costs, v: 1.0)
+uniform.__doc__ = """Equal numbers of layers per stage (DeepSpeed's "uniform"). Returns a heuristic Plan."""
+
+by_params = _baseline("by_params", lambda costs, v: float(costs.graph.nodes[v]["param_bytes"]))
+by_params.__doc__ = """Balances parameter bytes across stages (DeepSpeed's "parameters"). Returns a heuristic Plan."""
+
+by_time = _baseline("by_time", lambda costs, v: costs.compute_s[v][0])
+by_time.__doc__ = """Balances per-layer compute time on the first device (torchgpipe's balance_by_time)."""
+
+BASELINES: dict[str, Callable[..., Plan]] = {"uniform": uniform, "by_params": by_params, "by_time": by_time}

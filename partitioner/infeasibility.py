@@ -1,0 +1,69 @@
+"""Explains why no plan fits: which layer or how much memory is missing, and what to do about it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from partitioner.cost import CostModel
+from partitioner.errors import InfeasiblePlanError
+from partitioner.graph import colocation_groups
+from partitioner.units import format_bytes
+
+_ADVICE = (
+    "Add devices or devices with more memory, lower the batch size or the number of micro-batches, "
+    "or use mixed precision."
+)
+
+
+def _what(costs: CostModel) -> str:
+    return (
+        f"weights, gradients and {costs.optimizer_slots} optimizer slot(s), activations of "
+        f"{costs.num_microbatches} micro-batch(es)"
+    )
+
+
+def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) -> InfeasiblePlanError:
+    """Returns the most specific InfeasiblePlanError for a problem with no feasible plan.
+
+    Checks, in order: a single layer (or shared-layer group) larger than any device that may hold
+    it; more memory in total than the devices hold; then a generic message for splits that fail
+    only because stages must follow the graph's order.
+    """
+    pins = dict(pins or {})
+    capacity = {d.name: d.memory_bytes for d in costs.cluster.devices}
+    largest = max(capacity.values())
+    units = [[v] for v in costs.order]
+    grouped = colocation_groups(costs.graph)
+    if grouped:
+        in_group = {v for nodes in grouped.values() for v in nodes}
+        units = [[v] for v in costs.order if v not in in_group] + list(grouped.values())
+    for nodes in units:
+        need = sum(costs.memory[v] for v in nodes)
+        pinned = {pins[v] for v in nodes if v in pins}
+        limit = capacity[next(iter(pinned))] if len(pinned) == 1 else largest
+        where = f"its pinned device {next(iter(pinned))}" if len(pinned) == 1 else "the largest device"
+        if need > limit:
+            label = f"layer '{nodes[0]}'" if len(nodes) == 1 else f"shared layer group {nodes}"
+            return InfeasiblePlanError(
+                f"{label} alone needs {format_bytes(need)} ({_what(costs)}) but {where} holds "
+                f"{format_bytes(limit)}. Received: devices={costs.devices}. {_ADVICE}"
+            )
+    total = sum(costs.memory.values())
+    held = costs.cluster.total_memory_bytes
+    if total > held:
+        return InfeasiblePlanError(
+            f"The model needs {format_bytes(total)} in total ({_what(costs)}), the {len(capacity)} devices "
+            f"hold {format_bytes(held)} ({format_bytes(total - held)} short). {_ADVICE}"
+        )
+    index = {d: k for k, d in enumerate(costs.devices)}
+    for u, v in costs.graph.edges:
+        if u in pins and v in pins and index[pins[u]] > index[pins[v]]:
+            return InfeasiblePlanError(
+                f"Pins contradict the pipeline order: '{u}' is pinned to {pins[u]} but its consumer '{v}' "
+                f"to the earlier device {pins[v]}. Pin '{v}' to {pins[u]} or later, or reorder the cluster."
+            )
+    return InfeasiblePlanError(
+        f"The model needs {format_bytes(total)} of the {format_bytes(held)} the devices hold, but no split "
+        "into stages that follow the graph's order fits every device (layers cannot be packed into the "
+        f"gaps left by their neighbours). Received: devices={costs.devices}, pins={pins or None}. {_ADVICE}"
+    )
