@@ -1,0 +1,196 @@
+"""The ``partitioner`` command: profile a Keras model, plan its split, print the placement tables.
+
+    partitioner plan ResNet50 --devices 4 --memory 2GiB
+    partitioner plan model.keras --cluster 8xH100-nvlink --micro-batches 16 --out plan.json
+    partitioner plan profile.json --devices 4 --memory 16GiB --json
+    partitioner profile InceptionV3 --batch-size 64 --out profile.json
+
+Errors print one line on stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+from rich.console import Console
+
+from partitioner import baselines as baseline_methods
+from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
+from partitioner.errors import InputError, PartitionerError
+from partitioner.graph import load_graph, save_graph
+from partitioner.plan import Plan
+from partitioner.report import render
+from partitioner.solver import solve
+from partitioner.validate import validate_plan
+
+OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="partitioner",
+        description="Split a Keras model across devices as a pipeline: profile, plan, inspect.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model_help = (
+        "a .keras file (safe mode), a keras.applications name such as ResNet50 (weights=None), "
+        "module:function returning a model"
+    )
+    plan = commands.add_parser("plan", help="plan the split of a model and print the placement tables")
+    plan.add_argument("model", help=model_help + ", or a profile .json written by 'partitioner profile'")
+    where = plan.add_argument_group("devices (a bundled or JSON cluster, or N identical devices)")
+    where.add_argument("--cluster", help=f"cluster JSON file or bundled name: {', '.join(bundled_clusters())}")
+    where.add_argument("--devices", type=int, help="number of identical devices")
+    where.add_argument("--memory", help="memory per device, e.g. 16GiB (with --devices)")
+    where.add_argument(
+        "--flops-per-s", default=str(DEFAULT_FLOPS_PER_S), help="sustained FLOP/s per device (default: %(default)s)"
+    )
+    where.add_argument(
+        "--bandwidth", default=str(DEFAULT_BANDWIDTH), help="bytes/s of every link, e.g. 50GB/s (default: %(default)s)"
+    )
+    _add_profile_options(plan)
+    plan.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adam", help="sets optimizer slots (default: adam)"
+    )
+    plan.add_argument("--cost", choices=("flops", "time"), default="flops", help="compute times from FLOPs or measured")
+    plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default: 10)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON only (for scripts)")
+    plan.add_argument("--out", help="also write the plan JSON to this file")
+    plan.add_argument("--no-compare", action="store_true", help="skip the comparison with baseline splits")
+    plan.add_argument("--summary", action="store_true", help="omit the per-layer placement table")
+
+    profile = commands.add_parser("profile", help="profile a model into a layer graph JSON")
+    profile.add_argument("model", help=model_help)
+    _add_profile_options(profile)
+    profile.add_argument("--no-time", action="store_true", help="skip measuring per-layer times (faster)")
+    profile.add_argument("--out", help="write the layer graph JSON here (default: print a summary only)")
+    return parser
+
+
+def _add_profile_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch size (default: 32)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step, M (default: 8)")
+    parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status (0 ok, 2 on a user error)."""
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True)
+    try:
+        if args.command == "plan":
+            return _plan(args, err)
+        return _profile(args, err)
+    except PartitionerError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        return 2
+    except (OSError, ImportError) as error:
+        err.print(f"[bold red]error:[/] {type(error).__name__}: {error}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+def _stdout() -> Console:
+    """A console that keeps tables on one line each when output goes to a file or a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 140))
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.cluster:
+        if args.devices or args.memory:
+            raise InputError("Pass either --cluster or --devices/--memory, not both.")
+        return Cluster.from_json(args.cluster)
+    if args.devices is None or args.memory is None:
+        raise InputError(
+            "Say which devices to plan for: --devices N --memory SIZE (e.g. --devices 4 --memory 16GiB) "
+            f"or --cluster with a JSON file or one of {bundled_clusters()}."
+        )
+    return Cluster.uniform(args.devices, memory=args.memory, flops_per_s=args.flops_per_s, bandwidth=args.bandwidth)
+
+
+def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.DiGraph:
+    if args.model.endswith(".json"):
+        return load_graph(args.model)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from profiles import profile_model
+    from profiles.loader import load_model
+
+    with err.status(f"building {args.model} ..."):
+        model = load_model(args.model, input_size=args.input_size)
+    columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(model.name, total=None)
+
+        def update(done: int, total: int, name: str) -> None:
+            progress.update(task, completed=done, total=total)
+
+        return profile_model(
+            model,
+            batch_size=args.batch_size,
+            num_microbatches=args.micro_batches,
+            measure_time=measure_time,
+            progress=update,
+        )
+
+
+def _plan(args: argparse.Namespace, err: Console) -> int:
+    cluster = _cluster(args)
+    graph = _graph(args, err, measure_time=args.cost == "time")
+    options: dict[str, Any] = {
+        "num_microbatches": args.micro_batches,
+        "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
+        "cost": args.cost,
+    }
+    with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
+        plan = solve(graph, cluster, time_limit_s=args.time_limit, **options)
+    validate_plan(plan, graph, cluster)
+    if args.out:
+        Path(args.out).write_text(plan.to_json())
+    if args.json:
+        print(plan.to_json())
+        return 0
+    others: list[Plan] = []
+    if not args.no_compare and cluster.num_devices <= graph.number_of_nodes():
+        others = [method(graph, cluster, **options) for method in baseline_methods.BASELINES.values()]
+    out = _stdout()
+    name = graph.graph.get("model_name", args.model)
+    out.print(f"[bold]{name}[/]: {graph.number_of_nodes()} layers on {cluster.name} ({cluster.num_devices} devices)")
+    out.print(render(plan, graph, others, placement=not args.summary))
+    if args.out:
+        out.print(f"plan written to {args.out}")
+    return 0
+
+
+def _profile(args: argparse.Namespace, err: Console) -> int:
+    graph = _graph(args, err, measure_time=not args.no_time)
+    if args.out:
+        save_graph(graph, args.out)
+    flops = sum(f for _, f in graph.nodes(data="flops"))
+    params = sum(p for _, p in graph.nodes(data="param_bytes"))
+    timed = [t for _, t in graph.nodes(data="time_s") if t is not None]
+    out = _stdout()
+    out.print(
+        f"{graph.graph.get('model_name', args.model)}: {graph.number_of_nodes()} layers, "
+        f"{graph.number_of_edges()} edges, {params / 2**20:.1f} MiB of weights, "
+        f"{flops / 1e9:.2f} GFLOPs per micro-batch (forward + backward)"
+        + (f", {sum(timed) * 1e3:.1f} ms measured per micro-batch" if timed else "")
+    )
+    if args.out:
+        out.print(f"layer graph written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

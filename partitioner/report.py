@@ -1,0 +1,148 @@
+"""Renders a plan for people: placement table, per-device summary, transfers and the prediction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import networkx as nx
+from rich import box
+from rich.console import Group
+from rich.table import Table
+
+from partitioner.plan import Plan
+from partitioner.units import format_bytes, format_flops, format_seconds
+
+
+def placement_table(plan: Plan, graph: nx.DiGraph) -> Table:
+    """One row per node: layer, type, parameters, FLOPs, activation, stage and device."""
+    stage_of = {d: k for k, d in enumerate(plan.stages)}
+    table = Table(title="Placement", box=box.SIMPLE_HEAD, title_justify="left")
+    for header, justify in [
+        ("layer", "left"),
+        ("type", "left"),
+        ("params", "right"),
+        ("FLOPs", "right"),
+        ("activation", "right"),
+        ("stage", "right"),
+        ("device", "left"),
+    ]:
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for node, device in plan.assignment.items():
+        data = graph.nodes[node]
+        table.add_row(
+            node,
+            str(data.get("layer_type", "")),
+            format_bytes(data["param_bytes"]) if data["param_bytes"] else "-",
+            format_flops(data["flops"]) if data["flops"] else "-",
+            format_bytes(data["activation_bytes"]) if data["activation_bytes"] else "-",
+            str(stage_of[device]),
+            device,
+        )
+    return table
+
+
+def device_table(plan: Plan) -> Table:
+    """One row per device: nodes, memory used of capacity, compute, receive, stage time, utilisation."""
+    table = Table(title="Devices (times per micro-batch)", box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("stage", "device", "layers", "memory", "capacity", "compute", "receive", "stage time", "busy"):
+        table.add_column(header, justify="left" if header == "device" else "right")
+    stage_of = {d: k for k, d in enumerate(plan.stages)}
+    for device in plan.devices:
+        nodes = plan.nodes_on(device)
+        used, held = plan.memory_bytes[device], plan.capacity_bytes[device]
+        memory = f"{format_bytes(used)} ({100 * used / held:.0f}%)"
+        busy = plan.stage_times[device] / plan.bottleneck_s if plan.bottleneck_s > 0 else 0.0
+        table.add_row(
+            str(stage_of[device]) if device in stage_of else "-",
+            device,
+            str(len(nodes)),
+            memory if used <= held else f"[bold red]{memory}[/]",
+            format_bytes(held),
+            format_seconds(plan.compute_times[device]),
+            format_seconds(plan.receive_times[device]),
+            format_seconds(plan.stage_times[device]),
+            f"{100 * busy:.0f}%" if nodes else "-",
+        )
+    return table
+
+
+def transfers(plan: Plan, graph: nx.DiGraph) -> list[tuple[str, str, int, int]]:
+    """Returns (sender, receiver, tensors, bytes per micro-batch) for every pair of devices that talk."""
+    pairs: dict[tuple[str, str], tuple[int, int]] = {}
+    for node, device in plan.assignment.items():
+        sizes: dict[str, int] = {}
+        for _, succ, size in graph.out_edges(node, data="bytes"):
+            receiver = plan.assignment[succ]
+            if receiver != device:
+                sizes[receiver] = max(sizes.get(receiver, 0), int(size))
+        for receiver, size in sizes.items():
+            count, total = pairs.get((device, receiver), (0, 0))
+            pairs[(device, receiver)] = (count + 1, total + size)
+    order = {d: k for k, d in enumerate(plan.devices)}
+    return [
+        (a, b, count, total)
+        for (a, b), (count, total) in sorted(pairs.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]]))
+    ]
+
+
+def transfer_table(plan: Plan, graph: nx.DiGraph) -> Table:
+    """One row per link in use: sender, receiver, tensors and bytes per micro-batch."""
+    table = Table(title="Transfers between stages (per micro-batch)", box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("from", "to", "tensors", "bytes"):
+        table.add_column(header, justify="right" if header in ("tensors", "bytes") else "left")
+    for sender, receiver, count, total in transfers(plan, graph):
+        table.add_row(sender, receiver, str(count), format_bytes(total))
+    if not table.rows:
+        table.add_row("-", "-", "0", "0 B")
+    return table
+
+
+def summary_table(plan: Plan) -> Table:
+    """The prediction: bottleneck, step time, bubble, speedup, and the solver's status and gap."""
+    table = Table(title="Prediction", box=box.SIMPLE_HEAD, show_header=False, title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    gap = plan.gap
+    rows = [
+        ("method / status", f"{plan.method} / {plan.status}"),
+        ("stages (K) x micro-batches (M)", f"{plan.num_stages} x {plan.num_microbatches}"),
+        ("bottleneck stage time", format_seconds(plan.bottleneck_s)),
+        ("proven lower bound", format_seconds(plan.lower_bound_s) if plan.lower_bound_s is not None else "none"),
+        ("gap to the bound", f"{100 * gap:.2f}%" if gap is not None else "unknown"),
+        ("predicted step time (M + K - 1) x bottleneck", format_seconds(plan.step_time_s)),
+        ("bubble fraction (K - 1) / (M + K - 1)", f"{100 * plan.bubble_fraction:.1f}%"),
+        ("speedup over the fastest single device", f"{plan.speedup:.2f}x"),
+        ("bytes sent per micro-batch", format_bytes(plan.transfer_bytes)),
+        ("fits in memory", "yes" if plan.fits_memory else "[bold red]no[/]"),
+        ("solve time", format_seconds(plan.solve_time_s)),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def comparison_table(plans: Iterable[Plan]) -> Table:
+    """The same model split by several methods, side by side."""
+    table = Table(title="Against the splits other tools use", box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("method", "bottleneck", "step time", "speedup", "max memory", "fits"):
+        table.add_column(header, justify="left" if header == "method" else "right")
+    for plan in plans:
+        table.add_row(
+            plan.method,
+            format_seconds(plan.bottleneck_s),
+            format_seconds(plan.step_time_s),
+            f"{plan.speedup:.2f}x",
+            format_bytes(max(plan.memory_bytes.values())),
+            "yes" if plan.fits_memory else "[red]no[/]",
+        )
+    return table
+
+
+def render(plan: Plan, graph: nx.DiGraph, baselines: Iterable[Plan] = (), *, placement: bool = True) -> Group:
+    """Everything a person needs to judge a plan, as one rich renderable."""
+    parts: list[Table] = [placement_table(plan, graph)] if placement else []
+    parts += [device_table(plan), transfer_table(plan, graph), summary_table(plan)]
+    others = list(baselines)
+    if others:
+        parts.append(comparison_table([plan, *others]))
+    return Group(*parts)
