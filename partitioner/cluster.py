@@ -184,6 +184,22 @@ class Cluster:
         """Sum of the devices' memory."""
         return sum(d.memory_bytes for d in self.devices)
 
+    def take(self, num_devices: int) -> Cluster:
+        """The first ``num_devices`` devices of this cluster, with their links.
+
+        Example:
+            >>> Cluster.from_json("8xH100-nvlink").take(2).names
+            ['/GPU:0', '/GPU:1']
+        """
+        if (
+            isinstance(num_devices, bool)
+            or not isinstance(num_devices, int)
+            or not 1 <= num_devices <= self.num_devices
+        ):
+            raise ClusterError(f"num_devices must be between 1 and {self.num_devices}. Received: {num_devices!r}.")
+        rows = [list(row[:num_devices]) for row in self.bandwidth_bytes_per_s[:num_devices]]
+        return Cluster(self.devices[:num_devices], bandwidth=rows, name=f"{self.name} (first {num_devices})")
+
     @classmethod
     def uniform(
         cls,

@@ -143,7 +143,9 @@ def graph_from_dict(data: Any, *, source: str = "layer graph") -> nx.DiGraph:
             if u not in graph or v not in graph:
                 raise GraphError(f"{source}: edge '{u}' -> '{v}' names a node that is not in the graph.")
             graph.add_edge(u, v, **attrs)
-    except (KeyError, TypeError, AttributeError) as err:
+    except GraphError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise GraphError(f"{source} is corrupt: missing or malformed field {err}.") from err
     validate_graph(graph)
     return graph

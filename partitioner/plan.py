@@ -161,8 +161,8 @@ class Plan:
         if missing:
             raise PlanError(f"{source} is corrupt: missing field(s) {missing}.")
         values = {k: v for k, v in data.items() if k in names}
-        values["devices"] = tuple(values["devices"])
         try:
+            values["devices"] = tuple(values["devices"])
             plan = cls(**values)
         except TypeError as err:
             raise PlanError(f"{source} is corrupt: {err}.") from err

@@ -149,7 +149,7 @@ def solve(
         )
     assignment = decode(m, solver, costs)
     bound_steps = math.floor(solver.best_objective_bound / m.weight + 1e-9)
-    lower_bound = max(bound_steps * m.time_unit_s, costs.lower_bound_s() if not pins else 0.0)
+    lower_bound = max(bound_steps * m.time_unit_s, costs.lower_bound_s())
     return Plan.from_assignment(
         assignment,
         costs,

@@ -22,21 +22,8 @@ _BYTE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
-    """Returns a byte count from an int, a float or a string such as "16GiB" or "40 GB".
-
-    Args:
-        value: bytes as a number, or a number followed by B, KB, MB, GB, TB (powers of 1000)
-            or KiB, MiB, GiB, TiB (powers of 1024).
-        name: what the value is, for the error message.
-
-    Raises:
-        InputError: for negative, zero, non-finite or unparseable values.
-
-    Example:
-        >>> parse_bytes("16GiB")
-        17179869184
-    """
+def _parse_size(value: int | float | str, name: str) -> float:
+    """Returns the positive, finite number of bytes ``value`` stands for, not rounded."""
     if isinstance(value, bool):
         raise InputError(f"{name} must be a number of bytes or a string like '16GiB'. Received: {value!r}.")
     if isinstance(value, (int, float)):
@@ -55,7 +42,28 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
         raise InputError(f"{name} must be a number of bytes or a string like '16GiB'. Received: {value!r}.")
     if not math.isfinite(number) or number <= 0:
         raise InputError(f"{name} must be positive and finite. Received: {value!r}. Use e.g. '16GiB'.")
-    return round(number * _BYTE_UNITS[unit])
+    return number * _BYTE_UNITS[unit]
+
+
+def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
+    """Returns a byte count from an int, a float or a string such as "16GiB" or "40 GB".
+
+    Args:
+        value: bytes as a number, or a number followed by B, KB, MB, GB, TB (powers of 1000)
+            or KiB, MiB, GiB, TiB (powers of 1024).
+        name: what the value is, for the error message.
+
+    Raises:
+        InputError: for negative, zero (or under one byte), non-finite or unparseable values.
+
+    Example:
+        >>> parse_bytes("16GiB")
+        17179869184
+    """
+    num_bytes = round(_parse_size(value, name))
+    if num_bytes < 1:
+        raise InputError(f"{name} must be at least one byte. Received: {value!r}. Use e.g. '16GiB'.")
+    return num_bytes
 
 
 def parse_rate(value: int | float | str, *, name: str = "rate", unit: str = "bytes/s") -> float:
@@ -77,7 +85,7 @@ def parse_rate(value: int | float | str, *, name: str = "rate", unit: str = "byt
         text = value.strip()
         if text.lower().endswith("/s"):
             text = text[:-2]
-        return float(parse_bytes(text, name=name)) if text else parse_bytes(value, name=name)
+        return _parse_size(text if text else value, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{name} must be a number of {unit} or a string like '50GB/s'. Received: {value!r}.")
     if not math.isfinite(value) or value <= 0:
