@@ -1,0 +1,386 @@
+"""Profiles a Keras model into a layer graph: one node per layer call, with FLOPs, bytes and times.
+
+How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatches)`` samples)::
+
+    attribute          how
+    -----------------  ---------------------------------------------------------------------------
+    flops              forward FLOPs of the call's traced TF graph (profiles.flops; a multiply-add
+                       is 2 FLOPs), plus the backward pass: 2x forward for calls of layers with
+                       trainable weights (gradients for inputs and weights), 1x forward otherwise.
+                       So flops = 3 * forward or 2 * forward.
+    param_bytes        size * itemsize of every weight of the layer (trainable and not), on the
+                       layer's first call only; a weight is counted once even if layers share it.
+                       Variables keep their own dtype (float32 under mixed_float16).
+    activation_bytes   bytes kept for the backward pass. A layer without sublayers (and a Keras
+                       op): the bytes of its outputs. A composite layer (a Layer with sublayers,
+                       e.g. a transformer block or an RNN and its cell): the output bytes of every
+                       op of its traced forward graph, loop bodies times their trip count: an
+                       upper bound, as TensorFlow frees or recomputes some of them.
+                       InputLayer: 0.
+    time_s             measured forward + backward seconds (profiles.timing), measure_time only
+    edge bytes         bytes of the distinct tensors the consumer reads from the producer
+
+Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
+size; every other dimension must be known. Each layer call is traced once with ``tf.function``
+on ``tf.TensorSpec`` inputs of those shapes, in training mode; no per-layer models are built and
+the model's weights and layers come back unchanged.
+
+The graph follows the contract of ``partitioner.graph``: nested Functional and Sequential models
+are flattened into their layers, a layer called k times gives nodes "name", "name:1", ... that
+share ``colocation_group=name``, and Keras ops used in a functional model (``keras.ops.add``)
+become nodes too.
+
+Example:
+    >>> import keras                                                              # doctest: +SKIP
+    >>> from profiles import profile_model                                        # doctest: +SKIP
+    >>> inputs = keras.Input((784,))                                              # doctest: +SKIP
+    >>> outputs = keras.layers.Dense(10)(keras.layers.Dense(128)(inputs))        # doctest: +SKIP
+    >>> graph = profile_model(keras.Model(inputs, outputs), batch_size=32, num_microbatches=4,
+    ...                       measure_time=False)                                 # doctest: +SKIP
+    >>> list(graph.nodes), graph.nodes["dense"]["param_bytes"]                   # doctest: +SKIP
+    (['input_layer', 'dense', 'dense_1'], 401920)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from partitioner.errors import InputError, ProfileError
+from partitioner.graph import load_graph, save_graph, validate_graph
+from profiles.walk import LayerCall, flatten_calls
+
+ProgressCallback = Callable[[int, int, str], None]  # (done, total, layer name)
+
+# Ops whose outputs hold no new activation memory: inputs, weights, constants, aliases.
+_NO_ACTIVATION_OPS = frozenset(
+    ["Const", "Identity", "IdentityN", "NoOp", "Placeholder", "ReadVariableOp", "VarHandleOp", "StopGradient"]
+)
+
+
+def profile_model(
+    model: Any,
+    batch_size: int = 32,
+    num_microbatches: int = 8,
+    *,
+    measure_time: bool = True,
+    device: str | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: ProgressCallback | None = None,
+) -> nx.DiGraph:
+    """Profiles a Functional or Sequential Keras model into a layer graph (see the module docstring).
+
+    Args:
+        model: a built ``keras.Model`` made with the functional API or ``keras.Sequential``.
+        batch_size: samples per training step.
+        num_microbatches: micro-batches per step; costs are per micro-batch of
+            ``ceil(batch_size / num_microbatches)`` samples.
+        measure_time: also run each layer call forward + backward on ``device`` and record
+            ``time_s``; also records ``profiled_device`` and ``profiled_flops_per_s``.
+        device: where to time, e.g. "/GPU:0"; the first logical GPU, else the first CPU, when None.
+        repeats: timed runs per layer call (the median is kept).
+        warmup: untimed runs per layer call before timing.
+        progress: called as ``progress(done, total, node_name)`` after each node.
+
+    Returns:
+        A ``networkx.DiGraph`` that passes ``partitioner.graph.validate_graph``, nodes in
+        topological (Keras graph) order.
+
+    Raises:
+        ProfileError: when the model is not a Keras model, has no functional graph (subclassed),
+            is not built, or has unknown non-batch dimensions.
+        InputError: for batch_size < 1, num_microbatches < 1 or > batch_size, repeats < 1,
+            warmup < 0, or an unknown device.
+
+    Example:
+        >>> graph = profile_model(model, batch_size=64, num_microbatches=8)       # doctest: +SKIP
+        >>> graph.nodes["conv2d"]["time_s"] > 0                                  # doctest: +SKIP
+        True
+    """
+    _check_numbers(batch_size, num_microbatches, repeats, warmup)
+    calls, _ = flatten_calls(model)
+    micro_batch = math.ceil(batch_size / num_microbatches)
+
+    import tensorflow as tf  # lazy: the planner side stays free of TensorFlow
+
+    graph = nx.DiGraph(model_name=model.name, batch_size=batch_size, num_microbatches=num_microbatches)
+    timing_device = None
+    if measure_time:
+        from profiles.local import measure_flops_per_s
+
+        timing_device = _resolve_device(tf, device)
+        graph.graph["profiled_device"] = timing_device
+        graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
+    profiler = _CallProfiler(tf, micro_batch, timing_device, repeats, warmup)
+    counted: set[int] = set()  # ids of weights already given to a node
+    for done, call in enumerate(calls, start=1):
+        graph.add_node(call.name, **profiler.attributes(call, counted))
+        for source, num_bytes in _input_edges(call, micro_batch).items():
+            graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
+        if progress is not None:
+            progress(done, len(calls), call.name)
+    validate_graph(graph)
+    return graph
+
+
+def save_profile(graph: nx.DiGraph, path: str | Path) -> None:
+    """Writes a layer graph to a JSON file (``partitioner.graph.save_graph``).
+
+    Example:
+        >>> save_profile(profile_model(model), "model.json")                     # doctest: +SKIP
+    """
+    save_graph(graph, path)
+
+
+def load_profile(path: str | Path) -> nx.DiGraph:
+    """Reads a layer graph written by :func:`save_profile` (``partitioner.graph.load_graph``).
+
+    Example:
+        >>> graph = load_profile("model.json")                                    # doctest: +SKIP
+    """
+    return load_graph(path)
+
+
+# --- the Keras graph, flattened ----------------------------------------------------------------
+
+
+# --- sizes -----------------------------------------------------------------------------------
+
+
+def _micro_shape(tensor: Any, micro_batch: int, owner: str) -> list[int]:
+    """The tensor's shape with axis 0 set to the micro-batch size; raises for other unknown dims."""
+    shape = list(tensor.shape)
+    if shape:
+        shape[0] = micro_batch
+    if any(dim is None for dim in shape):
+        raise ProfileError(
+            f"Tensor '{tensor.name}' of '{owner}' has shape {tuple(tensor.shape)} with unknown dimensions "
+            "beyond the batch axis; profiling needs static shapes. Build the model with fixed sizes, "
+            "e.g. keras.Input(shape=(128, 64)) instead of keras.Input(shape=(None, 64))."
+        )
+    return [int(dim) for dim in shape]
+
+
+def _itemsize(dtype: Any) -> int:
+    import tensorflow as tf
+
+    try:
+        return int(tf.as_dtype(dtype).size)
+    except TypeError:
+        return 0
+
+
+def _tensor_bytes(tensor: Any, micro_batch: int, owner: str) -> int:
+    return math.prod(_micro_shape(tensor, micro_batch, owner)) * _itemsize(tensor.dtype)
+
+
+def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
+    """{producer call index: bytes} of the distinct tensors this call reads."""
+    edges: dict[int, int] = {}
+    read: set[int] = set()
+    for index, tensor in call.sources:
+        if id(tensor) in read:
+            continue
+        read.add(id(tensor))
+        edges[index] = edges.get(index, 0) + _tensor_bytes(tensor, micro_batch, call.operation.name)
+    return edges
+
+
+# --- costs -----------------------------------------------------------------------------------
+
+
+class _CallProfiler:
+    """Traces (and optionally times) each call, memoising calls of one layer on equal inputs."""
+
+    def __init__(self, tf: Any, micro_batch: int, device: str | None, repeats: int, warmup: int) -> None:
+        self._tf = tf
+        self._micro_batch = micro_batch
+        self._device = device
+        self._repeats = repeats
+        self._warmup = warmup
+        self._memo: dict[tuple[int, str], tuple[float, int, float | None]] = {}
+
+    def attributes(self, call: LayerCall, counted: set[int]) -> dict[str, Any]:
+        """The node attributes of one call; ``counted`` holds ids of weights already counted."""
+        attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__}
+        if call.colocation_group is not None:
+            attrs["colocation_group"] = call.colocation_group
+        if call.is_input:
+            attrs.update(flops=0.0, param_bytes=0, activation_bytes=0)
+            if self._device is not None:
+                attrs["time_s"] = 0.0
+            return attrs
+        param_bytes = 0
+        for weight in getattr(call.operation, "weights", []):
+            if id(weight) not in counted:
+                counted.add(id(weight))
+                param_bytes += math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+        specs = [
+            self._tf.TensorSpec(_micro_shape(t, self._micro_batch, call.operation.name), t.dtype)
+            for t in call.node.input_tensors
+        ]
+        key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
+        if key not in self._memo:
+            self._memo[key] = self._measure(call, specs)
+        forward, traced_bytes, time_s = self._memo[key]
+        backward = 2.0 if _trainable_weights(call.operation) else 1.0
+        if _is_composite(call.operation):
+            activation_bytes = traced_bytes
+        else:
+            activation_bytes = sum(
+                _tensor_bytes(t, self._micro_batch, call.operation.name) for t in call.node.output_tensors
+            )
+        attrs.update(
+            flops=float(forward * (1.0 + backward)),
+            param_bytes=int(param_bytes),
+            activation_bytes=int(activation_bytes),
+        )
+        if time_s is not None:
+            attrs["time_s"] = float(time_s)
+        return attrs
+
+    def _measure(self, call: LayerCall, specs: list[Any]) -> tuple[float, int, float | None]:
+        """(forward FLOPs, output bytes of the traced ops, fwd+bwd seconds or None) of one call."""
+        from profiles.flops import fold_graph, graph_flops
+
+        tf = self._tf
+        forward = _forward_fn(call)
+        try:
+            traced = tf.function(forward).get_concrete_function(*specs).graph
+        except Exception as err:
+            raise ProfileError(
+                f"Tracing '{call.operation.name}' ({type(call.operation).__name__}) on inputs {specs} "
+                f"failed: {_summary(err)}. Expected the layer to run on tensors of its "
+                "Keras input shapes with the batch axis set to the micro-batch size."
+            ) from err
+        flops = graph_flops(traced)
+        traced_bytes = int(fold_graph(traced, _op_output_bytes)) if _is_composite(call.operation) else 0
+        time_s = None
+        if self._device is not None:
+            from profiles.timing import forward_backward_seconds
+
+            state = [(v, v.numpy()) for v in getattr(call.operation, "variables", [])]
+            try:
+                time_s = forward_backward_seconds(
+                    forward,
+                    specs,
+                    _trainable_weights(call.operation),
+                    device=self._device,
+                    repeats=self._repeats,
+                    warmup=self._warmup,
+                )
+            except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
+                raise ProfileError(
+                    f"Timing '{call.operation.name}' ({type(call.operation).__name__}) forward + backward on "
+                    f"{self._device} failed: {_summary(err)}. Expected a differentiable layer that "
+                    "fits on the device; profile with measure_time=False to skip timing."
+                ) from err
+            finally:
+                for variable, value in state:  # running the layer moved BN statistics and seeds
+                    variable.assign(value)
+        return flops, traced_bytes, time_s
+
+
+def _forward_fn(call: LayerCall) -> Callable[..., Any]:
+    """A function of one tensor per Keras input tensor that repeats the call in training mode."""
+    from keras import KerasTensor, layers
+
+    operation, node = call.operation, call.node
+    tensors = list(node.input_tensors)
+
+    def forward(*values: Any) -> Any:
+        by_id = {id(t): v for t, v in zip(tensors, values, strict=True)}
+        args, kwargs = node.arguments.convert(lambda x: by_id[id(x)] if isinstance(x, KerasTensor) else x)
+        if isinstance(operation, layers.Layer):
+            kwargs["training"] = True  # as keras.Model(..., training=True) would pass it
+        return operation(*args, **kwargs)
+
+    return forward
+
+
+def _spec_key(value: Any, specs: list[Any], call: LayerCall) -> Any:
+    """Describes an argument for memoising: input tensors by spec, others as they are."""
+    for tensor, spec in zip(call.node.input_tensors, specs, strict=True):
+        if value is tensor:
+            return (tuple(spec.shape.as_list()), spec.dtype.name)
+    return value
+
+
+def _summary(err: Exception) -> str:
+    """The error's type and last message line (TensorFlow prepends a traceback of the traced code)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if last.startswith(type(err).__name__) else f"{type(err).__name__}: {last}"
+
+
+def _trainable_weights(operation: Any) -> list[Any]:
+    return list(getattr(operation, "trainable_weights", []))
+
+
+def _is_composite(operation: Any) -> bool:
+    """True for a Layer that has sublayers (a block, an RNN and its cell)."""
+    flatten = getattr(operation, "_flatten_layers", None)
+    if flatten is None:
+        return False
+    return any(True for _ in flatten(include_self=False, recursive=False))
+
+
+def _op_output_bytes(op: Any) -> float:
+    """Bytes of an op's outputs that hold activations (not inputs, weights, constants or aliases)."""
+    if op.type in _NO_ACTIVATION_OPS:
+        return 0.0
+    from profiles.flops import num_elements
+
+    total = 0
+    for output in op.outputs:
+        dtype = output.dtype
+        if dtype.is_numeric or dtype.is_bool:
+            total += num_elements(output.shape) * dtype.size
+    return float(total)
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+
+def _check_numbers(batch_size: Any, num_microbatches: Any, repeats: Any, warmup: Any) -> None:
+    for name, value in (("batch_size", batch_size), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
+    if num_microbatches > batch_size:
+        raise InputError(
+            f"num_microbatches must not exceed batch_size: each micro-batch needs at least one sample. "
+            f"Received: batch_size={batch_size}, num_microbatches={num_microbatches}. "
+            "Lower num_microbatches or raise batch_size."
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InputError(f"repeats must be an integer >= 1. Received: repeats={repeats!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise InputError(f"warmup must be an integer >= 0. Received: warmup={warmup!r}.")
+
+
+def _resolve_device(tf: Any, device: str | None) -> str:
+    """The full TF name of the timing device: ``device``, else the first logical GPU, else CPU."""
+    available = [str(d.name) for d in tf.config.list_logical_devices()]
+    if device is None:
+        gpus = [str(d.name) for d in tf.config.list_logical_devices("GPU")]
+        return gpus[0] if gpus else str(tf.config.list_logical_devices("CPU")[0].name)
+    try:
+        wanted = tf.DeviceSpec.from_string(device)
+    except ValueError:
+        wanted = None
+    for name in available:
+        spec = tf.DeviceSpec.from_string(name)
+        if (
+            wanted is not None
+            and (wanted.device_type or "").upper() == spec.device_type
+            and ((wanted.device_index or 0) == spec.device_index)
+        ):
+            return name
+    raise InputError(
+        f"Unknown device {device!r}. TensorFlow sees: {available}. Pass one of them, e.g. device='/GPU:0'."
+    )

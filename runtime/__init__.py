@@ -1,0 +1,18 @@
+"""Runs a plan: rebuilds a Keras model on its devices and trains it with pipelined micro-batches.
+
+Importing this package imports TensorFlow and Keras.
+
+Example:
+    >>> from runtime import make_virtual_devices, plan_and_wrap     # doctest: +SKIP
+    >>> make_virtual_devices(4)                                      # doctest: +SKIP
+    >>> wrapped = plan_and_wrap(model, devices=4, batch_size=64, num_microbatches=8)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from runtime.devices import make_virtual_devices, resolve_devices
+from runtime.pipeline import PipelinedModel
+from runtime.placement import placement_report
+from runtime.wrap import plan_and_wrap, wrap
+
+__all__ = ["PipelinedModel", "make_virtual_devices", "placement_report", "plan_and_wrap", "resolve_devices", "wrap"]

@@ -1,0 +1,108 @@
+"""Virtual devices for tests and demos, and the ``devices=`` argument of plan_and_wrap as a Cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner.cluster import Cluster, Device
+from partitioner.errors import ClusterError, InputError
+
+
+def make_virtual_devices(num_devices: int, *, gpu_memory_mb: int = 1024) -> list[str]:
+    """Splits this machine into ``num_devices`` logical devices; call before TensorFlow initialises.
+
+    On a machine with a GPU the first GPU becomes ``num_devices`` virtual GPUs of ``gpu_memory_mb``
+    each; otherwise the CPU becomes ``num_devices`` logical CPU devices. Calling it again with the
+    same number once TensorFlow has initialised returns the existing devices.
+
+    Returns:
+        The logical device names, e.g. ['/device:CPU:0', ..., '/device:CPU:3'].
+
+    Raises:
+        InputError: when TensorFlow already initialised with a different number of devices.
+
+    Example:
+        >>> from runtime import make_virtual_devices          # doctest: +SKIP
+        >>> make_virtual_devices(4)                           # doctest: +SKIP
+        ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+    """
+    import tensorflow as tf
+
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise InputError(f"num_devices must be an integer >= 1. Received: {num_devices!r}.")
+    gpus = tf.config.list_physical_devices("GPU")
+    kind = "GPU" if gpus else "CPU"
+    physical = gpus[0] if gpus else tf.config.list_physical_devices("CPU")[0]
+    config = (
+        [tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb) for _ in range(num_devices)]
+        if gpus
+        else [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
+    )
+    try:
+        tf.config.set_logical_device_configuration(physical, config)
+    except RuntimeError as err:  # TensorFlow already initialised
+        existing = [d.name for d in tf.config.list_logical_devices(kind)]
+        if len(existing) >= num_devices:
+            return existing[:num_devices]
+        raise InputError(
+            f"TensorFlow already initialised with {len(existing)} {kind} device(s); cannot make {num_devices}. "
+            "Call runtime.make_virtual_devices before any TensorFlow operation runs."
+        ) from err
+    return [d.name for d in tf.config.list_logical_devices(kind)]
+
+
+def local_device_names() -> list[str]:
+    """TensorFlow's logical accelerators here: the GPUs if any, else the CPUs."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def canonical(name: str) -> str:
+    """'/GPU:1', 'GPU:1' and '/device:GPU:1' -> '/device:GPU:1' (TensorFlow's full form)."""
+    short = name.split("device:")[-1].lstrip("/")
+    return f"/device:{short.upper()}" if ":" in short else name
+
+
+def resolve_devices(
+    devices: int | Sequence[str] | Cluster,
+    *,
+    memory: int | float | str | None = None,
+    flops_per_s: float | None = None,
+) -> Cluster:
+    """Turns ``devices=`` (a count, TensorFlow device names, or a Cluster) into a Cluster of local devices.
+
+    Raises:
+        ClusterError: naming the devices that do not exist here, and listing those that do.
+    """
+    available = local_device_names()
+    if isinstance(devices, Cluster):
+        missing = [d.name for d in devices.devices if canonical(d.name) not in map(canonical, available)]
+        if missing:
+            raise ClusterError(f"Device(s) {missing} do not exist here. TensorFlow sees: {available}.")
+        return devices
+    if isinstance(devices, bool):
+        raise InputError(f"devices must be a count, a list of device names or a Cluster. Received: {devices!r}.")
+    if isinstance(devices, int):
+        if not 1 <= devices <= len(available):
+            raise ClusterError(
+                f"devices={devices} but TensorFlow sees {len(available)} device(s): {available}. "
+                "Use fewer, or make virtual devices first with runtime.make_virtual_devices(n)."
+            )
+        names = available[:devices]
+    else:
+        names = [canonical(str(d)) for d in devices]
+        known = {canonical(a) for a in available}
+        missing = [d for d in names if d not in known]
+        if missing or not names:
+            raise ClusterError(f"Device(s) {missing or '[]'} do not exist here. TensorFlow sees: {available}.")
+    from profiles.local import local_cluster
+
+    cluster = local_cluster(len(available), memory=memory, flops_per_s=flops_per_s)
+    by_name = {canonical(d.name): d for d in cluster.devices}
+    chosen: list[Device] = [by_name[canonical(n)] for n in names]
+    index = [cluster.index(d.name) for d in chosen]
+    bandwidth: Any = [[cluster.bandwidth(i, j) for j in index] for i in index]
+    return Cluster(chosen, bandwidth=bandwidth, name=f"{len(chosen)} local devices")

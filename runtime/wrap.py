@@ -1,0 +1,107 @@
+"""plan_and_wrap (profile, solve, validate, rewrite) and wrap (rewrite with a plan made earlier)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from partitioner.cluster import Cluster, Device
+from partitioner.errors import InputError, PlanError
+from partitioner.plan import Plan
+from partitioner.solver import solve
+from partitioner.validate import validate_plan
+from runtime.devices import canonical, resolve_devices
+from runtime.pipeline import PipelinedModel
+from runtime.rebuild import rebuild
+
+
+def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise InputError(f"num_microbatches must be an integer >= 1. Received: {num_microbatches!r}.")
+    if batch_size is not None and num_microbatches > batch_size:
+        raise InputError(
+            f"num_microbatches={num_microbatches} is larger than batch_size={batch_size}: some micro-batches "
+            f"would be empty. Use num_microbatches <= {batch_size} or a larger batch."
+        )
+
+
+def plan_and_wrap(
+    model: Any,
+    devices: int | Sequence[str] | Cluster = 2,
+    batch_size: int = 32,
+    num_microbatches: int = 4,
+    memory: int | float | str | None = None,
+    *,
+    optimizer_slots: int = 2,
+    time_limit_s: float = 10.0,
+    pins: Mapping[str, str] | None = None,
+) -> PipelinedModel:
+    """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
+
+    Args:
+        model: a built Functional or Sequential keras.Model. It is left untouched.
+        devices: how many local devices to use (GPUs if present, else logical CPU devices), a list
+            of TensorFlow device names, or a partitioner.Cluster of local devices.
+        batch_size: the global batch size fit() will see.
+        num_microbatches: M, micro-batches per step.
+        memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
+        optimizer_slots: 2 for Adam, 1 for momentum, 0 for SGD (for the memory check).
+        time_limit_s: the solver's time limit.
+        pins: {node: device} placements to keep.
+
+    Returns:
+        A PipelinedModel; its ``.plan`` is the plan used.
+
+    Raises:
+        ProfileError, InfeasiblePlanError, ClusterError, InputError: with the planner's message.
+
+    Example:
+        >>> wrapped = plan_and_wrap(model, devices=4, batch_size=64, num_microbatches=8)   # doctest: +SKIP
+        >>> wrapped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")      # doctest: +SKIP
+    """
+    from profiles import profile_model
+
+    _check_microbatches(num_microbatches, batch_size)
+    cluster = resolve_devices(devices, memory=memory)
+    graph = profile_model(model, batch_size=batch_size, num_microbatches=num_microbatches, measure_time=False)
+    plan = solve(
+        graph,
+        cluster,
+        num_microbatches=num_microbatches,
+        optimizer_slots=optimizer_slots,
+        time_limit_s=time_limit_s,
+        pins={k: canonical(v) for k, v in (pins or {}).items()} or None,
+    )
+    validate_plan(plan, graph, cluster)
+    return _wrap(model, plan, num_microbatches)
+
+
+def wrap(model: Any, plan: Plan, *, num_microbatches: int | None = None, validate: bool = True) -> PipelinedModel:
+    """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
+
+    Args:
+        model: the model the plan was made for.
+        plan: a Plan (``Plan.from_json(text)``).
+        num_microbatches: M; defaults to the plan's.
+        validate: profile the model and run ``validate_plan`` first (recommended).
+
+    Raises:
+        PlanError: when the plan was made for another model or names devices that do not exist.
+    """
+    num_microbatches = plan.num_microbatches if num_microbatches is None else num_microbatches
+    _check_microbatches(num_microbatches, None)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"wrap needs a partitioner.Plan. Received: {type(plan).__name__}.")
+    resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
+    if validate:
+        from profiles import profile_model
+
+        graph = profile_model(model, batch_size=num_microbatches, num_microbatches=num_microbatches, measure_time=False)
+        planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
+        validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
+    return _wrap(model, plan, num_microbatches)
+
+
+def _wrap(model: Any, plan: Plan, num_microbatches: int) -> PipelinedModel:
+    assignment = {node: canonical(device) for node, device in plan.assignment.items()}
+    return PipelinedModel(rebuild(model, assignment), plan, model, num_microbatches)

@@ -1,0 +1,368 @@
+"""Tests profile_model on tiny Keras models: the layer-graph contract, costs, errors and JSON."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from partitioner.errors import InputError, ProfileError  # noqa: E402
+from partitioner.graph import topological_order, validate_graph  # noqa: E402
+from profiles import load_profile, profile_model, save_profile  # noqa: E402
+
+layers = keras.layers
+
+
+def mlp(hidden=32):
+    inputs = keras.Input((16,), name="x")
+    h = layers.Dense(hidden, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, layers.Dense(8, name="logits")(h), name="mlp")
+
+
+def cnn():
+    inputs = keras.Input((12, 12, 8), name="image")
+    h = layers.Conv2D(16, 3, name="conv")(inputs)
+    h = layers.BatchNormalization(name="bn")(h)
+    h = layers.Dropout(0.5, name="drop")(h)
+    h = layers.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(inputs, layers.Dense(4, name="head")(h), name="cnn")
+
+
+def shared():
+    inputs = keras.Input((8,), name="x")
+    dense = layers.Dense(8, name="shared")
+    return keras.Model(inputs, dense(dense(inputs)), name="shared_model")
+
+
+def nested():
+    block = keras.Sequential([keras.Input((8,)), layers.Dense(6, name="inner_a"), layers.Dense(4, name="inner_b")])
+    inputs = keras.Input((8,), name="x")
+    h = layers.Dense(8, name="pre")(inputs)
+    return keras.Model(inputs, layers.Dense(2, name="post")(block(h)), name="nested")
+
+
+def two_in_two_out():
+    a, b = keras.Input((4,), name="a"), keras.Input((6,), name="b")
+    joined = layers.Concatenate(name="join")([layers.Dense(5, name="da")(a), layers.Dense(5, name="db")(b)])
+    out1 = layers.Dense(3, name="out1")(joined)
+    out2 = layers.Dense(1, name="out2")(joined)
+    return keras.Model([a, b], [out1, out2], name="two_io")
+
+
+class Block(layers.Layer):
+    """A composite layer: two Dense sublayers and a residual add."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(units * 2, activation="relu")
+        self.down = layers.Dense(units)
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+def with_block():
+    inputs = keras.Input((8,), name="x")
+    return keras.Model(inputs, Block(8, name="block")(inputs), name="with_block")
+
+
+ZOO = {"mlp": mlp, "cnn": cnn, "shared": shared, "nested": nested, "two_io": two_in_two_out, "block": with_block}
+
+
+def _profile(model, **kwargs):
+    kwargs.setdefault("measure_time", False)
+    return profile_model(model, **kwargs)
+
+
+def _total(graph, key):
+    return sum(data[key] for _, data in graph.nodes(data=True))
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_profile_model_params_equal_count_params(name):
+    model = ZOO[name]()
+    graph = _profile(model)
+    validate_graph(graph)
+    assert _total(graph, "param_bytes") == model.count_params() * 4
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_profile_model_nodes_in_topological_order(name):
+    graph = _profile(ZOO[name]())
+    assert list(graph.nodes) == topological_order(graph)
+    assert nx.is_directed_acyclic_graph(graph)
+
+
+def test_profile_model_dense_flops_match_analytic():
+    inputs = keras.Input((64,))
+    model = keras.Model(inputs, layers.Dense(32, name="dense_only")(inputs))
+    graph = _profile(model, batch_size=32, num_microbatches=4)
+    batch = 8
+    forward = 2 * batch * 64 * 32 + batch * 32
+    assert graph.nodes["dense_only"]["flops"] == pytest.approx(3 * forward, rel=0.05)
+
+
+def test_profile_model_conv2d_flops_match_analytic():
+    inputs = keras.Input((12, 12, 8))
+    model = keras.Model(inputs, layers.Conv2D(16, 3, name="conv_only")(inputs))
+    graph = _profile(model, batch_size=8, num_microbatches=2)
+    batch, out_hw = 4, 10
+    forward = 2 * batch * out_hw * out_hw * 16 * 3 * 3 * 8
+    assert graph.nodes["conv_only"]["flops"] == pytest.approx(3 * forward, rel=0.05)
+
+
+def test_profile_model_layer_without_weights_costs_twice_forward():
+    inputs = keras.Input((10,))
+    model = keras.Model(inputs, layers.ReLU(name="relu")(inputs))
+    graph = _profile(model, batch_size=4, num_microbatches=1)
+    assert graph.nodes["relu"]["flops"] == 2 * 4 * 10
+
+
+def test_profile_model_mlp_bytes_by_hand():
+    graph = _profile(mlp(), batch_size=32, num_microbatches=4)  # micro-batch of 8 samples
+    assert list(graph.nodes) == ["x", "hidden", "logits"]
+    assert graph.edges["x", "hidden"]["bytes"] == 8 * 16 * 4
+    assert graph.edges["hidden", "logits"]["bytes"] == 8 * 32 * 4
+    assert [graph.nodes[n]["activation_bytes"] for n in graph] == [0, 8 * 32 * 4, 8 * 8 * 4]
+    assert [graph.nodes[n]["param_bytes"] for n in graph] == [0, (16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
+    assert graph.nodes["x"] == {"layer_type": "InputLayer", "flops": 0.0, "param_bytes": 0, "activation_bytes": 0}
+    assert graph.nodes["hidden"]["layer_type"] == "Dense"
+    assert graph.graph == {"model_name": "mlp", "batch_size": 32, "num_microbatches": 4}
+
+
+def test_profile_model_micro_batch_rounds_up():
+    graph = _profile(mlp(), batch_size=10, num_microbatches=4)  # ceil(10 / 4) = 3
+    assert graph.edges["x", "hidden"]["bytes"] == 3 * 16 * 4
+
+
+def test_profile_model_shared_layer_gives_colocated_nodes():
+    graph = _profile(shared())
+    assert list(graph.nodes) == ["x", "shared", "shared:1"]
+    assert graph.nodes["shared"]["colocation_group"] == graph.nodes["shared:1"]["colocation_group"] == "shared"
+    assert graph.nodes["shared"]["param_bytes"] == (8 * 8 + 8) * 4
+    assert graph.nodes["shared:1"]["param_bytes"] == 0
+    assert graph.nodes["shared"]["flops"] == graph.nodes["shared:1"]["flops"] > 0
+    assert "colocation_group" not in graph.nodes["x"]
+    assert list(graph.edges) == [("x", "shared"), ("shared", "shared:1")]
+
+
+def test_profile_model_nested_sequential_is_flattened():
+    graph = _profile(nested())
+    assert list(graph.nodes) == ["x", "pre", "inner_a", "inner_b", "post"]
+    assert list(graph.edges) == [("x", "pre"), ("pre", "inner_a"), ("inner_a", "inner_b"), ("inner_b", "post")]
+
+
+def test_profile_model_nested_name_collision_gets_prefix():
+    inner_in = keras.Input((4,))
+    inner = keras.Model(inner_in, layers.Dense(4, name="proj")(inner_in), name="encoder")
+    inputs = keras.Input((4,), name="x")
+    model = keras.Model(inputs, layers.Dense(2, name="proj")(inner(inputs)))
+    graph = _profile(model)
+    assert list(graph.nodes) == ["x", "encoder/proj", "proj"]
+
+
+def test_profile_model_shared_nested_model_colocates_its_layers():
+    block = keras.Sequential([keras.Input((4,)), layers.Dense(4, name="twice")], name="twice_block")
+    inputs = keras.Input((4,), name="x")
+    model = keras.Model(inputs, block(block(inputs)))
+    graph = _profile(model)
+    assert list(graph.nodes) == ["x", "twice", "twice:1"]
+    assert graph.nodes["twice:1"]["colocation_group"] == "twice"
+    assert _total(graph, "param_bytes") == model.count_params() * 4
+
+
+def test_profile_model_two_inputs_two_outputs():
+    graph = _profile(two_in_two_out(), batch_size=4, num_microbatches=2)
+    assert set(graph.nodes) == {"a", "b", "da", "db", "join", "out1", "out2"}
+    assert set(graph.edges) == {
+        ("a", "da"),
+        ("b", "db"),
+        ("da", "join"),
+        ("db", "join"),
+        ("join", "out1"),
+        ("join", "out2"),
+    }
+    assert graph.edges["b", "db"]["bytes"] == 2 * 6 * 4
+    assert graph.edges["join", "out2"]["bytes"] == 2 * 10 * 4
+    assert [n for n in graph if graph.in_degree(n) == 0] == ["a", "b"]
+
+
+def test_profile_model_keras_op_becomes_node():
+    inputs = keras.Input((4,), name="x")
+    h = layers.Dense(4, name="d")(inputs)
+    model = keras.Model(inputs, keras.ops.add(h, inputs))
+    graph = _profile(model, batch_size=2, num_microbatches=1)
+    (op,) = [n for n in graph if n not in ("x", "d")]
+    assert graph.nodes[op]["layer_type"] == "Add"
+    assert graph.nodes[op]["flops"] == 2 * (2 * 4)
+    assert set(graph.predecessors(op)) == {"x", "d"}
+
+
+def test_profile_model_same_tensor_twice_counts_bytes_once():
+    inputs = keras.Input((4,), name="x")
+    model = keras.Model(inputs, layers.Add(name="double")([inputs, inputs]))
+    graph = _profile(model, batch_size=2, num_microbatches=1)
+    assert graph.edges["x", "double"]["bytes"] == 2 * 4 * 4
+
+
+def test_profile_model_composite_layer_is_one_node_with_traced_activations():
+    graph = _profile(with_block(), batch_size=4, num_microbatches=1)
+    assert list(graph.nodes) == ["x", "block"]
+    node = graph.nodes["block"]
+    assert node["layer_type"] == "Block"
+    forward = 2 * 4 * 8 * 16 + 2 * 4 * 16 * 8
+    assert node["flops"] == pytest.approx(3 * forward, rel=0.1)
+    # up (and its relu), down and the residual add: at least their outputs are kept
+    assert node["activation_bytes"] >= 4 * (16 + 16 + 8 + 8) * 4
+
+
+def test_profile_model_mixed_precision_bytes():
+    inputs = keras.Input((16,), name="x")
+    model = keras.Model(inputs, layers.Dense(8, dtype="mixed_float16", name="half")(inputs))
+    graph = _profile(model, batch_size=4, num_microbatches=1)
+    assert graph.nodes["half"]["activation_bytes"] == 4 * 8 * 2  # float16 outputs
+    assert graph.nodes["half"]["param_bytes"] == (16 * 8 + 8) * 4  # float32 variables
+
+
+def test_profile_model_progress_reports_every_node():
+    seen = []
+    graph = _profile(mlp(), progress=lambda done, total, name: seen.append((done, total, name)))
+    assert seen == [(1, 3, "x"), (2, 3, "hidden"), (3, 3, "logits")]
+    assert len(graph) == 3
+
+
+def test_profile_model_measure_time_records_times_and_device():
+    graph = profile_model(cnn(), batch_size=4, num_microbatches=2, repeats=2, warmup=1)
+    for name, data in graph.nodes(data=True):
+        if data["layer_type"] == "InputLayer":
+            assert data["time_s"] == 0.0
+        else:
+            assert data["time_s"] > 0, name
+    assert graph.graph["profiled_flops_per_s"] > 0
+    assert "CPU" in graph.graph["profiled_device"] or "GPU" in graph.graph["profiled_device"]
+
+
+def test_profile_model_measure_time_on_named_device(virtual_devices):
+    graph = profile_model(mlp(), batch_size=4, num_microbatches=2, device=virtual_devices[1], repeats=1, warmup=0)
+    assert graph.graph["profiled_device"] == virtual_devices[1]
+
+
+def test_profile_model_leaves_the_model_intact():
+    model = cnn()
+    x = np.random.default_rng(0).normal(size=(2, 12, 12, 8)).astype("float32")
+    before = [v.numpy().copy() for v in model.variables]
+    calls_before = [len(layer._inbound_nodes) for layer in model.layers]
+    expected = model(x, training=False)
+    profile_model(model, batch_size=4, num_microbatches=2, repeats=1, warmup=1)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables, strict=True))
+    assert [len(layer._inbound_nodes) for layer in model.layers] == calls_before
+    np.testing.assert_array_equal(model(x, training=False), expected)
+
+
+def test_save_profile_load_profile_round_trip(tmp_path):
+    graph = profile_model(shared(), batch_size=8, num_microbatches=2, repeats=1, warmup=0)
+    path = tmp_path / "shared.json"
+    save_profile(graph, path)
+    loaded = load_profile(path)
+    assert list(loaded.nodes(data=True)) == list(graph.nodes(data=True))
+    assert list(loaded.edges(data=True)) == list(graph.edges(data=True))
+    assert loaded.graph == graph.graph
+
+
+def test_profile_model_rejects_subclassed_model():
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(np.zeros((1, 3), "float32"))
+    with pytest.raises(ProfileError, match=r"no functional graph.*functional API.*keras\.Sequential"):
+        profile_model(model)
+
+
+def test_profile_model_rejects_unbuilt_sequential():
+    with pytest.raises(ProfileError, match=r"not built.*model\.build\(input_shape\).*keras\.Input"):
+        profile_model(keras.Sequential([layers.Dense(2)]))
+
+
+@pytest.mark.parametrize("value", [layers.Dense(2), "model.keras", None])
+def test_profile_model_rejects_non_models(value):
+    with pytest.raises(ProfileError, match=r"needs a keras\.Model\. Received: .*Wrap layers"):
+        profile_model(value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, r"batch_size must be an integer >= 1\. Received: batch_size=0"),
+        ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1\. Received: num_microbatches=0"),
+        ({"batch_size": 4, "num_microbatches": 8}, r"must not exceed batch_size.*Lower num_microbatches"),
+        ({"batch_size": 2.5}, r"batch_size must be an integer"),
+        ({"repeats": 0}, r"repeats must be an integer >= 1"),
+        ({"warmup": -1}, r"warmup must be an integer >= 0"),
+    ],
+)
+def test_profile_model_rejects_bad_numbers(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        profile_model(mlp(), **kwargs)
+
+
+def test_profile_model_rejects_unknown_dimensions():
+    inputs = keras.Input((None, 4), name="tokens")
+    model = keras.Model(inputs, layers.Dense(2)(inputs))
+    with pytest.raises(ProfileError, match=r"unknown dimensions beyond the batch axis.*keras\.Input\(shape="):
+        profile_model(model, measure_time=False)
+
+
+def test_profile_model_rejects_unknown_device():
+    with pytest.raises(InputError, match=r"Unknown device '/TPU:7'\. TensorFlow sees"):
+        profile_model(mlp(), device="/TPU:7")
+
+
+@pytest.mark.slow
+def test_profile_model_mobilenet_v2():
+    model = keras.applications.MobileNetV2(input_shape=(64, 64, 3), weights=None, classes=10)
+    graph = profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
+    validate_graph(graph)
+    assert _total(graph, "param_bytes") == model.count_params() * 4
+    assert len(graph) == len(model.layers)
+    assert list(graph.nodes) == topological_order(graph)
+    assert _total(graph, "flops") > 0
+
+
+class NoGradient(layers.Layer):
+    """A layer whose backward pass fails, so it cannot be timed forward + backward."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def forward(y):
+            def backward(upstream):
+                raise ValueError("this layer has no gradient")
+
+            return tf.identity(y), backward
+
+        return forward(x)
+
+
+def test_profile_model_reports_layers_that_cannot_be_timed():
+    inputs = keras.Input((4,), name="x")
+    model = keras.Model(inputs, NoGradient(name="broken")(inputs))
+    assert profile_model(model, batch_size=2, num_microbatches=1, measure_time=False).nodes["broken"]["flops"] == 0
+    with pytest.raises(ProfileError, match=r"Timing 'broken' \(NoGradient\).*no gradient.*measure_time=False"):
+        profile_model(model, batch_size=2, num_microbatches=1, repeats=1, warmup=0)
+
+
+def test_profile_model_reports_layers_that_cannot_be_traced_at_micro_batch_size():
+    inputs = keras.Input((4,), batch_size=8, name="x")
+    fixed = layers.Lambda(lambda t: keras.ops.reshape(t, (8, 4)), output_shape=(4,), name="fixed_batch")
+    model = keras.Model(inputs, fixed(inputs))
+    with pytest.raises(ProfileError, match=r"Tracing 'fixed_batch' \(Lambda\).*failed: .*micro-batch size"):
+        profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
