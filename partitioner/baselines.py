@@ -8,7 +8,8 @@ pipeline order (contiguous blocks of a topological order never send activations 
 - ``by_time``: balances per-layer compute time (torchgpipe ``balance_by_time``).
 
 None of them looks at memory, transfers or device speed; ``plan.fits_memory`` says whether the
-result fits. Block boundaries minimise the largest block's weight (binary search + greedy fill).
+result fits. Cuts never fall between the calls of a shared layer (they stay on one device).
+Block boundaries minimise the largest block's weight (binary search + greedy fill).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import networkx as nx
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import InputError
+from partitioner.graph import colocation_groups
 from partitioner.plan import Plan
 
-__all__ = ["BASELINES", "by_params", "by_time", "split_balanced", "uniform"]
+__all__ = ["BASELINES", "by_params", "by_time", "split_balanced", "split_even", "uniform"]
 
 
 def check_stage_count(costs: CostModel) -> None:
@@ -83,6 +85,40 @@ def split_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     return labels
 
 
+def split_even(num_items: int, num_parts: int) -> list[int]:
+    """Cuts ``num_items`` items into ``num_parts`` contiguous blocks whose sizes differ by at most one.
+
+    The first ``num_items % num_parts`` blocks get the extra item, as DeepSpeed's ``partition_uniform``.
+
+    Example:
+        >>> split_even(10, 4)
+        [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    """
+    size, extra = divmod(num_items, num_parts)
+    return [b for b in range(num_parts) for _ in range(size + (b < extra))]
+
+
+def _units(costs: CostModel) -> list[list[str]]:
+    """Runs of the topological order that no cut may split: a shared layer's calls and all between them.
+
+    Without this a split could put the two calls of a shared layer on different devices, which no
+    runtime can execute with one copy of the weights.
+    """
+    position = {v: i for i, v in enumerate(costs.order)}
+    no_cut_before = [False] * len(costs.order)
+    for nodes in colocation_groups(costs.graph).values():
+        first, last = min(position[v] for v in nodes), max(position[v] for v in nodes)
+        for i in range(first + 1, last + 1):
+            no_cut_before[i] = True
+    units: list[list[str]] = []
+    for i, v in enumerate(costs.order):
+        if units and no_cut_before[i]:
+            units[-1].append(v)
+        else:
+            units.append([v])
+    return units
+
+
 def _plan_from_blocks(costs: CostModel, labels: Sequence[int], method: str, started: float) -> Plan:
     assignment = {v: costs.devices[b] for v, b in zip(costs.order, labels, strict=False)}
     return Plan.from_assignment(assignment, costs, method=method, solve_time_s=time.perf_counter() - started)
@@ -100,7 +136,12 @@ def _baseline(method: str, weight: Callable[[CostModel, str], float]) -> Callabl
         started = time.perf_counter()
         costs = CostModel(graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost)
         check_stage_count(costs)
-        labels = split_balanced([weight(costs, v) for v in costs.order], len(costs.devices))
+        units = _units(costs)
+        if method == "uniform":
+            unit_labels = split_even(len(units), len(costs.devices))
+        else:
+            unit_labels = split_balanced([sum(weight(costs, v) for v in unit) for unit in units], len(costs.devices))
+        labels = [label for unit, label in zip(units, unit_labels) for _ in unit]
         return _plan_from_blocks(costs, labels, method, started)
 
     run.__name__ = method

@@ -236,7 +236,7 @@ class Cluster:
         Imports TensorFlow. Memory comes from a virtual device's memory limit, else ``memory``,
         else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given.
         """
-        from profiles.hardware import local_cluster  # lazy: TensorFlow side
+        from profiles.local import local_cluster  # lazy: TensorFlow side
 
         return local_cluster(num_devices, memory=memory, flops_per_s=flops_per_s, bandwidth=bandwidth)
 

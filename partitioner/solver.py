@@ -25,12 +25,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import networkx as nx
-from ortools.sat.python import cp_model
 
 from partitioner import baselines
 from partitioner.baselines import check_stage_count
@@ -40,6 +40,18 @@ from partitioner.errors import InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
+
+# TensorFlow loads its runtime with RTLD_GLOBAL. Imported before OR-Tools, its abseil and protobuf
+# symbols win over OR-Tools' own and CP-SAT crashes in Solve (google/or-tools#3230; here with
+# tensorflow-cpu 2.21 and ortools 9.15). RTLD_DEEPBIND (Linux) makes OR-Tools bind to its own.
+_DLOPEN_FLAGS = sys.getdlopenflags() if hasattr(os, "RTLD_DEEPBIND") else None
+if _DLOPEN_FLAGS is not None:
+    sys.setdlopenflags(_DLOPEN_FLAGS | os.RTLD_DEEPBIND)
+try:
+    from ortools.sat.python import cp_model
+finally:
+    if _DLOPEN_FLAGS is not None:
+        sys.setdlopenflags(_DLOPEN_FLAGS)
 
 
 @dataclass(frozen=True)

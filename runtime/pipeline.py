@@ -94,14 +94,19 @@ class PipelinedModel(keras.Model):
         inputs = staged._standardize_inputs(inputs)
         return staged._run_through_graph(inputs, operation_fn=lambda op: _call_fn(op, device_of[id(op)], training))
 
-    def _microbatches(self, batch: tf.Tensor) -> list[tuple[tf.Tensor, tf.Tensor]]:
-        """(start, size) of each micro-batch: sizes differ by at most one, empty ones come last."""
+    def _microbatches(self, batch: Any) -> list[tuple[Any, Any]]:
+        """(start, size) of each micro-batch: sizes differ by at most one, empty ones come last.
+
+        With a static batch size (eager calls, or a traced step whose batch dimension is known) the
+        bounds are Python ints and empty micro-batches are dropped; otherwise they are tensors.
+        """
         m = self.num_microbatches
         base, extra = batch // m, batch % m
-        bounds = []
-        start = tf.constant(0, batch.dtype)
+        bounds, start = [], 0 if isinstance(batch, int) else tf.constant(0, batch.dtype)
         for i in range(m):
-            size = base + tf.cast(i < extra, batch.dtype)
+            size = base + (int(i < extra) if isinstance(batch, int) else tf.cast(i < extra, batch.dtype))
+            if isinstance(size, int) and size == 0:
+                break
             bounds.append((start, size))
             start = start + size
         return bounds
@@ -110,7 +115,8 @@ class PipelinedModel(keras.Model):
         self, x: Any, y: Any, sample_weight: Any, training: bool, with_loss: bool
     ) -> tuple[Any, tf.Tensor | None]:
         """Runs every micro-batch; returns (concatenated predictions, summed weighted loss or None)."""
-        batch = tf.shape(keras.tree.flatten(x)[0])[0]
+        first = keras.tree.flatten(x)[0]
+        batch = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
         batch_f = tf.cast(batch, tf.float32)
         preds, losses = [], []
 
@@ -138,7 +144,7 @@ class PipelinedModel(keras.Model):
                     loss = self._compute_loss(x=x_m, y=y_m, y_pred=pred, sample_weight=w_m, training=training)
                     return pred, tf.cast(loss, tf.float32) * tf.cast(size, tf.float32) / batch_f
 
-            if index == 0:
+            if index == 0 or isinstance(size, int):
                 pred, loss = run()
             else:
                 pred, loss = tf.cond(size > 0, run, lambda: (empty_pred, tf.zeros([], tf.float32)))

@@ -47,9 +47,7 @@ def _read(path: Path) -> dict:
 
 
 def _is_positive_number(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def test_expected_files_ship() -> None:
@@ -196,9 +194,7 @@ def test_cluster_devices_come_from_the_profile(name: str) -> None:
 def test_flat_cluster_bandwidth(name: str, num_devices: int, bandwidth: float) -> None:
     cluster = Cluster.from_json(name)
     assert cluster.num_devices == num_devices
-    assert {cluster.bandwidth(i, j) for i in range(num_devices) for j in range(num_devices) if i != j} == {
-        bandwidth
-    }
+    assert {cluster.bandwidth(i, j) for i in range(num_devices) for j in range(num_devices) if i != j} == {bandwidth}
 
 
 def test_cpu_cluster_uses_cpu_devices() -> None:

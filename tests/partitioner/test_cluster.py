@@ -1,0 +1,246 @@
+"""Devices and clusters: sizes, bandwidth as a number, a matrix or a mapping, errors, JSON."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from partitioner.cluster import Cluster, Device
+from partitioner.errors import ClusterError, InputError
+
+GIB = 2**30
+
+
+def _three_devices() -> list[Device]:
+    return [Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(3)]
+
+
+# ----- Device ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("memory", "expected"), [(16 * GIB, 16 * GIB), ("16GiB", 16 * GIB), ("16GB", 16 * 10**9), (2.5e9, 2_500_000_000)]
+)
+def test_device_memory_as_int_or_string(memory, expected):
+    device = Device(name="/GPU:0", memory=memory, flops_per_s=989e12)
+    assert device.memory_bytes == expected
+    assert device.flops_per_s == 989e12
+
+
+def test_device_memory_bytes_keyword_and_rate_string():
+    device = Device("/CPU:0", memory_bytes=4096, flops_per_s="2e12")
+    assert (device.name, device.memory_bytes, device.flops_per_s) == ("/CPU:0", 4096, 2e12)
+
+
+def test_device_is_frozen():
+    device = Device("/GPU:0", memory="1GiB")
+    with pytest.raises(AttributeError):
+        device.memory_bytes = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("memory", "match"),
+    [
+        ("-3", r"memory of device '/GPU:0' '-3' is not a size"),
+        (-3, r"memory of device '/GPU:0' must be positive"),
+        (0, r"memory of device '/GPU:0' must be positive"),
+        ("lots", r"'lots' is not a size"),
+    ],
+)
+def test_device_nonsensical_memory(memory, match):
+    with pytest.raises(InputError, match=match):
+        Device("/GPU:0", memory=memory)
+
+
+def test_device_needs_memory():
+    with pytest.raises(ClusterError, match=r"Device '/GPU:0' needs a memory size"):
+        Device("/GPU:0")
+
+
+@pytest.mark.parametrize("name", ["", "   ", None, 0])
+def test_device_needs_a_name(name):
+    with pytest.raises(ClusterError, match=r"needs a non-empty name"):
+        Device(name, memory="1GiB")
+
+
+@pytest.mark.parametrize("flops", [0, -1e12, "fast"])
+def test_device_nonsensical_flops(flops):
+    with pytest.raises(InputError, match=r"flops_per_s of device '/GPU:0'"):
+        Device("/GPU:0", memory="1GiB", flops_per_s=flops)
+
+
+# ----- Cluster -----------------------------------------------------------------------------------
+
+
+def test_cluster_uniform():
+    cluster = Cluster.uniform(4, memory="16GiB", flops_per_s=100e12, bandwidth="50GB/s")
+    assert cluster.names == ["/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"]
+    assert cluster.num_devices == 4
+    assert all(d.memory_bytes == 16 * GIB and d.flops_per_s == 100e12 for d in cluster.devices)
+    assert cluster.total_memory_bytes == 64 * GIB
+    assert cluster.bandwidth(0, 3) == cluster.bandwidth(2, 1) == 50e9
+    assert cluster.bandwidth(1, 1) == math.inf
+
+
+def test_cluster_uniform_prefix():
+    assert Cluster.uniform(2, memory="1GiB", prefix="/CPU:").names == ["/CPU:0", "/CPU:1"]
+
+
+@pytest.mark.parametrize("num_devices", [0, -1, 2.0, True])
+def test_cluster_uniform_bad_count(num_devices):
+    with pytest.raises(ClusterError, match=r"num_devices must be an integer >= 1"):
+        Cluster.uniform(num_devices, memory="1GiB")
+
+
+def test_cluster_bandwidth_number():
+    cluster = Cluster(_three_devices(), bandwidth=450e9)
+    assert cluster.bandwidth_bytes_per_s == (
+        (math.inf, 450e9, 450e9),
+        (450e9, math.inf, 450e9),
+        (450e9, 450e9, math.inf),
+    )
+
+
+def test_cluster_bandwidth_matrix_row_is_sender():
+    matrix = [[0, 1e9, 2e9], [3e9, 0, "4GB/s"], [5e9, 6e9, 0]]
+    cluster = Cluster(_three_devices(), bandwidth=matrix)
+    assert cluster.bandwidth(0, 1) == 1e9
+    assert cluster.bandwidth(1, 0) == 3e9
+    assert cluster.bandwidth(1, 2) == 4e9
+    assert cluster.bandwidth(2, 1) == 6e9
+    assert [cluster.bandwidth(i, i) for i in range(3)] == [math.inf] * 3  # the diagonal is ignored
+
+
+def test_cluster_bandwidth_mapping():
+    names = ["/GPU:0", "/GPU:1", "/GPU:2"]
+    mapping = {(a, b): (1e9 if {a, b} == {"/GPU:0", "/GPU:1"} else "100GB/s") for a in names for b in names if a != b}
+    cluster = Cluster(_three_devices(), bandwidth=mapping)
+    assert cluster.bandwidth(0, 1) == cluster.bandwidth(1, 0) == 1e9
+    assert cluster.bandwidth(1, 2) == cluster.bandwidth(2, 0) == 100e9
+
+
+def test_cluster_empty():
+    with pytest.raises(ClusterError, match=r"at least one device. Received: devices=\[\]"):
+        Cluster([])
+
+
+def test_cluster_duplicate_names():
+    devices = [Device("/GPU:0", memory="1GiB"), Device("/GPU:1", memory="1GiB"), Device("/GPU:0", memory="2GiB")]
+    with pytest.raises(ClusterError, match=r"unique. Received duplicates: \['/GPU:0'\]"):
+        Cluster(devices)
+
+
+def test_cluster_devices_must_be_devices():
+    with pytest.raises(ClusterError, match=r"must be partitioner.Device objects"):
+        Cluster(["/GPU:0"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "matrix",
+    [
+        [[0, 1e9], [1e9, 0]],  # 2 x 2 for 3 devices
+        [[0, 1e9, 1e9], [1e9, 0, 1e9], [1e9, 1e9]],  # a short row
+        [[0, 1e9, 1e9, 1e9]] * 3,  # long rows
+    ],
+)
+def test_cluster_bad_matrix_shape(matrix):
+    with pytest.raises(ClusterError, match=r"must be 3 x 3 for 3 devices"):
+        Cluster(_three_devices(), bandwidth=matrix)
+
+
+def test_cluster_matrix_with_nonsense_entry():
+    with pytest.raises(InputError, match=r"bandwidth\[0\]\[2\] must be positive"):
+        Cluster(_three_devices(), bandwidth=[[0, 1e9, -1], [1e9, 0, 1e9], [1e9, 1e9, 0]])
+
+
+def test_cluster_mapping_missing_a_pair():
+    mapping = {("/GPU:0", "/GPU:1"): 1e9, ("/GPU:1", "/GPU:0"): 1e9}
+    with pytest.raises(ClusterError, match=r"no entry for link \('/GPU:0', '/GPU:2'\).*every ordered pair"):
+        Cluster(_three_devices(), bandwidth=mapping)
+
+
+@pytest.mark.parametrize("bandwidth", [None, object()])
+def test_cluster_bandwidth_of_wrong_type(bandwidth):
+    with pytest.raises(ClusterError, match=r"bandwidth must be a number, a K x K matrix or a mapping"):
+        Cluster(_three_devices(), bandwidth=bandwidth)
+
+
+def test_cluster_bandwidth_nonsense_number():
+    with pytest.raises(InputError, match=r"bandwidth must be positive"):
+        Cluster(_three_devices(), bandwidth=0)
+
+
+def test_cluster_index():
+    cluster = Cluster.uniform(3, memory="1GiB")
+    assert [cluster.index(name) for name in cluster.names] == [0, 1, 2]
+
+
+def test_cluster_index_unknown_device_lists_those_that_exist():
+    cluster = Cluster.uniform(2, memory="1GiB")
+    with pytest.raises(ClusterError, match=r"Unknown device '/GPU:7'. The cluster has: \['/GPU:0', '/GPU:1'\]"):
+        cluster.index("/GPU:7")
+
+
+def test_cluster_is_frozen():
+    cluster = Cluster.uniform(2, memory="1GiB")
+    with pytest.raises(AttributeError):
+        cluster.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        Cluster.uniform(4, memory="16GiB", flops_per_s=100e12, bandwidth="50GB/s"),
+        Cluster.uniform(1, memory="1GiB"),
+        Cluster(
+            [Device("/GPU:0", memory="80GiB", flops_per_s=989e12, hardware="H100"), *_three_devices()[1:]],
+            bandwidth=[[0, 1, 2], [3, 0, 4], [5, 6, 0]],
+            name="mixed",
+        ),
+    ],
+)
+def test_cluster_json_round_trip(cluster, tmp_path):
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    path = tmp_path / "cluster.json"
+    path.write_text(cluster.to_json())
+    again = Cluster.from_json(path)
+    assert again == cluster
+    assert again.names == cluster.names
+    assert again.bandwidth_bytes_per_s == cluster.bandwidth_bytes_per_s
+
+
+def test_cluster_equality_sees_bandwidth():
+    a = Cluster.uniform(2, memory="1GiB", bandwidth=1e9)
+    b = Cluster.uniform(2, memory="1GiB", bandwidth=2e9)
+    assert a != b
+
+
+def test_cluster_from_json_not_json():
+    with pytest.raises(ClusterError, match=r"cluster JSON is not valid JSON"):
+        Cluster.from_json('{"kind": "cluster",')
+
+
+def test_cluster_from_json_future_version():
+    text = Cluster.uniform(2, memory="1GiB").to_json().replace('"schema_version": 1', '"schema_version": 99')
+    with pytest.raises(ClusterError, match=r"schema_version 99; this version reads up to 1"):
+        Cluster.from_json(text)
+
+
+def test_cluster_from_json_unknown_file():
+    with pytest.raises(ClusterError, match=r"No cluster file 'no-such-cluster'. .*bundled"):
+        Cluster.from_json("no-such-cluster")
+
+
+def test_cluster_from_dict_corrupt():
+    data = Cluster.uniform(2, memory="1GiB").to_dict()
+    del data["devices"][0]["memory_bytes"]
+    with pytest.raises(ClusterError, match=r"is corrupt: missing or malformed field"):
+        Cluster.from_dict(data)
+
+
+def test_cluster_from_dict_nonsense_memory_keeps_its_message():
+    data = Cluster.uniform(2, memory="1GiB").to_dict()
+    data["devices"][1]["memory_bytes"] = "-3"
+    with pytest.raises(InputError, match=r"memory of device '/GPU:1' '-3' is not a size"):
+        Cluster.from_dict(data)

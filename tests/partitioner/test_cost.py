@@ -1,0 +1,211 @@
+"""The cost model on hand-computed examples: stage times, receive times, memory, step time."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+from graphs import add_layer, chain, diamond
+
+from partitioner.cluster import Cluster, Device
+from partitioner.cost import CostModel, bubble_fraction, relative_gap
+from partitioner.errors import GraphError, InputError, PlanError
+
+G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
+
+
+def _slow_cluster(num_devices: int = 2, **kwargs) -> Cluster:
+    """1 GFLOP/s devices and 1 MB/s links: times in the tests below are whole seconds."""
+    return Cluster.uniform(num_devices, memory="1GiB", flops_per_s=1e9, bandwidth=1e6, **kwargs)
+
+
+def _abc() -> nx.DiGraph:
+    """a -> b -> c with 2, 4 and 6 GFLOP; 1 MB and 2 MB sent; 100, 200, 300 B of weights; 10, 20, 30 B kept."""
+    return chain(
+        [2e9, 4e9, 6e9], param_bytes=[100, 200, 300], activation_bytes=[10, 20, 30], edge_bytes=[10**6, 2 * 10**6]
+    )
+
+
+def test_costmodel_stage_times_by_hand():
+    costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.compute_times == {G0: 6.0, G1: 6.0}
+    assert ev.receive_times == {G0: 0.0, G1: 2.0}  # 2 MB over 1 MB/s
+    assert ev.stage_times == {G0: 6.0, G1: 8.0}
+    assert ev.bottleneck_s == 8.0
+    assert ev.stages == (G0, G1)
+    assert ev.transfer_bytes == 2 * 10**6
+    assert ev.step_time_s == (4 + 2 - 1) * 8.0
+
+
+def test_costmodel_memory_by_hand():
+    costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    # param_bytes * (2 + slots) + M * activation_bytes
+    assert ev.memory_bytes == {G0: (100 + 200) * 4 + 4 * (10 + 20), G1: 300 * 4 + 4 * 30}
+    sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
+        {"l0": G0, "l1": G0, "l2": G1}
+    )
+    assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}
+
+
+def test_costmodel_one_device_holds_everything():
+    costs = CostModel(_abc(), _slow_cluster(), num_microbatches=8)
+    ev = costs.evaluate({"l0": G1, "l1": G1, "l2": G1})
+    assert ev.stages == (G1,)
+    assert ev.bottleneck_s == 12.0
+    assert ev.step_time_s == 8 * 12.0  # K = 1: no bubble
+    assert ev.receive_times == {G0: 0.0, G1: 0.0}
+    assert ev.transfer_bytes == 0
+    assert ev.stage_times[G0] == 0.0  # an unused device shows zero
+
+
+def test_costmodel_step_time_counts_used_devices_only():
+    costs = CostModel(_abc(), _slow_cluster(3), num_microbatches=5)
+    ev = costs.evaluate({"l0": G0, "l1": G2, "l2": G2})
+    assert ev.stages == (G0, G2)
+    # G2 computes 4 + 6 and receives 1 MB from G0.
+    assert ev.bottleneck_s == 11.0
+    assert ev.step_time_s == (5 + 2 - 1) * 11.0
+
+
+def test_costmodel_tensor_received_once_per_device_with_two_consumers():
+    graph = diamond(edge_bytes=10**6)  # a -> b, a -> c, b -> d, c -> d; every tensor 1 MB
+    costs = CostModel(graph, _slow_cluster(3), num_microbatches=1)
+    ev = costs.evaluate({"a": G0, "b": G1, "c": G1, "d": G1})
+    assert ev.receive_times == {G0: 0.0, G1: 1.0, G2: 0.0}  # a's output once, not twice
+    assert ev.transfer_bytes == 10**6
+    ev = costs.evaluate({"a": G0, "b": G1, "c": G2, "d": G2})
+    # G1 receives a; G2 receives a and b (c is local).
+    assert ev.receive_times == {G0: 0.0, G1: 1.0, G2: 2.0}
+    assert ev.transfer_bytes == 3 * 10**6
+    assert ev.stage_times == {G0: 1.0, G1: 2.0, G2: 4.0}
+
+
+def test_costmodel_receive_uses_the_link_of_the_sender():
+    devices = [Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e9) for i in range(3)]
+    # row = sender: 0 -> 2 is slow (1 MB/s), 1 -> 2 fast (4 MB/s).
+    cluster = Cluster(devices, bandwidth=[[0, 4e6, 1e6], [4e6, 0, 4e6], [4e6, 4e6, 0]])
+    graph = diamond(edge_bytes=4 * 10**6)
+    costs = CostModel(graph, cluster)
+    ev = costs.evaluate({"a": G0, "b": G1, "c": G1, "d": G2})
+    assert ev.receive_times[G1] == 1.0  # a: 4 MB at 4 MB/s
+    assert ev.receive_times[G2] == 2.0  # b and c: 1 s each over the fast 1 -> 2 link
+    ev = costs.evaluate({"a": G0, "b": G0, "c": G0, "d": G2})
+    assert ev.receive_times[G2] == 8.0  # b and c: 4 s each over the slow 0 -> 2 link
+
+
+def test_costmodel_out_bytes_is_the_tensor_size():
+    graph = diamond()
+    graph.edges["a", "b"]["bytes"] = 500
+    graph.edges["a", "c"]["bytes"] = 800
+    costs = CostModel(graph, _slow_cluster())
+    assert costs.out_bytes == {"a": 800, "b": 1000, "c": 1000, "d": 0}
+
+
+def test_costmodel_heterogeneous_speed():
+    devices = [Device(G0, memory="1GiB", flops_per_s=1e9), Device(G1, memory="1GiB", flops_per_s=4e9)]
+    costs = CostModel(_abc(), Cluster(devices, bandwidth=1e6))
+    assert costs.compute_s["l2"] == [6.0, 1.5]
+    assert costs.serial_step_s() == 3.0  # all 12 GFLOP on the faster device, M = 1
+    # Perfect spread: 12 GFLOP over 5 GFLOP/s; the costliest node alone takes 1.5 s at best.
+    assert costs.lower_bound_s() == pytest.approx(12 / 5)
+
+
+def test_costmodel_lower_bound_single_node_dominates():
+    costs = CostModel(chain([1e9, 10e9]), _slow_cluster(4))
+    assert costs.lower_bound_s() == 10.0
+
+
+def test_costmodel_fits():
+    graph = chain([1e9, 1e9], param_bytes=[256, 256])  # 1 KiB each with Adam
+    cluster = Cluster([Device(G0, memory=1024), Device(G1, memory=2047)])
+    costs = CostModel(graph, cluster)
+    assert costs.fits(costs.evaluate({"l0": G0, "l1": G1}))
+    assert not costs.fits(costs.evaluate({"l0": G1, "l1": G1}))  # 2048 B > 2047 B
+    assert not costs.fits(costs.evaluate({"l0": G0, "l1": G0}))
+
+
+def test_costmodel_cost_time_rescales_by_profiled_speed():
+    graph = _abc()
+    for node, seconds in zip(["l0", "l1", "l2"], [0.5, 1.0, 2.0]):
+        graph.nodes[node]["time_s"] = seconds
+    graph.graph["profiled_flops_per_s"] = 2e9  # measured on a device twice as fast as ours
+    devices = [Device(G0, memory="1GiB", flops_per_s=1e9), Device(G1, memory="1GiB", flops_per_s=4e9)]
+    costs = CostModel(graph, Cluster(devices, bandwidth=1e6), cost="time")
+    assert costs.compute_s["l0"] == [1.0, 0.25]
+    assert costs.compute_s["l2"] == [4.0, 1.0]
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.compute_times == {G0: 3.0, G1: 1.0}
+    assert ev.stage_times == {G0: 3.0, G1: 3.0}  # 1 s compute + 2 MB at 1 MB/s
+
+
+def test_costmodel_cost_time_without_profiled_speed_uses_the_fastest_device():
+    graph = _abc()
+    for node in graph.nodes:
+        graph.nodes[node]["time_s"] = 1.0
+    devices = [Device(G0, memory="1GiB", flops_per_s=1e9), Device(G1, memory="1GiB", flops_per_s=4e9)]
+    costs = CostModel(graph, Cluster(devices), cost="time")
+    assert costs.compute_s["l0"] == [4.0, 1.0]
+
+
+def test_costmodel_cost_time_needs_time_s():
+    graph = _abc()
+    graph.nodes["l0"]["time_s"] = 1.0
+    with pytest.raises(InputError, match=r"cost='time' needs a measured time_s on every node; node 'l1' has none"):
+        CostModel(graph, _slow_cluster(), cost="time")
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8"])
+def test_costmodel_bad_num_microbatches(value):
+    with pytest.raises(InputError, match=rf"num_microbatches must be an integer >= 1. Received: {value!r}"):
+        CostModel(_abc(), _slow_cluster(), num_microbatches=value)
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, None])
+def test_costmodel_bad_optimizer_slots(value):
+    with pytest.raises(InputError, match=rf"optimizer_slots must be an integer >= 0 .*Received: {value!r}"):
+        CostModel(_abc(), _slow_cluster(), optimizer_slots=value)
+
+
+def test_costmodel_bad_cost_source():
+    with pytest.raises(InputError, match=r"cost must be one of \('flops', 'time'\). Received: 'bogus'"):
+        CostModel(_abc(), _slow_cluster(), cost="bogus")
+
+
+def test_costmodel_validates_the_graph():
+    graph = _abc()
+    graph.add_edge("l2", "l0", bytes=0)
+    with pytest.raises(GraphError, match=r"cycle"):
+        CostModel(graph, _slow_cluster())
+
+
+def test_costmodel_check_assignment_messages():
+    costs = CostModel(_abc(), _slow_cluster())
+    with pytest.raises(PlanError, match=r"1 node\(s\) have no device \(e.g. \['l2'\]\)"):
+        costs.check_assignment({"l0": G0, "l1": G0})
+    with pytest.raises(PlanError, match=r"1 node\(s\) are not in the graph \(e.g. \['zz'\]\)"):
+        costs.check_assignment({"l0": G0, "l1": G0, "l2": G0, "zz": G0})
+    with pytest.raises(PlanError, match=r"device\(s\) \['/GPU:9'\] that the cluster lacks"):
+        costs.check_assignment({"l0": G0, "l1": G0, "l2": "/GPU:9"})
+
+
+def test_costmodel_order_is_topological():
+    graph = nx.DiGraph()
+    for name in ["z", "y", "x"]:
+        add_layer(graph, name)
+    graph.add_edge("x", "y", bytes=0)
+    graph.add_edge("y", "z", bytes=0)
+    assert CostModel(graph, _slow_cluster()).order == ["x", "y", "z"]
+
+
+@pytest.mark.parametrize(("k", "m", "expected"), [(1, 8, 0.0), (2, 1, 0.5), (4, 8, 3 / 11), (8, 8, 7 / 15)])
+def test_bubble_fraction(k, m, expected):
+    assert bubble_fraction(k, m) == pytest.approx(expected)
+
+
+def test_relative_gap():
+    assert relative_gap(10.0, None) is None
+    assert relative_gap(10.0, 10.0) == 0.0
+    assert relative_gap(10.0, 9.0) == pytest.approx(0.1)
+    assert relative_gap(10.0, 11.0) == 0.0
+    assert relative_gap(0.0, 0.0) == 0.0

@@ -1,0 +1,292 @@
+"""The layer-graph contract: validation, JSON round trips, chains and topological order."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import networkx as nx
+import pytest
+from graphs import add_layer, chain, diamond, random_dag, shared_layer_graph
+
+from partitioner.errors import GraphError
+from partitioner.graph import (
+    GRAPH_SCHEMA_VERSION,
+    chain_graph,
+    colocation_groups,
+    graph_from_dict,
+    graph_to_dict,
+    is_chain,
+    load_graph,
+    save_graph,
+    topological_order,
+    validate_graph,
+)
+
+
+def _assert_same_graph(a: nx.DiGraph, b: nx.DiGraph) -> None:
+    assert list(a.nodes(data=True)) == list(b.nodes(data=True))
+    assert sorted(a.edges(data=True)) == sorted(b.edges(data=True))
+    assert a.graph == b.graph
+
+
+# ----- validate_graph ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graph", [chain([1e9, 2e9]), diamond(), shared_layer_graph()])
+def test_validate_graph_accepts_the_shared_graphs(graph):
+    validate_graph(graph)
+
+
+def test_validate_graph_accepts_a_random_dag():
+    validate_graph(random_dag(random.Random(0), 20, num_shared=2))
+
+
+@pytest.mark.parametrize("key", ["flops", "param_bytes", "activation_bytes"])
+def test_validate_graph_missing_attribute(key):
+    graph = chain([1e9, 1e9])
+    del graph.nodes["l1"][key]
+    with pytest.raises(GraphError, match=rf"Node 'l1' has no numeric '{key}' attribute"):
+        validate_graph(graph)
+
+
+def test_validate_graph_non_numeric_attribute():
+    graph = chain([1e9])
+    graph.nodes["l0"]["flops"] = "many"
+    with pytest.raises(GraphError, match=r"Node 'l0' has no numeric 'flops' attribute \(got 'many'\)"):
+        validate_graph(graph)
+
+
+def test_validate_graph_bool_is_not_a_number():
+    graph = chain([1e9])
+    graph.nodes["l0"]["param_bytes"] = True
+    with pytest.raises(GraphError, match=r"no numeric 'param_bytes'"):
+        validate_graph(graph)
+
+
+@pytest.mark.parametrize(("key", "value"), [("flops", -1.0), ("param_bytes", -4), ("activation_bytes", float("nan"))])
+def test_validate_graph_negative_or_nan_attribute(key, value):
+    graph = chain([1e9, 1e9])
+    graph.nodes["l0"][key] = value
+    with pytest.raises(GraphError, match=rf"Node 'l0' has {key}=.*expected a finite value >= 0"):
+        validate_graph(graph)
+
+
+def test_validate_graph_negative_time():
+    graph = chain([1e9])
+    graph.nodes["l0"]["time_s"] = -0.5
+    with pytest.raises(GraphError, match=r"Node 'l0' has time_s=-0.5; expected seconds >= 0"):
+        validate_graph(graph)
+
+
+def test_validate_graph_edge_without_bytes():
+    graph = chain([1e9, 1e9])
+    del graph.edges["l0", "l1"]["bytes"]
+    with pytest.raises(GraphError, match=r"Edge 'l0' -> 'l1' needs a 'bytes' attribute >= 0. Received: None"):
+        validate_graph(graph)
+
+
+def test_validate_graph_negative_edge_bytes():
+    graph = chain([1e9, 1e9], edge_bytes=[-8])
+    with pytest.raises(GraphError, match=r"Edge 'l0' -> 'l1' needs a 'bytes' attribute >= 0. Received: -8"):
+        validate_graph(graph)
+
+
+def test_validate_graph_cycle():
+    graph = chain([1e9, 1e9, 1e9])
+    graph.add_edge("l2", "l0", bytes=0)
+    with pytest.raises(GraphError, match=r"has a cycle through .*needs a DAG"):
+        validate_graph(graph)
+
+
+def test_validate_graph_self_loop_is_a_cycle():
+    graph = chain([1e9])
+    graph.add_edge("l0", "l0", bytes=0)
+    with pytest.raises(GraphError, match=r"cycle"):
+        validate_graph(graph)
+
+
+@pytest.mark.parametrize(("graph", "received"), [(nx.Graph(), "Graph"), ({"a": 1}, "dict"), (None, "NoneType")])
+def test_validate_graph_not_a_digraph(graph, received):
+    with pytest.raises(GraphError, match=rf"Expected a networkx.DiGraph layer graph. Received: {received}"):
+        validate_graph(graph)
+
+
+def test_validate_graph_empty():
+    with pytest.raises(GraphError, match=r"has no nodes"):
+        validate_graph(nx.DiGraph())
+
+
+def test_validate_graph_node_name_not_a_string():
+    graph = nx.DiGraph()
+    graph.add_node(3, flops=1.0, param_bytes=0, activation_bytes=0)
+    with pytest.raises(GraphError, match=r"Node names must be strings. Received: 3"):
+        validate_graph(graph)
+
+
+# ----- JSON --------------------------------------------------------------------------------------
+
+
+def _annotated_graph() -> nx.DiGraph:
+    graph = shared_layer_graph()
+    graph.nodes["mid_0"]["time_s"] = 0.0125
+    graph.graph.update(model_name="toy", batch_size=32, num_microbatches=4, profiled_flops_per_s=1.5e12)
+    return graph
+
+
+@pytest.mark.parametrize(
+    "graph", [_annotated_graph(), diamond(), chain([1e9]), random_dag(random.Random(3), 30, num_shared=3)]
+)
+def test_graph_to_dict_round_trip(graph):
+    data = json.loads(json.dumps(graph_to_dict(graph)))
+    assert data["schema_version"] == GRAPH_SCHEMA_VERSION
+    _assert_same_graph(graph_from_dict(data), graph)
+
+
+def test_save_graph_load_graph_round_trip(tmp_path):
+    graph = _annotated_graph()
+    path = tmp_path / "profile.json"
+    save_graph(graph, path)
+    loaded = load_graph(path)
+    _assert_same_graph(loaded, graph)
+    assert loaded.graph["model_name"] == "toy"
+    assert loaded.nodes["mid_0"]["time_s"] == 0.0125
+    assert colocation_groups(loaded) == {"dense": ["dense_call0", "dense_call1"]}
+
+
+def test_save_graph_refuses_an_invalid_graph(tmp_path):
+    graph = chain([1e9])
+    graph.nodes["l0"]["flops"] = -1.0
+    with pytest.raises(GraphError, match=r"flops=-1.0"):
+        save_graph(graph, tmp_path / "g.json")
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_load_graph_future_schema_version(tmp_path):
+    data = graph_to_dict(diamond())
+    data["schema_version"] = GRAPH_SCHEMA_VERSION + 1
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(GraphError, match=rf"schema_version {GRAPH_SCHEMA_VERSION + 1}, newer than .*Upgrade"):
+        load_graph(path)
+
+
+def test_load_graph_not_json(tmp_path):
+    path = tmp_path / "corrupt.json"
+    path.write_text(json.dumps(graph_to_dict(diamond()))[:40])  # truncated
+    with pytest.raises(GraphError, match=r"corrupt.json' is not valid JSON"):
+        load_graph(path)
+
+
+def test_load_graph_missing_file(tmp_path):
+    with pytest.raises(GraphError, match=r"Cannot read layer graph .*nope.json"):
+        load_graph(tmp_path / "nope.json")
+
+
+def test_load_graph_not_a_layer_graph(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"kind": "plan", "schema_version": 1}))
+    with pytest.raises(GraphError, match=r"is not a layer graph \(expected an object with kind='layer_graph'\)"):
+        load_graph(path)
+
+
+@pytest.mark.parametrize("version", [None, 0, "1"])
+def test_graph_from_dict_bad_schema_version(version):
+    data = graph_to_dict(diamond())
+    data["schema_version"] = version
+    with pytest.raises(GraphError, match=r"no valid schema_version .*corrupt"):
+        graph_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda d: d.pop("nodes"),
+        lambda d: d.pop("edges"),
+        lambda d: d["nodes"][0].pop("name"),
+        lambda d: d["edges"][0].pop("target"),
+        lambda d: d.__setitem__("nodes", 5),
+        lambda d: d.__setitem__("nodes", ["a"]),
+        lambda d: d["nodes"][0].__setitem__("name", None),
+    ],
+)
+def test_graph_from_dict_corrupt_fields(corrupt):
+    data = graph_to_dict(diamond())
+    corrupt(data)
+    with pytest.raises(GraphError, match=r"is corrupt: missing or malformed field"):
+        graph_from_dict(data)
+
+
+def test_graph_from_dict_edge_to_unknown_node():
+    data = graph_to_dict(diamond())
+    data["edges"][0]["target"] = "zzz"
+    with pytest.raises(GraphError, match=r"edge 'a' -> 'zzz' names a node that is not in the graph"):
+        graph_from_dict(data)
+
+
+def test_graph_from_dict_validates_the_result():
+    data = graph_to_dict(diamond())
+    del data["nodes"][1]["flops"]
+    with pytest.raises(GraphError, match=r"Node 'b' has no numeric 'flops'"):
+        graph_from_dict(data)
+
+
+# ----- shape helpers -----------------------------------------------------------------------------
+
+
+def test_is_chain_true_for_chains():
+    assert is_chain(chain([1e9]))
+    assert is_chain(chain([1e9] * 5))
+
+
+def test_is_chain_false_for_branches_and_pieces():
+    assert not is_chain(diamond())
+    two_pieces = chain([1e9, 1e9])
+    add_layer(two_pieces, "lonely")
+    assert not is_chain(two_pieces)
+    fan_in = chain([1e9, 1e9])
+    add_layer(fan_in, "side")
+    fan_in.add_edge("side", "l1", bytes=0)
+    assert not is_chain(fan_in)
+
+
+def test_topological_order_is_valid_and_keeps_insertion_order():
+    graph = nx.DiGraph()
+    for name in ["c", "a", "b", "d"]:
+        add_layer(graph, name)
+    graph.add_edge("b", "d", bytes=0)
+    graph.add_edge("d", "a", bytes=0)
+    # c and b have no inputs: insertion order puts c first; a waits for d.
+    assert topological_order(graph) == ["c", "b", "d", "a"]
+
+
+def test_topological_order_is_deterministic_and_valid():
+    graph = random_dag(random.Random(7), 40)
+    order = topological_order(graph)
+    assert sorted(order) == sorted(graph.nodes)
+    position = {v: i for i, v in enumerate(order)}
+    assert all(position[u] < position[v] for u, v in graph.edges)
+    rebuilt = graph_from_dict(json.loads(json.dumps(graph_to_dict(graph))))
+    assert [topological_order(graph) for _ in range(3)] == [order] * 3
+    assert topological_order(rebuilt) == order
+
+
+def test_colocation_groups_ignores_single_members():
+    graph = shared_layer_graph()
+    graph.nodes["head"]["colocation_group"] = "alone"
+    assert colocation_groups(graph) == {"dense": ["dense_call0", "dense_call1"]}
+
+
+def test_chain_graph_builds_the_contract():
+    graph = chain_graph([1e9, 2e9, 1e9], param_bytes=[1, 2, 3], activation_bytes=[4, 5, 6], edge_bytes=[7, 8])
+    validate_graph(graph)
+    assert list(graph.edges(data="bytes")) == [("layer_0", "layer_1", 7), ("layer_1", "layer_2", 8)]
+    assert graph.nodes["layer_1"]["flops"] == 2e9
+    assert graph.nodes["layer_2"]["param_bytes"] == 3
+    assert graph.nodes["layer_0"]["activation_bytes"] == 4
+    assert is_chain(graph)
+
+
+def test_chain_graph_lengths_must_match():
+    with pytest.raises(GraphError, match=r"one flops/param/activation value per layer and one edge fewer"):
+        chain_graph([1e9, 1e9], edge_bytes=[1, 2])

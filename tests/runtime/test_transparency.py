@@ -1,0 +1,146 @@
+"""Transparency: the partitioned, micro-batched model computes what the original computes.
+
+For every model of the zoo, on 2 and 4 virtual devices and M = 1 and 4 micro-batches: outputs,
+loss, every gradient and every weight after one optimizer step match the original within 1e-5,
+and every variable lives on the device the plan names.
+
+The reference is the original Keras model on the whole batch. For models with BatchNormalization
+and M > 1 it is the original model run micro-batch by micro-batch with the gradients of the
+weighted losses summed: batch statistics are per micro-batch in any pipeline (GPipe, torchgpipe),
+so that is the computation a pipeline promises to reproduce.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from zoo import ZOO, has_batch_norm
+
+import partitioner as pt
+from profiles import profile_model
+from runtime import placement_report, wrap
+
+BATCH = 8
+def assert_close(actual: object, expected: object) -> None:
+    """Equal within 1e-5 of the larger of 1 and the largest magnitude in ``expected``.
+
+    Float32 sums over a batch, done in another order (other threads, other devices), differ by a
+    few ulps of the largest terms; a gradient entry of -3 from terms of 1e4 differs by 1e-4.
+    """
+    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    worst = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert worst <= 1e-5 * scale, f"max difference {worst:.3g} > 1e-5 x {scale:.3g}"
+
+
+def _plan(model: keras.Model, devices: list[str], num_devices: int, num_microbatches: int) -> pt.Plan:
+    """A plan that uses every one of the first num_devices devices (the uniform split)."""
+    graph = profile_model(model, batch_size=BATCH, num_microbatches=num_microbatches, measure_time=False)
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices[:num_devices]])
+    plan = pt.baselines.uniform(graph, cluster, num_microbatches=num_microbatches)
+    pt.validate_plan(plan, graph, cluster)
+    assert plan.num_stages == num_devices
+    return plan
+
+
+def _copy(model: keras.Model) -> keras.Model:
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def _slice(structure: object, start: int, stop: int) -> object:
+    return keras.tree.map_structure(lambda a: a[start:stop], structure)
+
+
+def _reference_loss(model: keras.Model, x: object, y: object, num_microbatches: int) -> tf.Tensor:
+    """The original model's loss on the batch (micro-batch by micro-batch when it has BatchNorm)."""
+    if num_microbatches == 1 or not has_batch_norm(model):
+        return model.compute_loss(x=x, y=y, y_pred=model(x, training=True), training=True)
+    sizes = [BATCH // num_microbatches + (i < BATCH % num_microbatches) for i in range(num_microbatches)]
+    total, start = 0.0, 0
+    for size in sizes:
+        x_m, y_m = _slice(x, start, start + size), _slice(y, start, start + size)
+        loss = model.compute_loss(x=x_m, y=y_m, y_pred=model(x_m, training=True), training=True)
+        total += loss * size / BATCH
+        start += size
+    return total
+
+
+def _variable_pairs(wrapped: object) -> list[tuple[tf.Variable, tf.Variable]]:
+    """(original variable, clone variable) for every weight of the model."""
+    pairs = []
+    for original, clone in wrapped._state.rebuilt.origin:
+        pairs += list(zip(original.weights, clone.weights))
+    return pairs
+
+
+CASES = [
+    (name, num_devices, m)
+    for name in ZOO
+    for num_devices in (2, 4)
+    for m in (1, 4)
+]
+
+
+@pytest.mark.parametrize(("name", "num_devices", "num_microbatches"), CASES)
+def test_transparency_matches_original(name: str, num_devices: int, num_microbatches: int, virtual_devices) -> None:
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO[name]()
+    x, y = make_batch(BATCH, 1)
+    plan = _plan(model, virtual_devices, num_devices, num_microbatches)
+
+    # Every variable lives on the device its plan names, and the plan's stages are all used.
+    wrapped = wrap(model, plan, validate=False)
+    report = placement_report(wrapped)
+    assert report.ok, report.misplaced
+    assert {d for devs in report.variable_devices.values() for d in devs} <= set(report.planned.values())
+    inputs = {layer.name for layer in model.layers if isinstance(layer, keras.layers.InputLayer)}
+    computing = {d for node, d in report.planned.items() if node not in inputs}
+    assert computing <= {d for d, n in report.op_devices.items() if n > 0}
+
+    # Outputs in inference mode.
+    keras.tree.map_structure(
+        assert_close,
+        keras.tree.map_structure(np.asarray, model(x, training=False)),
+        keras.tree.map_structure(np.asarray, wrapped(x, training=False)),
+    )
+
+    # Loss and every gradient of one micro-batched training pass.
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, num_microbatches)
+    ref_grads = dict(zip([id(v) for v in reference.trainable_weights], tape.gradient(ref_loss, reference.trainable_weights)))
+    with tf.GradientTape() as tape:
+        _, pipe_loss = wrapped._forward_microbatches(x, y, None, training=True, with_loss=True)
+    pipe_grads = tape.gradient(pipe_loss, wrapped.trainable_weights)
+    assert_close(float(pipe_loss), float(ref_loss))
+    original_index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.trainable_weights, pipe_grads)}
+    compared = 0
+    for original, clone in _variable_pairs(wrapped):
+        if id(original) not in original_index:
+            continue
+        ref_var = reference.trainable_weights[original_index[id(original)]]
+        assert_close(clone_grad[id(clone)], ref_grads[id(ref_var)])
+        compared += 1
+    assert compared == len(model.trainable_weights)
+
+    # Weights after one optimizer step through fit's own train_step.
+    wrapped = wrap(model, plan, validate=False)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, num_microbatches)
+    grads = tape.gradient(ref_loss, reference.trainable_weights)
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    logs = wrapped.train_on_batch(x, y, return_dict=True)
+    assert_close(logs["loss"], float(ref_loss))
+    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+        assert_close(after, expected)
