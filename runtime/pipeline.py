@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from partitioner.plan import Plan
+from runtime.optimizer_state import compile_like
 from runtime.rebuild import Rebuilt, copy_weights
 
 
@@ -185,19 +186,24 @@ class PipelinedModel(keras.Model):
     def unwrap(self) -> Any:
         """Returns the original architecture (a new model) with the current weights.
 
+        When this model is compiled, the result is compiled the same way and its optimizer carries
+        this one's state (slots and iteration count), so ``save`` writes a checkpoint that resumes.
+
         Example:
             >>> plain = wrapped.unwrap()        # doctest: +SKIP
             >>> plain.save("trained.keras")     # doctest: +SKIP
         """
         original = self._state.original
         plain = keras.models.clone_model(original)
-        pairs = _layer_pairs(original, plain)
-        copy_weights([(clone, pairs[id(orig)]) for orig, clone in self._state.rebuilt.origin])
+        places = _layer_pairs(original, plain)
+        layers = [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
+        copy_weights(layers)
+        compile_like(self, plain, [(a, b) for clone, target in layers for a, b in zip(clone.weights, target.weights)])
         return plain
 
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
-        """Writes the original architecture with the current weights: a ``.keras`` file that loads
-        with ``keras.models.load_model`` without this library."""
+        """Writes the original architecture with the current weights (and optimizer state, when
+        compiled): a ``.keras`` file that ``keras.models.load_model`` loads without this library."""
         self.unwrap().save(filepath, overwrite=overwrite, **kwargs)
 
     def sync_original(self) -> None:

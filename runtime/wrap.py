@@ -11,6 +11,7 @@ from partitioner.plan import Plan
 from partitioner.solver import solve
 from partitioner.validate import validate_plan
 from runtime.devices import canonical, resolve_devices
+from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
 
@@ -103,5 +104,10 @@ def wrap(model: Any, plan: Plan, *, num_microbatches: int | None = None, validat
 
 
 def _wrap(model: Any, plan: Plan, num_microbatches: int) -> PipelinedModel:
+    """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
-    return PipelinedModel(rebuild(model, assignment), plan, model, num_microbatches)
+    rebuilt = rebuild(model, assignment)
+    wrapped = PipelinedModel(rebuilt, plan, model, num_microbatches)
+    pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
+    compile_like(model, wrapped, pairs)
+    return wrapped

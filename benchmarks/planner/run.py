@@ -110,7 +110,8 @@ def models(names: list[str], devices: list[int], time_limit_s: float) -> list[di
             rows.append(row)
             print(
                 f"{name:12s} K={k} {plan.status:8s} gap={100 * (plan.gap or 0):.3f}% solve={plan.solve_time_s:.2f}s "
-                f"bottleneck={plan.bottleneck_s * 1e6:.1f}us vs best baseline x{row['vs_best_baseline'] or float('nan'):.3f}",
+                f"bottleneck={plan.bottleneck_s * 1e6:.1f}us "
+                f"vs best baseline x{row['vs_best_baseline'] or float('nan'):.3f}",
                 flush=True,
             )
     return rows
@@ -133,11 +134,10 @@ def tables(results: dict[str, Any]) -> str:
     ]
     for r in results["synthetic"]:
         cp = r.get("cp_sat_on_chain")
-        cp_text = (
-            f"{cp['status']}, gap {100 * (cp['gap'] or 0):.2f}%, {cp['solve_time_s']:.2f} s" if cp else "-"
-        )
+        cp_text = f"{cp['status']}, gap {100 * (cp['gap'] or 0):.2f}%, {cp['solve_time_s']:.2f} s" if cp else "-"
         lines.append(
-            f"| {r['graph']} | {r['nodes']} | {r['devices']} | {r['method']} | {r['status']} | {_us(r['bottleneck_s'])} "
+            f"| {r['graph']} | {r['nodes']} | {r['devices']} | {r['method']} | {r['status']} "
+            f"| {_us(r['bottleneck_s'])} "
             f"| {_us(r['lower_bound_s'])} | {100 * (r['gap'] or 0):.3f}% | {r['solve_time_s']:.2f} "
             f"| {_us(r['best_fitting_baseline_s'])} | {r['vs_best_baseline'] or float('nan'):.3f} | {cp_text} |"
         )
@@ -148,7 +148,8 @@ def tables(results: dict[str, Any]) -> str:
         "",
         "Bottleneck stage time per micro-batch in µs; a baseline marked * does not fit in memory.",
         "",
-        "| model | layers | K | status | gap | solve (s) | CP-SAT | uniform | by_params | by_time | best baseline / CP-SAT |",
+        "| model | layers | K | status | gap | solve (s) | CP-SAT | uniform | by_params | by_time "
+        "| best baseline / CP-SAT |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["models"]:

@@ -23,6 +23,8 @@ from profiles import profile_model
 from runtime import placement_report, wrap
 
 BATCH = 8
+
+
 def assert_close(actual: object, expected: object) -> None:
     """Equal within 1e-5 of the larger of 1 and the largest magnitude in ``expected``.
 
@@ -78,12 +80,7 @@ def _variable_pairs(wrapped: object) -> list[tuple[tf.Variable, tf.Variable]]:
     return pairs
 
 
-CASES = [
-    (name, num_devices, m)
-    for name in ZOO
-    for num_devices in (2, 4)
-    for m in (1, 4)
-]
+CASES = [(name, num_devices, m) for name in ZOO for num_devices in (2, 4) for m in (1, 4)]
 
 
 @pytest.mark.parametrize(("name", "num_devices", "num_microbatches"), CASES)
@@ -115,7 +112,9 @@ def test_transparency_matches_original(name: str, num_devices: int, num_microbat
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
-    ref_grads = dict(zip([id(v) for v in reference.trainable_weights], tape.gradient(ref_loss, reference.trainable_weights)))
+    ref_grads = dict(
+        zip([id(v) for v in reference.trainable_weights], tape.gradient(ref_loss, reference.trainable_weights))
+    )
     with tf.GradientTape() as tape:
         _, pipe_loss = wrapped._forward_microbatches(x, y, None, training=True, with_loss=True)
     pipe_grads = tape.gradient(pipe_loss, wrapped.trainable_weights)

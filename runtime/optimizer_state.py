@@ -1,0 +1,61 @@
+"""Carries optimizer state (slots, iteration count) between a model and its pipelined twin.
+
+Keras names each optimizer slot after the variable it belongs to: the slot "momentum" of the
+variable at path "dense/kernel" is called "dense_kernel_momentum". Given pairs of corresponding
+model variables, this module copies every slot across by that rule, plus the optimizer's own
+counters, so a checkpoint of either model resumes training on the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def _prefix(variable: Any) -> str:
+    return f"{variable.path.replace('/', '_')}_"
+
+
+def copy_optimizer_state(source: Any, destination: Any, pairs: Iterable[tuple[Any, Any]]) -> int:
+    """Copies ``source``'s optimizer state into ``destination`` for matching model variables.
+
+    Args:
+        source: a built Keras optimizer.
+        destination: a built Keras optimizer of the same class and configuration.
+        pairs: (variable seen by source, corresponding variable seen by destination).
+
+    Returns:
+        The number of optimizer variables copied.
+    """
+    source_vars = {v.name: v for v in source.variables}
+    destination_vars = {v.name: v for v in destination.variables}
+    copied = 0
+    for name in ("iteration", "iterations", "learning_rate"):
+        if name in source_vars and name in destination_vars:
+            destination_vars[name].assign(source_vars[name])
+            copied += 1
+    for src_var, dst_var in pairs:
+        src_prefix, dst_prefix = _prefix(src_var), _prefix(dst_var)
+        for name, slot in source_vars.items():
+            if name.startswith(src_prefix):
+                target = destination_vars.get(dst_prefix + name[len(src_prefix) :])
+                if target is not None and tuple(target.shape) == tuple(slot.shape):
+                    target.assign(slot)
+                    copied += 1
+    return copied
+
+
+def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tuple[Any, Any]]) -> None:
+    """Compiles ``destination_model`` as ``source_model`` was and gives it the same optimizer state.
+
+    Does nothing when ``source_model`` is not compiled.
+    """
+    if not getattr(source_model, "compiled", False) or source_model.optimizer is None:
+        return
+    config = source_model.get_compile_config()
+    if config is None:
+        return
+    destination_model.compile_from_config(config)
+    if source_model.optimizer.built:
+        destination_model.optimizer.build(destination_model.trainable_variables)
+        copy_optimizer_state(source_model.optimizer, destination_model.optimizer, pairs)

@@ -1,0 +1,177 @@
+"""plan_and_wrap and wrap: Keras behaviour (fit, evaluate, predict, callbacks, save, resume) and errors."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from zoo import ZOO
+
+import partitioner as pt
+from profiles import profile_model
+from runtime import PipelinedModel, placement_report, plan_and_wrap, wrap
+
+
+def _model_and_data(name: str = "mlp", batch: int = 32):
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO[name]()
+    x, y = make_batch(batch, 3)
+    return model, x, y, loss
+
+
+def _uniform_plan(model, devices, num_devices=2, num_microbatches=4, batch=16):
+    graph = profile_model(model, batch_size=batch, num_microbatches=num_microbatches, measure_time=False)
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices[:num_devices]])
+    return pt.baselines.uniform(graph, cluster, num_microbatches=num_microbatches)
+
+
+def test_plan_and_wrap_trains_with_fit(virtual_devices) -> None:
+    model, x, y, loss = _model_and_data()
+    wrapped = plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=4, memory="1GiB")
+    assert isinstance(wrapped, PipelinedModel) and isinstance(wrapped, keras.Model)
+    assert set(wrapped.plan.assignment.values()) <= set(virtual_devices[:2])
+    assert placement_report(wrapped).ok
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    history = wrapped.fit(x, y, batch_size=16, epochs=5, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert set(history.history) == {"loss", "accuracy"}
+    results = wrapped.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert set(results) == {"loss", "accuracy"}
+    assert wrapped.predict(x, batch_size=16, verbose=0).shape == (32, 5)
+
+
+@pytest.mark.parametrize("batch", [13, 3])
+def test_remainders_match_full_batch(batch: int, virtual_devices) -> None:
+    """A batch not divisible by M (13 = 4+3+3+3) or smaller than M (3 < 4) still equals the full step."""
+    model, x, y, loss = _model_and_data(batch=batch)
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    expected = reference.train_on_batch(x, y)
+    got = wrapped.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False).history["loss"][0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for a, b in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_weights_are_honoured(virtual_devices) -> None:
+    model, x, y, loss = _model_and_data(batch=16)
+    weights = np.linspace(0.0, 2.0, 16).astype("float32")
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    expected = reference.train_on_batch(x, y, sample_weight=weights)
+    got = wrapped.train_on_batch(x, y, sample_weight=weights)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_save_writes_a_plain_keras_model(tmp_path, virtual_devices) -> None:
+    model, x, y, loss = _model_and_data("nested_sequential")
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices, num_devices=3))
+    wrapped.compile(optimizer="adam", loss=loss)
+    wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    path = tmp_path / "trained.keras"
+    wrapped.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, keras.Model) and not isinstance(loaded, PipelinedModel)  # a plain Keras model
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # The model that was wrapped is untouched until asked for.
+    assert not np.allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+    wrapped.sync_original()
+    np.testing.assert_allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_training_resumes_from_a_checkpoint(tmp_path, virtual_devices) -> None:
+    """ModelCheckpoint writes a .keras with optimizer state; wrapping the loaded model resumes exactly."""
+    model, x, y, loss = _model_and_data()
+    plan = _uniform_plan(model, virtual_devices)
+    path = tmp_path / "checkpoint.keras"
+
+    straight = wrap(model, plan, validate=False)
+    straight.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    straight.fit(x, y, batch_size=16, epochs=4, verbose=0, shuffle=False)
+
+    first = wrap(model, plan, validate=False)
+    first.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    first.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=False)],
+    )
+    resumed = wrap(keras.models.load_model(path), plan, validate=False)
+    assert resumed.optimizer is not None and int(resumed.optimizer.iterations) == 4
+    resumed.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(resumed.unwrap().get_weights(), straight.unwrap().get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_early_stopping_stops(virtual_devices) -> None:
+    model, x, y, loss = _model_and_data()
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=1e-3)
+    history = wrapped.fit(x, y, batch_size=16, epochs=10, verbose=0, callbacks=[stop])
+    assert len(history.history["loss"]) == 2
+
+
+def test_wrap_accepts_a_plan_from_json(virtual_devices) -> None:
+    model, x, _, _ = _model_and_data()
+    plan = pt.Plan.from_json(_uniform_plan(model, virtual_devices).to_json())
+    wrapped = wrap(model, plan)
+    np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+# ----- errors, by message -------------------------------------------------------------------------
+
+
+def test_plan_for_another_model_is_refused(virtual_devices) -> None:
+    model, _, _, _ = _model_and_data("mlp")
+    other, _, _, _ = _model_and_data("shared_layer")
+    with pytest.raises(pt.PlanError, match=r"not in the plan|not in the graph|have no device"):
+        wrap(other, _uniform_plan(model, virtual_devices))
+
+
+def test_unknown_devices_are_listed(virtual_devices) -> None:
+    model, _, _, _ = _model_and_data()
+    with pytest.raises(pt.ClusterError, match=r"do not exist here. TensorFlow sees: \['/device:CPU:0'"):
+        plan_and_wrap(model, devices=["/GPU:7"], batch_size=16, num_microbatches=4)
+    with pytest.raises(pt.ClusterError, match="devices=9 but TensorFlow sees 4 device"):
+        plan_and_wrap(model, devices=9, batch_size=16, num_microbatches=4)
+
+
+@pytest.mark.parametrize(
+    ("num_microbatches", "message"), [(0, "must be an integer >= 1"), (64, "larger than batch_size")]
+)
+def test_bad_microbatch_counts(num_microbatches: int, message: str, virtual_devices) -> None:
+    model, _, _, _ = _model_and_data()
+    with pytest.raises(pt.InputError, match=message):
+        plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=num_microbatches)
+
+
+def test_infeasible_model_gets_the_planners_message(virtual_devices) -> None:
+    model, _, _, _ = _model_and_data()
+    with pytest.raises(pt.InfeasiblePlanError, match=r"alone needs .* but the largest device holds"):
+        plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=4, memory=2048)
+
+
+def test_subclassed_model_is_refused(virtual_devices) -> None:
+    class Subclassed(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(np.zeros((2, 4), "float32"))
+    with pytest.raises(pt.ProfileError, match=r"subclassed keras\.Model.*functional API"):
+        plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=4)
