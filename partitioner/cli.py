@@ -66,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-compare", action="store_true", help="skip the comparison with baseline splits")
     plan.add_argument("--summary", action="store_true", help="omit the per-layer placement table")
 
+    placed = commands.add_parser(
+        "placement",
+        help="wrap a model on N local devices (virtual CPU devices if needed) and show where variables and ops are",
+    )
+    placed.add_argument("model", help=model_help)
+    placed.add_argument("--devices", type=int, default=2, help="number of local devices (default: 2)")
+    placed.add_argument("--memory", default="4GiB", help="capacity per device where it reports none (default: 4GiB)")
+    placed.add_argument("--plan", help="use this plan JSON instead of planning (its devices must exist here)")
+    _add_profile_options(placed)
+
     profile = commands.add_parser("profile", help="profile a model into a layer graph JSON")
     profile.add_argument("model", help=model_help)
     _add_profile_options(profile)
@@ -87,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args, err)
+        if args.command == "placement":
+            return _placement(args, err)
         return _profile(args, err)
     except PartitionerError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
@@ -171,6 +183,36 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if args.out:
         out.print(f"plan written to {args.out}")
     return 0
+
+
+def _placement(args: argparse.Namespace, err: Console) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from runtime import make_virtual_devices, placement_report, plan_and_wrap, wrap
+
+    make_virtual_devices(args.devices)
+    from profiles.loader import load_model
+
+    with err.status(f"building and wrapping {args.model} ..."):
+        model = load_model(args.model, input_size=args.input_size)
+        if args.plan:
+            wrapped = wrap(model, Plan.from_json(Path(args.plan).read_text()))
+        else:
+            wrapped = plan_and_wrap(
+                model,
+                devices=args.devices,
+                batch_size=args.batch_size,
+                num_microbatches=args.micro_batches,
+                memory=args.memory,
+            )
+        report = placement_report(wrapped)
+    out = _stdout()
+    out.print(report.table())
+    for line in report.misplaced:
+        out.print(f"[red]misplaced:[/] {line}")
+    out.print(
+        "every variable is on its planned device" if report.ok else "[bold red]placement differs from the plan[/]"
+    )
+    return 0 if report.ok else 1
 
 
 def _profile(args: argparse.Namespace, err: Console) -> int:
