@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 
@@ -249,8 +250,8 @@ def build_model(costs: CostModel, pins: Mapping[str, str], options: SolverOption
         for v in nodes[1:]:
             for k in devices:
                 model.add(x[v, k] == x[nodes[0], k])
-    for v, device in pins.items():
-        model.add(x[v, cluster.index(device)] == 1)
+    for v, pinned in pins.items():
+        model.add(x[v, cluster.index(pinned)] == 1)
     # The bottleneck bounds every stage's compute + receive time.
     for k in devices:
         compute = [steps(costs.compute_s[v][k]) * x[v, k] for v in order]
@@ -284,7 +285,7 @@ def _best_start(costs: CostModel, pins: Mapping[str, str]) -> dict[str, str] | N
     """The best legal plan among the exact DP (chains) and the baselines, as a search hint."""
     from partitioner.exact import exact_chain
 
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "num_microbatches": costs.num_microbatches,
         "optimizer_slots": costs.optimizer_slots,
         "cost": costs.cost,

@@ -20,6 +20,7 @@ optimizer slots with their variables, so each stage's update happens on its devi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -30,11 +31,15 @@ from runtime.optimizer_state import compile_like
 from runtime.rebuild import Rebuilt, copy_weights
 
 
-class _Frozen:
-    """Holds plain Python state out of Keras' attribute tracking."""
+@dataclass(frozen=True)
+class _State:
+    """Plain Python state, kept in one object so Keras' attribute tracking leaves it alone."""
 
-    def __init__(self, **values: Any) -> None:
-        self.__dict__.update(values)
+    rebuilt: Rebuilt  # the staged model and its maps
+    plan: Plan  # the plan it was built from
+    original: Any  # the model that was wrapped (never modified)
+    num_microbatches: int  # M
+    stages: tuple[str, ...]  # devices in pipeline order
 
 
 def _call_fn(operation: Any, device: str, training: Any) -> Any:
@@ -47,7 +52,7 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
     return call
 
 
-class PipelinedModel(keras.Model):
+class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
     """A Keras model whose layers run on the devices of a plan, trained with pipelined micro-batches.
 
     Build one with ``runtime.plan_and_wrap(model, ...)`` or ``runtime.wrap(model, plan)``. It is
@@ -63,7 +68,7 @@ class PipelinedModel(keras.Model):
     def __init__(self, rebuilt: Rebuilt, plan: Plan, original: Any, num_microbatches: int, **kwargs: Any) -> None:
         super().__init__(name=kwargs.pop("name", f"{original.name}_pipelined"), **kwargs)
         self.staged = rebuilt.model
-        self._state = _Frozen(
+        self._state = _State(
             rebuilt=rebuilt,
             plan=plan,
             original=original,
@@ -76,16 +81,16 @@ class PipelinedModel(keras.Model):
     @property
     def plan(self) -> Plan:
         """The plan the model was built from."""
-        return self._state.plan  # type: ignore[no-any-return]
+        return self._state.plan
 
     @property
     def num_microbatches(self) -> int:
         """M, the number of micro-batches per training step."""
-        return self._state.num_microbatches  # type: ignore[no-any-return]
+        return self._state.num_microbatches
 
     def device_of(self, layer: Any) -> str:
         """The device a (cloned) layer of ``self.staged`` runs on."""
-        return self._state.rebuilt.device_of[id(layer)]  # type: ignore[no-any-return]
+        return self._state.rebuilt.device_of[id(layer)]
 
     # ----- forward ---------------------------------------------------------------------------------
 
