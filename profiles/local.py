@@ -6,7 +6,8 @@ Where the numbers come from::
     ----------------  ------------------------------------------  ---------------------------------
     memory_bytes      the virtual device's memory_limit, else      ``memory``, else the machine's
                       ``memory``, else a ClusterError               RAM split evenly over the devices
-    flops_per_s       ``flops_per_s``, else measured with a float32 matmul (:func:`measure_flops_per_s`)
+    flops_per_s       ``flops_per_s``, else measured once with a float32 matmul on the first device
+                      (:func:`measure_flops_per_s`) and used for all of them
     bandwidth         ``bandwidth``, else DEFAULT_BANDWIDTH (50 GB/s, about PCIe 4.0 x16): a
                       documented constant, not measured; pass the real figure for NVLink or networks
 
@@ -80,14 +81,10 @@ def local_cluster(
     else:
         per_device = memory if memory is not None else _ram_bytes() // len(names)
         memories = [per_device] * len(names)
-    devices = [
-        Device(
-            name,
-            memory=size,
-            flops_per_s=flops_per_s if flops_per_s is not None else measure_flops_per_s(name),
-        )
-        for name, size in zip(names, memories, strict=True)
-    ]
+    # Measured once, on the first device: logical devices share their physical device, and one
+    # figure for all keeps plans from changing with timing noise between runs.
+    speed = flops_per_s if flops_per_s is not None else measure_flops_per_s(names[0])
+    devices = [Device(name, memory=size, flops_per_s=speed) for name, size in zip(names, memories, strict=True)]
     return Cluster(
         devices,
         bandwidth=DEFAULT_BANDWIDTH if bandwidth is None else bandwidth,

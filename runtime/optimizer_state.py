@@ -57,5 +57,6 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
         return
     destination_model.compile_from_config(config)
     if source_model.optimizer.built:
-        destination_model.optimizer.build(destination_model.trainable_variables)
+        if not destination_model.optimizer.built:
+            destination_model.optimizer.build(destination_model.trainable_variables)
         copy_optimizer_state(source_model.optimizer, destination_model.optimizer, pairs)

@@ -161,6 +161,17 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 
     # ----- Keras steps -----------------------------------------------------------------------------
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """keras.Model.compile, then builds the optimizer so its slots exist (on their variables'
+        devices) before the first step is traced: otherwise the first step is traced twice."""
+        super().compile(*args, **kwargs)
+        if self.optimizer is not None and not self.optimizer.built and self.trainable_variables:
+            self.optimizer.build(self.trainable_variables)
+
+    def compile_from_config(self, config: Any) -> None:
+        """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
     def train_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
