@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from partitioner.errors import InputError
 from partitioner.plan import Plan
 from runtime.optimizer_state import compile_like
 from runtime.rebuild import Rebuilt, copy_weights
@@ -163,7 +164,19 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """keras.Model.compile, then builds the optimizer so its slots exist (on their variables'
-        devices) before the first step is traced: otherwise the first step is traced twice."""
+        devices) before the first step is traced: otherwise the first step is traced twice.
+
+        Raises:
+            InputError: for ``jit_compile=True``: XLA compiles one device's graph, and per-stage
+                compilation is not implemented yet. "auto" (Keras' default) is turned off.
+        """
+        if kwargs.get("jit_compile") is True:
+            raise InputError(
+                "jit_compile=True is not supported by PipelinedModel yet: XLA compiles a graph for one "
+                "device, and compiling each stage separately is not implemented. Received: jit_compile=True. "
+                "Use jit_compile=False (the stages still run as one TensorFlow graph)."
+            )
+        kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)
         if self.optimizer is not None and not self.optimizer.built and self.trainable_variables:
             self.optimizer.build(self.trainable_variables)

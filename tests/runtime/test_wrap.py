@@ -175,3 +175,12 @@ def test_subclassed_model_is_refused(virtual_devices) -> None:
     model(np.zeros((2, 4), "float32"))
     with pytest.raises(pt.ProfileError, match=r"subclassed keras\.Model.*functional API"):
         plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=4)
+
+
+def test_jit_compile_is_refused_with_advice(virtual_devices) -> None:
+    model, _, _, loss = _model_and_data()
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    with pytest.raises(pt.InputError, match=r"jit_compile=True is not supported .* Use jit_compile=False"):
+        wrapped.compile(optimizer="sgd", loss=loss, jit_compile=True)
+    wrapped.compile(optimizer="sgd", loss=loss)
+    assert wrapped.jit_compile is False
