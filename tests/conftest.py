@@ -12,21 +12,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _make_virtual_devices() -> list[str]:
-    """Splits the CPU (or the first GPU) into NUM_VIRTUAL_DEVICES logical devices; returns their names."""
+    """NUM_VIRTUAL_DEVICES logical devices (virtual GPUs where a GPU exists, else logical CPUs)."""
     try:
-        import tensorflow as tf
+        from runtime import make_virtual_devices
     except ImportError:  # the planner's tests run without TensorFlow
         return []
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        config = [tf.config.LogicalDeviceConfiguration(memory_limit=1024)] * NUM_VIRTUAL_DEVICES
-        tf.config.set_logical_device_configuration(gpus[0], config)
-        kind = "GPU"
-    else:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_VIRTUAL_DEVICES)
-        kind = "CPU"
-    return [d.name for d in tf.config.list_logical_devices(kind)]
+    return make_virtual_devices(NUM_VIRTUAL_DEVICES)
 
 
 VIRTUAL_DEVICES = _make_virtual_devices()

@@ -184,3 +184,19 @@ def test_jit_compile_is_refused_with_advice(virtual_devices) -> None:
         wrapped.compile(optimizer="sgd", loss=loss, jit_compile=True)
     wrapped.compile(optimizer="sgd", loss=loss)
     assert wrapped.jit_compile is False
+
+
+def test_tensorboard_callback_writes_logs(tmp_path, virtual_devices) -> None:
+    model, x, y, loss = _model_and_data()
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    wrapped.compile(optimizer="sgd", loss=loss)
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[keras.callbacks.TensorBoard(tmp_path)])
+    assert list((tmp_path / "train").iterdir())
+
+
+def test_plan_and_wrap_accepts_a_cluster(virtual_devices) -> None:
+    model, x, _, _ = _model_and_data()
+    cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[1:3]])
+    wrapped = plan_and_wrap(model, devices=cluster, batch_size=16, num_microbatches=2)
+    assert set(wrapped.plan.devices) == set(virtual_devices[1:3])
+    np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
