@@ -63,52 +63,13 @@ def exact_chain(
     capacity = [d.memory_bytes for d in cluster.devices]
     out_bytes = np.array([costs.out_bytes[v] for v in order], dtype=np.float64)
 
-    inf = np.inf
-    best = np.full((k_total, n + 1), inf)  # best[k, j]: layers [0, j) placed, layer j-1 on device k
-    parent = np.full((k_total, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
-    for k2 in range(k_total):
-        fits_first = mem_prefix <= capacity[k2]
-        first = np.where(fits_first, prefix[:, k2], inf)
-        first[0] = inf
-        better = first < best[k2]
-        best[k2][better] = first[better]
-        parent[k2][better] = (-1, 0)
-        for k in range(k2):
-            _relax(
-                best,
-                parent,
-                k,
-                k2,
-                prefix[:, k2],
-                mem_prefix,
-                capacity[k2],
-                out_bytes / cluster.bandwidth(k, k2),
-            )
+    bandwidth = [[cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
+    best, _ = _dynamic_program(prefix, mem_prefix, capacity, out_bytes, bandwidth)
     optimum = float(best[:, n].min())
     if not np.isfinite(optimum):
         raise explain_infeasible(costs)
-
     # Second pass: among splits whose every stage takes at most the optimum, the fewest bytes sent.
-    limit = optimum * (1 + 1e-9)
-    sent = np.full((k_total, n + 1), np.inf)
-    parent = np.full((k_total, n + 1, 2), -1, dtype=np.int64)
-    for k2 in range(k_total):
-        first = (mem_prefix <= capacity[k2]) & (prefix[:, k2] <= limit)
-        first[0] = False
-        sent[k2][first] = 0.0
-        parent[k2][first] = (-1, 0)
-        for k in range(k2):
-            _relax(
-                sent,
-                parent,
-                k,
-                k2,
-                prefix[:, k2],
-                mem_prefix,
-                capacity[k2],
-                out_bytes / cluster.bandwidth(k, k2),
-                byte_limit=(out_bytes, limit),
-            )
+    sent, parent = _dynamic_program(prefix, mem_prefix, capacity, out_bytes, bandwidth, limit=optimum * (1 + 1e-9))
     k = int(np.argmin(sent[:, n]))
     assignment: dict[str, str] = {}
     j = n
@@ -125,6 +86,39 @@ def exact_chain(
         lower_bound_s=optimum,
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def _dynamic_program(
+    prefix: np.ndarray,
+    mem_prefix: np.ndarray,
+    capacity: list[int],
+    out_bytes: np.ndarray,
+    bandwidth: list[list[float]],
+    limit: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fills table[k, j] over layers [0, j) with layer j - 1 on device k, and the parents to rebuild it.
+
+    Without ``limit`` the table holds the least bottleneck (min-max); with it, the fewest bytes sent
+    (min-sum) over splits whose every stage takes at most ``limit`` seconds.
+    """
+    num_devices, n = prefix.shape[1], prefix.shape[0] - 1
+    table = np.full((num_devices, n + 1), np.inf)
+    parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
+    for k2 in range(num_devices):
+        fits = mem_prefix <= capacity[k2]
+        if limit is None:
+            first = np.where(fits, prefix[:, k2], np.inf)  # the first block starts the chain on k2
+        else:
+            first = np.where(fits & (prefix[:, k2] <= limit), 0.0, np.inf)
+        first[0] = np.inf
+        better = first < table[k2]
+        table[k2][better] = first[better]
+        parent[k2][better] = (-1, 0)
+        for k in range(k2):
+            receive = out_bytes / bandwidth[k][k2]
+            byte_limit = None if limit is None else (out_bytes, limit)
+            _relax(table, parent, k, k2, prefix[:, k2], mem_prefix, capacity[k2], receive, byte_limit)
+    return table, parent
 
 
 def _relax(
