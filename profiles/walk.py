@@ -64,16 +64,10 @@ def _inner_graph(operation: Any) -> Any | None:
     """The Functional graph of a nested model, None for any other operation."""
     import keras
 
-    if isinstance(operation, keras.Sequential):
-        functional = getattr(operation, "_functional", None)
-        if functional is None:
-            raise ProfileError(
-                f"Nested Sequential model '{operation.name}' is not built. "
-                "Call its build(input_shape) or start it with keras.Input(shape=...)."
-            )
-        return functional
-    if isinstance(operation, keras.Model) and hasattr(operation, "_nodes_by_depth"):
-        return operation
+    if isinstance(operation, keras.Sequential) or (
+        isinstance(operation, keras.Model) and hasattr(operation, "_nodes_by_depth")
+    ):
+        return functional_graph(operation)
     return None
 
 

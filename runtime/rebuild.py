@@ -60,7 +60,6 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     calls, producer = flatten_calls(functional)
     check_plan_matches([c.name for c in calls], assignment)
 
-    values: list[list[Any]] = []  # per call: the new symbolic outputs
     by_original: dict[int, Any] = {}  # id(original tensor as produced) -> new symbolic tensor
     clones: dict[int, Any] = {}  # id(original operation) -> clone
     device_of: dict[int, str] = {}
@@ -77,7 +76,6 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
                 new = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, name=call.operation.name)
             new_inputs[id(tensor)] = new
             by_original[id(tensor)] = new
-            values.append([new])
             continue
         tensor_dict = {id(t): by_original[id(produced)] for t, (_, produced) in zip(node.input_tensors, call.sources)}
         args, kwargs = node.arguments.fill_in(tensor_dict)
@@ -95,7 +93,6 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         flat_outputs = keras.tree.flatten(outputs)
         for original, new in zip(node.output_tensors, flat_outputs):
             by_original[id(original)] = new
-        values.append(flat_outputs)
 
     inputs = keras.tree.map_structure(lambda t: new_inputs[id(t)], functional._inputs_struct)
     outputs = keras.tree.map_structure(lambda t: by_original[id(producer[id(t)][1])], functional._outputs_struct)
