@@ -40,3 +40,7 @@ class InfeasiblePlanError(PartitionerError):
 
 class SolverTimeoutError(InfeasiblePlanError):
     """The solver reached its time limit before finding any feasible plan."""
+
+
+class ScheduleError(PartitionerError, ValueError):
+    """A pipeline schedule is malformed or deadlocks (partitioner.schedule); the message draws its grid."""
