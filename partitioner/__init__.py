@@ -26,12 +26,14 @@ from partitioner.errors import (
     PartitionerError,
     PlanError,
     ProfileError,
+    ScheduleError,
     SolverTimeoutError,
 )
 from partitioner.exact import exact_chain
 from partitioner.graph import chain_graph, load_graph, save_graph, validate_graph
 from partitioner.plan import Plan
-from partitioner.simulate import Action, Simulation, simulate
+from partitioner.schedule import Action, Schedule
+from partitioner.simulate import Simulation, Span, simulate
 from partitioner.solver import SolverOptions, solve
 from partitioner.validate import validate_plan
 
@@ -48,9 +50,12 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProfileError",
+    "Schedule",
+    "ScheduleError",
     "Simulation",
     "SolverOptions",
     "SolverTimeoutError",
+    "Span",
     "baselines",
     "chain_graph",
     "exact_chain",

@@ -153,9 +153,17 @@ def _baseline(method: str) -> Callable[..., Plan]:
         num_microbatches: int = 1,
         optimizer_slots: int = 2,
         cost: str = "flops",
+        schedule: str = "gpipe",
     ) -> Plan:
         started = time.perf_counter()
-        costs = CostModel(graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost)
+        costs = CostModel(
+            graph,
+            cluster,
+            num_microbatches=num_microbatches,
+            optimizer_slots=optimizer_slots,
+            cost=cost,
+            schedule=schedule,
+        )
         return split_with(costs, method, started=started)
 
     run.__name__ = method

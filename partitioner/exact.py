@@ -35,8 +35,12 @@ def exact_chain(
     num_microbatches: int = 1,
     optimizer_slots: int = 2,
     cost: str = "flops",
+    schedule: str = "gpipe",
 ) -> Plan:
     """Returns a plan with the minimum bottleneck for a chain graph (status "optimal").
+
+    Memory is budgeted as in the CP-SAT model: each layer's activations ``CostModel.max_in_flight`` times
+    (``schedule`` "gpipe": M; "1f1b": min(number of devices, M)); the plan reports each stage's own need.
 
     Raises:
         InputError: when the graph is not a single chain or has colocation groups.
@@ -46,7 +50,9 @@ def exact_chain(
         >>> plan = exact_chain(pt.chain_graph([1e9] * 8), pt.Cluster.uniform(4, memory="1GiB"))  # doctest: +SKIP
     """
     started = time.perf_counter()
-    costs = CostModel(graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost)
+    costs = CostModel(
+        graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost, schedule=schedule
+    )
     if not is_chain(graph):
         raise InputError(
             "exact_chain needs a chain (every layer feeds only the next one); this graph branches. "

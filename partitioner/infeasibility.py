@@ -9,16 +9,20 @@ from partitioner.errors import InfeasiblePlanError
 from partitioner.graph import colocation_groups
 from partitioner.units import format_bytes
 
-_ADVICE = (
-    "Add devices or devices with more memory, lower the batch size or the number of micro-batches, "
-    "or use mixed precision."
-)
+
+def _advice(costs: CostModel) -> str:
+    fewer = costs.schedule == "gpipe" and len(costs.devices) < costs.num_microbatches
+    return (
+        "Add devices or devices with more memory, lower the batch size or the number of micro-batches, "
+        + ("plan for the 1f1b schedule (fewer micro-batches in flight), " if fewer else "")
+        + "or use mixed precision."
+    )
 
 
 def _what(costs: CostModel) -> str:
     return (
         f"weights, gradients and {costs.optimizer_slots} optimizer slot(s), activations of "
-        f"{costs.num_microbatches} micro-batch(es)"
+        f"{costs.max_in_flight} micro-batch(es) in flight under {costs.schedule}"
     )
 
 
@@ -46,14 +50,14 @@ def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) 
             label = f"layer '{nodes[0]}'" if len(nodes) == 1 else f"shared layer group {nodes}"
             return InfeasiblePlanError(
                 f"{label} alone needs {format_bytes(need)} ({_what(costs)}) but {where} holds "
-                f"{format_bytes(limit)}. Received: devices={costs.devices}. {_ADVICE}"
+                f"{format_bytes(limit)}. Received: devices={costs.devices}. {_advice(costs)}"
             )
     total = sum(costs.memory.values())
     held = costs.cluster.total_memory_bytes
     if total > held:
         return InfeasiblePlanError(
             f"The model needs {format_bytes(total)} in total ({_what(costs)}), the {len(capacity)} devices "
-            f"hold {format_bytes(held)} ({format_bytes(total - held)} short). {_ADVICE}"
+            f"hold {format_bytes(held)} ({format_bytes(total - held)} short). {_advice(costs)}"
         )
     index = {d: k for k, d in enumerate(costs.devices)}
     for u, v in costs.graph.edges:
@@ -65,5 +69,5 @@ def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) 
     return InfeasiblePlanError(
         f"The model needs {format_bytes(total)} of the {format_bytes(held)} the devices hold, but no split "
         "into stages that follow the graph's order fits every device (layers cannot be packed into the "
-        f"gaps left by their neighbours). Received: devices={costs.devices}, pins={pins or None}. {_ADVICE}"
+        f"gaps left by their neighbours). Received: devices={costs.devices}, pins={pins or None}. {_advice(costs)}"
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 from partitioner.cost import CostModel, bubble_fraction, relative_gap
 from partitioner.errors import PlanError
+from partitioner.schedule import SCHEDULES
 from partitioner.simulate import simulate_assignment
 
 PLAN_SCHEMA_VERSION = 1
@@ -41,16 +42,17 @@ class Plan:
     stage_times: dict[str, float]  # seconds per micro-batch: compute + receive
     compute_times: dict[str, float]  # seconds per micro-batch
     receive_times: dict[str, float]  # seconds per micro-batch
-    memory_bytes: dict[str, int]  # predicted peak need per device
+    memory_bytes: dict[str, int]  # predicted peak need per device, under the plan's schedule
     capacity_bytes: dict[str, int]  # each device's memory
     bottleneck_s: float  # the slowest stage's time per micro-batch
     lower_bound_s: float | None  # proven lower bound on the bottleneck, if the method gives one
-    step_time_s: float  # predicted step: the GPipe schedule simulated action by action (partitioner.simulate)
+    step_time_s: float  # predicted step: the plan's schedule simulated action by action (partitioner.simulate)
     serial_step_s: float  # the same M micro-batches on the fastest device alone
     transfer_bytes: int  # bytes received by all stages per micro-batch
     solve_time_s: float  # wall-clock seconds the method took
     model_name: str | None = None
     fill_drain_step_s: float | None = None  # (M + K - 1) * bottleneck: the closed-form bound on the step
+    schedule: str = "gpipe"  # the schedule planned for (memory) and simulated (step): "gpipe" or "1f1b"
 
     @classmethod
     def from_assignment(
@@ -63,11 +65,20 @@ class Plan:
         lower_bound_s: float | None = None,
         solve_time_s: float = 0.0,
     ) -> Plan:
-        """Scores ``assignment`` with ``costs`` and returns the plan."""
+        """Scores ``assignment`` with ``costs`` and returns the plan.
+
+        The plan is for ``costs.schedule``: its memory counts that schedule's micro-batches in flight and
+        its step time is that schedule simulated.
+
+        Example:
+            >>> costs = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")       # doctest: +SKIP
+            >>> Plan.from_assignment(assignment, costs, method="manual").schedule           # doctest: +SKIP
+            '1f1b'
+        """
         if status not in STATUSES:
             raise PlanError(f"status must be one of {STATUSES}. Received: {status!r}.")
         ev = costs.evaluate(assignment)
-        simulated = simulate_assignment(costs, assignment, schedule="gpipe")
+        simulated = simulate_assignment(costs, assignment, schedule=costs.schedule)
         if lower_bound_s is not None:
             lower_bound_s = min(lower_bound_s, ev.bottleneck_s)
         return cls(
@@ -91,6 +102,7 @@ class Plan:
             solve_time_s=solve_time_s,
             model_name=costs.graph.graph.get("model_name"),
             fill_drain_step_s=ev.step_time_s,
+            schedule=costs.schedule,
         )
 
     # ----- derived views -------------------------------------------------------------------------
@@ -117,7 +129,7 @@ class Plan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a GPipe step for this plan's K and M: (K - 1) / (M + K - 1)."""
+        """Idle share of a GPipe or 1F1B step for this plan's K and M, balanced stages: (K - 1) / (M + K - 1)."""
         return bubble_fraction(self.num_stages, self.num_microbatches)
 
     @property
@@ -160,7 +172,9 @@ class Plan:
                 "Upgrade keras-partitioner or plan again."
             )
         names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.name not in ("model_name", "fill_drain_step_s")}
+        # Fields added after schema version 1 shipped: older files lack them and take the default.
+        optional = ("model_name", "fill_drain_step_s", "schedule")
+        required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:
             raise PlanError(f"{source} is corrupt: missing field(s) {missing}.")
@@ -172,6 +186,8 @@ class Plan:
             raise PlanError(f"{source} is corrupt: {err}.") from err
         if plan.status not in STATUSES or not isinstance(plan.assignment, dict):
             raise PlanError(f"{source} is corrupt: bad status {plan.status!r} or assignment.")
+        if plan.schedule not in SCHEDULES:
+            raise PlanError(f"{source} is corrupt: schedule {plan.schedule!r} is not one of {SCHEDULES}.")
         return plan
 
     @classmethod

@@ -9,7 +9,8 @@ sending them. Durations come from the cost model (docs/cost-model.md): a stage's
 micro-batch, split into forward and backward (one third forward for layers with weights, one half
 otherwise, unless a node says ``forward_flops``), and bytes / bandwidth per transfer.
 
-Schedules:
+The order on each device is a :class:`partitioner.schedule.Schedule`, the one object the runtime follows
+too; ``schedule=`` takes one, or its name:
 
 - ``"gpipe"``: every stage runs all M forwards, then all M backwards in reverse order (fill-drain).
   Every micro-batch's activations stay until its backward: M in flight.
@@ -38,19 +39,22 @@ import networkx as nx
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import InputError, PlanError
+from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan
 
-SCHEDULES = ("gpipe", "1f1b")
-ACTION_KINDS = ("forward", "backward", "send_activation", "send_gradient")
+__all__ = ["SCHEDULES", "SPAN_KINDS", "Simulation", "Span", "forward_share", "simulate", "simulate_assignment"]
+
+SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient")
+_PASSES = {"F": "forward", "B": "backward"}  # a schedule action's kind -> its span's kind
 
 
 @dataclass(frozen=True)
-class Action:
-    """One thing one resource does: compute on a device, or a transfer on a link ("a -> b")."""
+class Span:
+    """One resource busy from start to end: a schedule's action on its device, or a transfer on a link ("a -> b")."""
 
-    kind: str  # one of ACTION_KINDS
+    kind: str  # one of SPAN_KINDS
     resource: str  # a device name, or "sender -> receiver" for a transfer
     stage: int  # the stage computing, or the sending stage of a transfer
     microbatch: int
@@ -66,7 +70,7 @@ class Action:
 class Simulation:
     """The outcome of one simulated training step. Device-keyed mappings cover the used stages."""
 
-    schedule: str
+    schedule: str  # the schedule's name: "gpipe", "1f1b" or "custom"
     num_microbatches: int
     stages: tuple[str, ...]  # used devices in pipeline order
     step_time_s: float  # from the first action's start to the last action's end
@@ -75,15 +79,15 @@ class Simulation:
     bubble_fraction: float  # idle share of the used devices over the step
     peak_memory_bytes: dict[str, int]  # weights, gradients, optimizer slots and the most activations held
     peak_in_flight: dict[str, int]  # most micro-batches whose activations a device holds at once
-    timeline: tuple[Action, ...] = field(repr=False)  # sorted by start time
+    timeline: tuple[Span, ...] = field(repr=False)  # sorted by start time
 
     @property
     def links(self) -> tuple[str, ...]:
         """The links that carried a transfer, in order of first use."""
         return tuple(dict.fromkeys(a.resource for a in self.timeline if a.kind.startswith("send")))
 
-    def actions_on(self, resource: str) -> list[Action]:
-        """The actions of one device or link, in start order."""
+    def actions_on(self, resource: str) -> list[Span]:
+        """The spans of one device or link, in start order."""
         return [a for a in self.timeline if a.resource == resource]
 
 
@@ -92,7 +96,7 @@ def simulate(
     graph: nx.DiGraph,
     cluster: Cluster,
     *,
-    schedule: str = "gpipe",
+    schedule: str | Schedule | None = None,
     num_microbatches: int | None = None,
 ) -> Simulation:
     """Simulates one training step of ``plan`` (see the module docstring).
@@ -101,11 +105,12 @@ def simulate(
         plan: a plan for ``graph`` on ``cluster``.
         graph: the layer graph the plan was made for.
         cluster: the cluster the plan was made for.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b", or a Schedule for the plan's K stages and M micro-batches; the
+            schedule the plan was made for when None.
         num_microbatches: M; the plan's own M when None. Costs are per micro-batch as profiled.
 
     Raises:
-        InputError: for an unknown schedule or a bad number of micro-batches.
+        InputError: for an unknown schedule name, a Schedule for another K or M, or a bad M.
         PlanError: when the plan does not match the graph or cluster, or an edge goes backward.
     """
     if tuple(cluster.names) != tuple(plan.devices):
@@ -119,16 +124,42 @@ def simulate(
         num_microbatches=plan.num_microbatches if num_microbatches is None else num_microbatches,
         optimizer_slots=plan.optimizer_slots,
         cost=plan.cost,
+        schedule=plan.schedule,
     )
     return simulate_assignment(costs, plan.assignment, schedule=schedule)
 
 
-def simulate_assignment(costs: CostModel, assignment: Mapping[str, str], *, schedule: str = "gpipe") -> Simulation:
-    """Simulates a placement {node: device} scored by ``costs`` (its M, optimizer slots and cost source)."""
-    if schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {SCHEDULES}. Received: {schedule!r}.")
+def simulate_assignment(
+    costs: CostModel, assignment: Mapping[str, str], *, schedule: str | Schedule | None = None
+) -> Simulation:
+    """Simulates a placement {node: device} scored by ``costs`` (its M, optimizer slots and cost source).
+
+    ``schedule`` is a name or a Schedule for the placement's stages and ``costs.num_microbatches``;
+    ``costs.schedule`` when None.
+    """
+    if schedule is None:
+        schedule = costs.schedule
+    if isinstance(schedule, str):
+        check_schedule_name(schedule)  # before the placement's own checks
     stages = _Stages(costs, assignment)
-    return _run(stages, costs.num_microbatches, schedule)
+    return _run(stages, _schedule_for(schedule, len(stages.names), costs.num_microbatches))
+
+
+def _schedule_for(schedule: str | Schedule, num_stages: int, num_microbatches: int) -> Schedule:
+    """``schedule`` as a Schedule for K stages and M micro-batches; InputError if it is for others."""
+    if isinstance(schedule, str):
+        return Schedule.make(schedule, num_stages, num_microbatches)
+    if not isinstance(schedule, Schedule):
+        raise InputError(
+            f"schedule must be a name in {SCHEDULES} or a partitioner.Schedule. Received: {type(schedule).__name__}."
+        )
+    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
+        raise InputError(
+            f"The schedule is for K={schedule.num_stages} stages and M={schedule.num_microbatches} micro-batches, "
+            f"but the plan has K={num_stages} stages and M={num_microbatches}. Build one for this plan, such as "
+            f"Schedule.make('1f1b', {num_stages}, {num_microbatches})."
+        )
+    return schedule
 
 
 def forward_share(data: Mapping[str, object]) -> float:
@@ -181,28 +212,13 @@ class _Stages:
         self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sorted(sent.items())}
 
 
-def _order(stage: int, num_stages: int, num_microbatches: int, schedule: str) -> list[tuple[str, int]]:
-    """The order in which one stage runs its forwards ("forward", m) and backwards ("backward", m)."""
-    m_total = num_microbatches
-    if schedule == "gpipe":
-        return [("forward", m) for m in range(m_total)] + [("backward", m) for m in reversed(range(m_total))]
-    warmup = min(num_stages - stage - 1, m_total)
-    order = [("forward", m) for m in range(warmup)]
-    next_forward, next_backward = warmup, 0
-    while next_backward < m_total:
-        if next_forward < m_total:
-            order.append(("forward", next_forward))
-            next_forward += 1
-        order.append(("backward", next_backward))
-        next_backward += 1
-    return order
-
-
-def _run(stages: _Stages, num_microbatches: int, schedule: str) -> Simulation:
-    """List scheduling of every compute and transfer action; each resource runs its queue in order."""
+def _run(stages: _Stages, schedule: Schedule) -> Simulation:
+    """List scheduling of every compute and transfer span; each resource runs its queue in order."""
     count = len(stages.names)
-    # Each action: (kind, stage or link, microbatch). Dependencies are resolved as actions finish.
-    compute_queue = [_order(s, count, num_microbatches, schedule) for s in range(count)]
+    num_microbatches = schedule.num_microbatches
+    # Each device's queue is its stage's row of the schedule: (kind, microbatch). Dependencies are resolved
+    # as spans finish.
+    compute_queue = [[(_PASSES[a.kind], a.microbatch) for a in row] for row in schedule.actions]
     links: dict[tuple[int, int], float] = {**stages.activation_s, **stages.gradient_s}
     link_queue: dict[tuple[int, int], list[tuple[str, int]]] = {pair: [] for pair in links}
     for s in range(count):  # a link sends in the order its sender produces
@@ -221,7 +237,7 @@ def _run(stages: _Stages, num_microbatches: int, schedule: str) -> Simulation:
     link_free = dict.fromkeys(links, 0.0)
     compute_next = [0] * count
     link_next = dict.fromkeys(links, 0)
-    timeline: list[Action] = []
+    timeline: list[Span] = []
     pending = sum(len(q) for q in compute_queue) + sum(len(q) for q in link_queue.values())
     while pending:
         progressed = False
@@ -235,7 +251,7 @@ def _run(stages: _Stages, num_microbatches: int, schedule: str) -> Simulation:
                 end = start + (stages.forward_s[s] if kind == "forward" else stages.backward_s[s])
                 done[(kind, s, m)] = end
                 device_free[s] = end
-                timeline.append(Action(kind, stages.names[s], s, m, start, end))
+                timeline.append(Span(kind, stages.names[s], s, m, start, end))
                 compute_next[s] += 1
                 pending -= 1
                 progressed = True
@@ -250,12 +266,15 @@ def _run(stages: _Stages, num_microbatches: int, schedule: str) -> Simulation:
                 arrived[(kind, pair[0], pair[1], m)] = end
                 link_free[pair] = end
                 resource = f"{stages.names[pair[0]]} -> {stages.names[pair[1]]}"
-                timeline.append(Action(kind, resource, pair[0], m, start, end))
+                timeline.append(Span(kind, resource, pair[0], m, start, end))
                 link_next[pair] += 1
                 pending -= 1
                 progressed = True
-        if not progressed:  # cannot happen for forward-only edges; guards against a schedule bug
-            raise PlanError(f"The {schedule} schedule deadlocked; this is a bug in the simulator, please report it.")
+        if not progressed:  # cannot happen: a Schedule validates against these dependencies where it is built
+            raise PlanError(
+                f"The {schedule.name} schedule deadlocked in the simulator; this is a bug, please report it.\n"
+                + schedule.grid()
+            )
 
     timeline.sort(key=lambda a: (a.start_s, a.end_s, a.resource))
     step = max((a.end_s for a in timeline), default=0.0)
@@ -266,7 +285,7 @@ def _run(stages: _Stages, num_microbatches: int, schedule: str) -> Simulation:
     idle = {name: step - busy[name] for name in stages.names}
     in_flight = _peak_in_flight(timeline, stages.names)
     return Simulation(
-        schedule=schedule,
+        schedule=schedule.name,
         num_microbatches=num_microbatches,
         stages=stages.names,
         step_time_s=step,
@@ -308,7 +327,7 @@ def _compute_ready(
     return max([0.0, *own, *times])
 
 
-def _peak_in_flight(timeline: Sequence[Action], names: Sequence[str]) -> dict[str, int]:
+def _peak_in_flight(timeline: Sequence[Span], names: Sequence[str]) -> dict[str, int]:
     """Most micro-batches per device whose activations are held: from a forward's start to its backward's end."""
     events: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     for a in timeline:

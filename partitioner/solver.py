@@ -13,7 +13,7 @@ domain lo(U)..hi(U) (all devices, or its pinned one); outside it x is 0 and y is
     z[u, j, k] == 1 iff device k receives u's output from device j (only where bandwidth depends on j)
 
     edge U -> V:     y[V, k] <= y[U, k]  for every k              (stage(U) <= stage(V))
-    memory:          sum_U mem(U) x[U, k] <= capacity(k)
+    memory:          sum_U mem(U) x[U, k] <= capacity(k)      (activations counted max_in_flight times)
     stage time:      T >= sum_U compute(U, k) x[U, k] + sum_u recv(u, k) r[u, k]
     objective:       minimise T * W + sum_{u, k} bytes(u) r[u, k]   (W > any byte term: lexicographic)
 
@@ -86,7 +86,7 @@ class SolverOptions:
     byte_resolution: int = 10_000  # integer steps for all transfers the graph could make
     relative_gap: float = 0.0  # stop once (bottleneck - bound) / bottleneck is below this
     coarsen: bool | None = None  # place runs of nodes, then refine near boundaries; None = above AUTO_COARSEN_*
-    # Return the legal baseline instead when its simulated GPipe step is shorter than the solver's plan's
+    # Return the legal baseline instead when its simulated step is shorter than the solver's plan's
     # (the solver minimises the bottleneck; the step also pays fill, drain and transfers, see docs/cost-model.md).
     shortest_step: bool = True
 
@@ -117,6 +117,7 @@ def solve(
     time_limit_s: float = 10.0,
     pins: Mapping[str, str] | None = None,
     cost: str = "flops",
+    schedule: str = "gpipe",
     options: SolverOptions | None = None,
 ) -> Plan:
     """Places every node of ``graph`` on a device of ``cluster`` with CP-SAT.
@@ -124,11 +125,14 @@ def solve(
     Args:
         graph: a layer graph (see partitioner.graph), e.g. from profiles.profile_model.
         cluster: the devices in pipeline order, their memory, speed and links.
-        num_microbatches: M; GPipe keeps M micro-batches of activations in flight.
+        num_microbatches: M, the micro-batches per step.
         optimizer_slots: state per weight: 2 for Adam, 1 for momentum, 0 for SGD.
         time_limit_s: wall-clock budget of the whole call; the best plan so far is returned.
         pins: {node: device name} placements that must hold.
         cost: "flops" or "time" (measured time_s); see docs/cost-model.md.
+        schedule: "gpipe" or "1f1b": the plan records it, its memory counts that schedule's micro-batches
+            in flight (the constraints budget every node for the fullest stage: M for GPipe, min(number
+            of devices, M) for 1F1B) and its step time is that schedule simulated.
         options: search knobs (workers, seed, hints, resolution, coarsening).
 
     Returns:
@@ -151,7 +155,9 @@ def solve(
         raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
     if options.coarsen is not None and not isinstance(options.coarsen, bool):
         raise InputError(f"SolverOptions.coarsen must be True, False or None (auto). Received: {options.coarsen!r}.")
-    costs = CostModel(graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost)
+    costs = CostModel(
+        graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost, schedule=schedule
+    )
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
     chain = options.exact_chains and not pins and is_chain(graph) and not colocation_groups(graph)
@@ -163,7 +169,12 @@ def solve(
         from partitioner.exact import exact_chain
 
         plan = exact_chain(
-            graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost
+            graph,
+            cluster,
+            num_microbatches=num_microbatches,
+            optimizer_slots=optimizer_slots,
+            cost=cost,
+            schedule=schedule,
         )
         return _shortest_step(plan, costs, _legal_baselines(costs, pins), started) if options.shortest_step else plan
     # The baselines that fit serve twice: as the search's start, and as rivals of its answer on the simulated step.
@@ -346,6 +357,7 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
             num_microbatches=costs.num_microbatches,
             optimizer_slots=costs.optimizer_slots,
             cost=costs.cost,
+            schedule=costs.schedule,
         )
     except PartitionerError:
         return None
@@ -592,6 +604,7 @@ def _exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
             num_microbatches=costs.num_microbatches,
             optimizer_slots=costs.optimizer_slots,
             cost=costs.cost,
+            schedule=costs.schedule,
         )
         return [plan] if all(plan.assignment[v] == d for v, d in pins.items()) else []
     return []

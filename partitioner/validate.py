@@ -30,7 +30,13 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "
             "Plan again for this cluster."
         )
-    costs = CostModel(graph, cluster, num_microbatches=plan.num_microbatches, optimizer_slots=plan.optimizer_slots)
+    costs = CostModel(
+        graph,
+        cluster,
+        num_microbatches=plan.num_microbatches,
+        optimizer_slots=plan.optimizer_slots,
+        schedule=plan.schedule,
+    )
     where = costs.check_assignment(plan.assignment)
     for u, v in graph.edges:
         if where[u] > where[v]:
@@ -54,6 +60,7 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
         if need > device.memory_bytes:
             raise PlanError(
                 f"Device {device.name} needs {format_bytes(need)} but holds {format_bytes(device.memory_bytes)} "
-                f"(with {plan.num_microbatches} micro-batches in flight and {plan.optimizer_slots} optimizer "
-                "slots). Plan again with the memory constraint, or use fewer micro-batches."
+                f"(with {evaluation.in_flight[device.name]} micro-batches in flight under {plan.schedule}, "
+                f"M={plan.num_microbatches}, and {plan.optimizer_slots} optimizer slots). Plan again with the "
+                "memory constraint, use fewer micro-batches, or the 1f1b schedule."
             )

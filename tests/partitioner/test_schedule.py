@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from graphs import KIB, chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partitioner.errors import InputError, ScheduleError
+import partitioner as pt
+from partitioner.cost import CostModel, in_flight
+from partitioner.errors import InfeasiblePlanError, InputError, ScheduleError
 from partitioner.schedule import ACTION_KINDS, SCHEDULES, Action, Schedule
 
 SMALL = {"num_stages": st.integers(1, 4), "num_microbatches": st.integers(1, 8)}
@@ -230,3 +235,134 @@ def test_max_in_flight_gpipe_holds_every_microbatch_1f1b_at_most_k_minus_s(num_s
 def test_max_in_flight_refuses_unknown_stages():
     with pytest.raises(InputError, match=r"stage must be an integer in 0..1. Received: 2"):
         Schedule.gpipe(2, 2).max_in_flight(2)
+
+
+# ----- the simulator, the cost model and plans follow the schedule ---------------------------------
+
+
+def _pipeline(num_stages: int, num_microbatches: int, *, schedule: str = "gpipe"):
+    """One layer per device, activations much larger than weights: memory is the activations held."""
+    graph = chain(
+        [3e12] * num_stages,
+        param_bytes=[KIB] * num_stages,
+        activation_bytes=[64 * KIB] * num_stages,
+        edge_bytes=[KIB] * (num_stages - 1),
+    )
+    cluster = pt.Cluster.uniform(num_stages, memory="1GiB", flops_per_s=1e12, bandwidth=1e9)
+    costs = CostModel(graph, cluster, num_microbatches=num_microbatches, schedule=schedule)
+    plan = pt.Plan.from_assignment({f"l{i}": f"/GPU:{i}" for i in range(num_stages)}, costs, method="manual")
+    return plan, graph, cluster
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(1, 1), (2, 4), (3, 2), (4, 8)])
+def test_simulator_given_a_schedule_equals_simulator_given_its_name(name, num_stages, num_microbatches):
+    plan, graph, cluster = _pipeline(num_stages, num_microbatches)
+    by_name = pt.simulate(plan, graph, cluster, schedule=name)
+    by_object = pt.simulate(plan, graph, cluster, schedule=Schedule.make(name, num_stages, num_microbatches))
+    assert by_object == by_name
+    assert by_object.timeline == by_name.timeline
+    for s, row in enumerate(Schedule.make(name, num_stages, num_microbatches).actions):  # the device runs its row
+        spans = by_name.actions_on(f"/GPU:{s}")
+        assert [f"{s}{'F' if a.kind == 'forward' else 'B'}{a.microbatch}" for a in spans] == [str(a) for a in row]
+
+
+def test_simulator_replays_a_custom_schedule():
+    plan, graph, cluster = _pipeline(2, 2)
+    custom = Schedule.parse("0: 0F0 0F1 0B1 0B0\n1: 1F0 1B0 1F1 1B1")
+    sim = pt.simulate(plan, graph, cluster, schedule=custom)
+    assert sim.schedule == "custom"
+    assert [(a.kind, a.microbatch) for a in sim.actions_on("/GPU:1")] == [
+        ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)
+    ]  # fmt: skip
+    assert sim.peak_in_flight == {"/GPU:0": 2, "/GPU:1": 1}
+
+
+def test_simulator_refuses_a_schedule_for_another_pipeline():
+    plan, graph, cluster = _pipeline(2, 4)
+    with pytest.raises(InputError, match=r"The schedule is for K=3 stages and M=4 micro-batches, but the plan has K=2"):
+        pt.simulate(plan, graph, cluster, schedule=Schedule.one_f_one_b(3, 4))
+    with pytest.raises(InputError, match=r"but the plan has K=2 stages and M=4. Build one for this plan"):
+        pt.simulate(plan, graph, cluster, schedule=Schedule.gpipe(2, 3))
+    with pytest.raises(InputError, match=r"schedule must be a name in \('gpipe', '1f1b'\) or a partitioner.Schedule"):
+        pt.simulate(plan, graph, cluster, schedule=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 4), (4, 8), (4, 2), (3, 3)])
+def test_1f1b_memory_is_each_stages_own_and_at_most_gpipes(num_stages, num_microbatches):
+    gpipe, graph, cluster = _pipeline(num_stages, num_microbatches)
+    one_f_one_b, _, _ = _pipeline(num_stages, num_microbatches, schedule="1f1b")
+    weights = KIB * (2 + gpipe.optimizer_slots)
+    for s, device in enumerate(gpipe.stages):
+        held = min(num_stages - s, num_microbatches)
+        assert one_f_one_b.memory_bytes[device] == weights + held * 64 * KIB
+        assert gpipe.memory_bytes[device] == weights + num_microbatches * 64 * KIB
+        assert one_f_one_b.memory_bytes[device] <= gpipe.memory_bytes[device]
+    sim = pt.simulate(one_f_one_b, graph, cluster)  # the plan's own schedule
+    assert sim.schedule == "1f1b"
+    assert sim.peak_memory_bytes == {d: one_f_one_b.memory_bytes[d] for d in sim.stages}  # the simulator agrees
+    assert one_f_one_b.step_time_s == pytest.approx(sim.step_time_s)
+
+
+def test_cost_model_budgets_the_fullest_stage_and_evaluates_each_stage():
+    graph = chain([1e12] * 6, activation_bytes=[KIB] * 6)
+    cluster = pt.Cluster.uniform(4, memory="1GiB", flops_per_s=1e12)
+    assert CostModel(graph, cluster, num_microbatches=8).max_in_flight == 8
+    one_f_one_b = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")
+    assert one_f_one_b.max_in_flight == 4  # min(number of devices, M): what the planners budget per node
+    assert one_f_one_b.memory["l0"] == 4 * KIB
+    # Three used devices: stage s holds min(3 - s, 8); the unused device holds nothing.
+    ev = one_f_one_b.evaluate(
+        {"l0": "/GPU:0", "l1": "/GPU:0", "l2": "/GPU:1", "l3": "/GPU:3", "l4": "/GPU:3", "l5": "/GPU:3"}
+    )
+    assert ev.in_flight == {"/GPU:0": 3, "/GPU:1": 2, "/GPU:2": 0, "/GPU:3": 1}
+    assert ev.memory_bytes == {"/GPU:0": 6 * KIB, "/GPU:1": 2 * KIB, "/GPU:2": 0, "/GPU:3": 3 * KIB}
+    assert in_flight("1f1b", 3, 8, 0) == 3 and in_flight("gpipe", 3, 8, 2) == 8
+    with pytest.raises(InputError, match=r"schedule must be one of \('gpipe', '1f1b'\). Received: 'zb'"):
+        CostModel(graph, cluster, schedule="zb")
+
+
+def test_1f1b_fits_where_gpipe_does_not():
+    # Activations dominate: 4 layers of 8 KiB activations, M = 8, two devices of 80 KiB. GPipe holds
+    # 8 micro-batches (2 layers x 64 KiB = 128 KiB per device); 1F1B at most min(2, 8) = 2 (32 KiB).
+    graph = chain([1e12] * 4, param_bytes=[KIB] * 4, activation_bytes=[8 * KIB] * 4)
+    cluster = pt.Cluster.uniform(2, memory=80 * KIB, flops_per_s=1e12)
+    with pytest.raises(InfeasiblePlanError, match=r"activations of 8 micro-batch\(es\) in flight under gpipe.*1f1b"):
+        pt.solve(graph, cluster, num_microbatches=8, time_limit_s=10)
+    for options in (pt.SolverOptions(), pt.SolverOptions(exact_chains=False)):  # the exact DP, then CP-SAT
+        plan = pt.solve(graph, cluster, num_microbatches=8, schedule="1f1b", time_limit_s=10, options=options)
+        assert plan.schedule == "1f1b" and plan.fits_memory
+        pt.validate_plan(plan, graph, cluster)
+        gpipe = pt.Plan.from_assignment(plan.assignment, CostModel(graph, cluster, num_microbatches=8), method="same")
+        assert all(plan.memory_bytes[d] <= gpipe.memory_bytes[d] for d in plan.devices)
+        assert not gpipe.fits_memory
+        with pytest.raises(
+            pt.PlanError, match=r"needs 136.0 KiB but holds 80.0 KiB \(with 8 micro-batches in flight under gpipe"
+        ):
+            pt.validate_plan(gpipe, graph, cluster)
+
+
+def test_plan_for_1f1b_records_it_and_round_trips():
+    graph = chain([1e12] * 6, param_bytes=[KIB] * 6, activation_bytes=[KIB] * 6, edge_bytes=[KIB] * 5)
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12)
+    plan = pt.solve(graph, cluster, num_microbatches=4, schedule="1f1b", time_limit_s=10)
+    assert plan.schedule == "1f1b"
+    assert json.loads(plan.to_json())["schedule"] == "1f1b"
+    assert pt.Plan.from_json(plan.to_json()) == plan
+    assert plan.step_time_s == pytest.approx(pt.simulate(plan, graph, cluster, schedule="1f1b").step_time_s)
+    for name, baseline in pt.baselines.BASELINES.items():
+        assert baseline(graph, cluster, num_microbatches=4, schedule="1f1b").schedule == "1f1b", name
+    assert pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b").schedule == "1f1b"
+    assert pt.solve(graph, cluster, num_microbatches=4, time_limit_s=10).schedule == "gpipe"  # the default
+
+
+def test_plan_saved_before_schedules_loads_as_gpipe_and_a_bad_schedule_is_corrupt():
+    plan, _, _ = _pipeline(2, 4)
+    data = plan.to_dict()
+    del data["schedule"]  # plans saved before the field existed
+    old = pt.Plan.from_json(json.dumps(data))
+    assert old.schedule == "gpipe"
+    assert old == plan
+    data["schedule"] = "zero-bubble"
+    with pytest.raises(pt.PlanError, match=r"is corrupt: schedule 'zero-bubble' is not one of \('gpipe', '1f1b'\)"):
+        pt.Plan.from_json(json.dumps(data))
