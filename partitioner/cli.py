@@ -4,6 +4,7 @@
     partitioner plan model.keras --cluster 8xH100-nvlink --micro-batches 16 --out plan.json
     partitioner plan profile.json --devices 4 --memory 16GiB --json
     partitioner plan ResNet50 --cluster 4xA100-nvlink --timeline timeline.png   # or --timeline - for text
+    partitioner plan ResNet50 --devices 4 --memory 2GiB --schedule 1f1b         # fewer activations held
     partitioner profile InceptionV3 --batch-size 64 --out profile.json
 
 Errors print one line on stderr and exit with status 2, never a traceback.
@@ -27,7 +28,8 @@ from partitioner.errors import InputError, PartitionerError
 from partitioner.graph import load_graph, save_graph
 from partitioner.plan import Plan
 from partitioner.report import render
-from partitioner.simulate import SCHEDULES, simulate
+from partitioner.schedule import SCHEDULES
+from partitioner.simulate import simulate
 from partitioner.solver import solve
 from partitioner.timeline import save_timeline, text_timeline
 from partitioner.validate import validate_plan
@@ -74,7 +76,10 @@ def _parser() -> argparse.ArgumentParser:
         help="simulate the step and draw its timeline: a .png/.svg/.pdf Gantt chart, or - to print it as text",
     )
     plan.add_argument(
-        "--schedule", choices=SCHEDULES, default="gpipe", help="schedule the timeline simulates (default: gpipe)"
+        "--schedule",
+        choices=SCHEDULES,
+        default="gpipe",
+        help="pipeline schedule to plan for (activation memory), simulate and draw (default: gpipe)",
     )
 
     placed = commands.add_parser(
@@ -179,13 +184,14 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         "num_microbatches": args.micro_batches,
         "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
         "cost": args.cost,
+        "schedule": args.schedule,
     }
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         plan = solve(graph, cluster, time_limit_s=args.time_limit, **options)
     validate_plan(plan, graph, cluster)
     if args.out:
         Path(args.out).write_text(plan.to_json())
-    simulation = simulate(plan, graph, cluster, schedule=args.schedule) if args.timeline else None
+    simulation = simulate(plan, graph, cluster, schedule=plan.schedule) if args.timeline else None
     if simulation is not None and args.timeline != "-":
         save_timeline(simulation, args.timeline)
     if args.json:
@@ -196,7 +202,10 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         others = [method(graph, cluster, **options) for method in baseline_methods.BASELINES.values()]
     out = _stdout()
     name = graph.graph.get("model_name", args.model)
-    out.print(f"[bold]{name}[/]: {graph.number_of_nodes()} layers on {cluster.name} ({cluster.num_devices} devices)")
+    out.print(
+        f"[bold]{name}[/]: {graph.number_of_nodes()} layers on {cluster.name} ({cluster.num_devices} devices), "
+        f"{plan.schedule} schedule"
+    )
     out.print(render(plan, graph, others, placement=not args.summary))
     if simulation is not None and args.timeline == "-":
         out.print(text_timeline(simulation, width=max(40, min(out.width - 30, 120))), highlight=False, markup=False)

@@ -98,18 +98,19 @@ def transfer_table(plan: Plan, graph: nx.DiGraph) -> Table:
 
 
 def summary_table(plan: Plan) -> Table:
-    """The prediction: bottleneck, step time, bubble, speedup, and the solver's status and gap."""
+    """The prediction: schedule, bottleneck, step time, bubble, speedup, and the solver's status and gap."""
     table = Table(title="Prediction", box=box.SIMPLE_HEAD, show_header=False, title_justify="left")
     table.add_column("what")
     table.add_column("value", justify="right")
     gap = plan.gap
     rows = [
         ("method / status", f"{plan.method} / {plan.status}"),
+        ("schedule", plan.schedule),
         ("stages (K) x micro-batches (M)", f"{plan.num_stages} x {plan.num_microbatches}"),
         ("bottleneck stage time", format_seconds(plan.bottleneck_s)),
         ("proven lower bound", format_seconds(plan.lower_bound_s) if plan.lower_bound_s is not None else "none"),
         ("gap to the bound", f"{100 * gap:.2f}%" if gap is not None else "unknown"),
-        ("predicted step time (GPipe, simulated)", format_seconds(plan.step_time_s)),
+        (f"predicted step time ({plan.schedule}, simulated)", format_seconds(plan.step_time_s)),
         (
             "fill-drain bound (M + K - 1) x bottleneck",
             format_seconds(plan.fill_drain_step_s) if plan.fill_drain_step_s is not None else "unknown",

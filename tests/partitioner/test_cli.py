@@ -48,6 +48,16 @@ def test_cli_timeline_as_text(profile_file, capsys) -> None:
     assert "(3 micro-batches in flight)" in out  # 1F1B: stage 0 holds K = 3 micro-batches, not M = 8
 
 
+def test_cli_schedule_reaches_the_solver_and_the_report(profile_file, capsys) -> None:
+    argv = ["plan", str(profile_file), "--devices", "3", "--memory", "16GiB", "--schedule", "1f1b"]
+    assert main([*argv, "--json"]) == 0
+    assert pt.Plan.from_json(capsys.readouterr().out).schedule == "1f1b"
+    assert main([*argv, "--summary", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "(3 devices), 1f1b schedule" in out
+    assert "predicted step time (1f1b, simulated)" in out
+
+
 def test_cli_timeline_picture(profile_file, tmp_path, capsys) -> None:
     picture = tmp_path / "timeline.png"
     argv = ["plan", str(profile_file), "--devices", "2", "--memory", "16GiB", "--summary", "--timeline", str(picture)]
