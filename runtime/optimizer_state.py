@@ -60,3 +60,46 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
         if not destination_model.optimizer.built:
             destination_model.optimizer.build(destination_model.trainable_variables)
         copy_optimizer_state(source_model.optimizer, destination_model.optimizer, pairs)
+
+
+def place_updates(optimizer: Any) -> None:
+    """Makes ``optimizer`` issue each variable's update arithmetic on that variable's device.
+
+    Keras' TensorFlow optimizer computes a variable's update (moments, bias correction, weight
+    decay, the assign) with no device of its own: inside a compiled step, whose variables are
+    captured without their devices, all of it lands on the step's default device, and only the final
+    assign follows the variable. This wraps the optimizer's per-variable ``update_step`` and its
+    weight decay in ``tf.device(variable.device)``. It applies once per optimizer (the innermost one,
+    when a LossScaleOptimizer wraps another).
+    """
+    import tensorflow as tf
+
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(target, "_partitioner_placed", False):
+        return
+    update_step = target.update_step
+    apply_weight_decay = target._apply_weight_decay
+
+    def placed_update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        with tf.device(_device(variable)):
+            return update_step(gradient, variable, learning_rate)
+
+    def placed_weight_decay(variables: Any) -> None:
+        by_device: dict[str, list[Any]] = {}
+        for variable in variables:
+            by_device.setdefault(_device(variable), []).append(variable)
+        for device, group in by_device.items():
+            with tf.device(device):
+                apply_weight_decay(group)
+
+    target.update_step = placed_update_step
+    target._apply_weight_decay = placed_weight_decay
+    target._partitioner_placed = True
+
+
+def _device(variable: Any) -> str:
+    """The device of a Keras or TensorFlow variable ('' when it has none)."""
+    device = getattr(variable, "device", None)
+    if not isinstance(device, str):
+        device = getattr(getattr(variable, "_value", None), "device", "")
+    return device or ""

@@ -1,26 +1,21 @@
-"""PipelinedModel: a keras.Model whose stages run on their devices, trained with GPipe micro-batches.
+"""PipelinedModel: a keras.Model whose stages run on their devices, trained by a pipeline schedule.
 
-One training step splits the batch into M micro-batches (sizes differ by at most one; a batch
-smaller than M leaves the extra micro-batches empty and skipped), runs every micro-batch's forward
-pass stage by stage, and takes the gradient of the sum of the micro-batch losses, each weighted by
-its share of the batch, so the step equals one step of the original model on the whole batch::
+A training step splits the batch into M micro-batches and runs the plan's schedule (GPipe or 1F1B,
+``partitioner.schedule``) with ``runtime.executor``: each stage's forward and backward on its device,
+in the schedule's order on every device, the gradients accumulated per stage on its device, then one
+optimizer update whose arithmetic runs on each variable's device. The loss is the mean over the whole
+batch, so a step equals one step of the original model on the whole batch::
 
     loss = sum over m of loss(micro-batch m) * size(m) / batch size        (Keras' mean over the batch)
 
-All micro-batches are traced into one ``tf.function``: TensorFlow's executor runs any op whose
-inputs are ready, so stage k of micro-batch m + 1 runs while stage k + 1 works on micro-batch m,
-and the backward passes overlap the same way (a fill-drain, GPipe-like order that the data
-dependencies, not a fixed clock, decide). Gradients are colocated with their forward ops, and
-optimizer slots with their variables, so each stage's update happens on its device.
-
-    clock →   t0    t1    t2    t3    t4
-    stage 0   F0    F1    F2    F3
-    stage 1         F0    F1    F2    F3          (M = 4 micro-batches, K = 2 stages)
+    clock →   t0    t1    t2    t3    t4    t5    t6    t7
+    stage 0   F0    F1    F2    F3                      B3 ...
+    stage 1         F0    F1    F2    F3    B3    B2 ...          (GPipe, M = 4 micro-batches, K = 2 stages)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
@@ -28,8 +23,12 @@ import tensorflow as tf
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
-from runtime.optimizer_state import compile_like
+from runtime.executor import RECOMPUTE, Executor
+from runtime.optimizer_state import compile_like, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
+from runtime.stages import cut_stages
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class _State:
     rebuilt: Rebuilt  # the staged model and its maps
     plan: Plan  # the plan it was built from
     original: Any  # the model that was wrapped (never modified)
-    num_microbatches: int  # M
+    executor: Executor  # runs the schedule
     stages: tuple[str, ...]  # devices in pipeline order
 
 
@@ -53,29 +52,53 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
     return call
 
 
+def _concat(parts: list[Any], batch: tf.Tensor) -> Any:
+    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped)."""
+    return keras.tree.map_structure(lambda *xs: tf.concat(xs, axis=0)[:batch], *parts)
+
+
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
-    """A Keras model whose layers run on the devices of a plan, trained with pipelined micro-batches.
+    """A Keras model whose layers run on the devices of a plan, trained by a pipeline schedule.
 
     Build one with ``runtime.plan_and_wrap(model, ...)`` or ``runtime.wrap(model, plan)``. It is
     a ``keras.Model``: compile, fit, evaluate, predict and callbacks work as usual.
+    ``compile(jit_compile=True)`` compiles each stage with XLA on its device.
     ``save(path)`` writes the original architecture with the current weights (a plain ``.keras``
     file), and ``unwrap()`` returns that model.
 
     Attributes:
         plan: the Plan the model was built from.
         num_microbatches: M, the micro-batches per training step.
+        schedule: "gpipe" or "1f1b".
+        recompute: "never" or "always" (re-run each stage's forward in its backward).
     """
 
-    def __init__(self, rebuilt: Rebuilt, plan: Plan, original: Any, num_microbatches: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        rebuilt: Rebuilt,
+        plan: Plan,
+        original: Any,
+        num_microbatches: int,
+        *,
+        schedule: str = "gpipe",
+        recompute: str = "never",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(name=kwargs.pop("name", f"{original.name}_pipelined"), **kwargs)
+        if schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}. Received: schedule={schedule!r}.")
+        if recompute not in RECOMPUTE:
+            raise InputError(f"recompute must be one of {RECOMPUTE}. Received: recompute={recompute!r}.")
         self.staged = rebuilt.model
-        self._state = _State(
-            rebuilt=rebuilt,
-            plan=plan,
-            original=original,
+        stages = tuple(plan.stages)
+        executor = Executor(
+            rebuilt.model,
+            cut_stages(rebuilt.model, rebuilt.device_of, stages),
+            schedule=schedule,
             num_microbatches=num_microbatches,
-            stages=tuple(plan.stages),
+            recompute=recompute,
         )
+        self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
 
     # ----- what it is ------------------------------------------------------------------------------
 
@@ -87,7 +110,22 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     @property
     def num_microbatches(self) -> int:
         """M, the number of micro-batches per training step."""
-        return self._state.num_microbatches
+        return self._state.executor.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule a training step follows: "gpipe" or "1f1b"."""
+        return self._state.executor.schedule.name
+
+    @property
+    def recompute(self) -> str:
+        """"never", or "always": each stage keeps only its inputs and re-runs its forward in the backward."""
+        return self._state.executor.recompute
+
+    @property
+    def executor(self) -> Executor:
+        """The object that emits the schedule's actions into a training step (stages, schedule, functions)."""
+        return self._state.executor
 
     def device_of(self, layer: Any) -> str:
         """The device a (cloned) layer of ``self.staged`` runs on."""
@@ -101,85 +139,55 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         inputs = staged._standardize_inputs(inputs)
         return staged._run_through_graph(inputs, operation_fn=lambda op: _call_fn(op, device_of[id(op)], training))
 
-    def _microbatches(self, batch: Any) -> list[tuple[Any, Any]]:
-        """(start, size) of each micro-batch: sizes differ by at most one, empty ones come last.
+    def _flat_inputs(self, x: Any) -> list[tf.Tensor]:
+        return [tf.convert_to_tensor(t) for t in self.staged._standardize_inputs(x)]
 
-        With a static batch size (eager calls, or a traced step whose batch dimension is known) the
-        bounds are Python ints and empty micro-batches are dropped; otherwise they are tensors.
-        """
-        m = self.num_microbatches
-        base, extra = batch // m, batch % m
-        bounds, start = [], 0 if isinstance(batch, int) else tf.constant(0, batch.dtype)
-        for i in range(m):
-            size = base + (int(i < extra) if isinstance(batch, int) else tf.cast(i < extra, batch.dtype))
-            if isinstance(size, int) and size == 0:
-                break
-            bounds.append((start, size))
-            start = start + size
-        return bounds
-
-    def _forward_microbatches(
-        self, x: Any, y: Any, sample_weight: Any, training: bool, with_loss: bool
-    ) -> tuple[Any, tf.Tensor | None]:
-        """Runs every micro-batch; returns (concatenated predictions, summed weighted loss or None)."""
-        first = keras.tree.flatten(x)[0]
-        batch = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
-        batch_f = tf.cast(batch, tf.float32)
-        preds, losses = [], []
-
-        def take(structure: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
-            return keras.tree.map_structure(
-                lambda t: (
-                    None
-                    if t is None
-                    else tf.slice(t, [start] + [0] * (len(t.shape) - 1), [size] + [-1] * (len(t.shape) - 1))
-                ),
-                structure,
+    def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+        if self._compile_loss is None:
+            raise InputError(
+                "PipelinedModel needs a loss to train: compile(loss=...). Losses added with add_loss inside "
+                "layers are not supported by the pipelined step."
             )
+        return self._compile_loss(y, y_pred, sample_weight)
 
-        empty_pred = keras.tree.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], dtype=s.dtype), self.staged.outputs)
-        empty_pred = keras.tree.pack_sequence_as(self.staged._outputs_struct, keras.tree.flatten(empty_pred))
+    def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
+        """One pipelined forward and backward of a batch, without an update.
 
-        for index, (start, size) in enumerate(self._microbatches(batch)):
+        Returns:
+            (the batch's loss, the gradients of ``self.executor.trainable_variables``, in that order).
+            Useful to inspect gradients or to accumulate them by hand; ``fit`` does the same and then
+            applies them.
 
-            def run(start: tf.Tensor = start, size: tf.Tensor = size) -> tuple[Any, tf.Tensor]:
-                x_m, y_m, w_m = take(x, start, size), take(y, start, size), take(sample_weight, start, size)
-                pred = self(x_m, training=training)
-                if not with_loss:
-                    return pred, tf.zeros([], tf.float32)
-                with tf.device(self._state.stages[-1]):
-                    loss = self._compute_loss(x=x_m, y=y_m, y_pred=pred, sample_weight=w_m, training=training)
-                    return pred, tf.cast(loss, tf.float32) * tf.cast(size, tf.float32) / batch_f
-
-            if index == 0 or isinstance(size, int):
-                pred, loss = run()
-            else:
-                pred, loss = tf.cond(size > 0, run, lambda: (empty_pred, tf.zeros([], tf.float32)))
-            preds.append(pred)
-            losses.append(loss)
-        y_pred = keras.tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *preds)
-        return y_pred, (tf.add_n(losses) if with_loss else None)
+        Example:
+            >>> loss, grads = wrapped.loss_and_gradients(x, y)                        # doctest: +SKIP
+        """
+        loss, _, _, gradients = self._state.executor.train(
+            self._flat_inputs(x), y, sample_weight, self._micro_loss, lambda t: t
+        )
+        return loss, gradients
 
     # ----- Keras steps -----------------------------------------------------------------------------
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """keras.Model.compile, then builds the optimizer so its slots exist (on their variables'
-        devices) before the first step is traced: otherwise the first step is traced twice.
-
-        Raises:
-            InputError: for ``jit_compile=True``: XLA compiles one device's graph, and per-stage
-                compilation is not implemented yet. "auto" (Keras' default) is turned off.
-        """
-        if kwargs.get("jit_compile") is True:
-            raise InputError(
-                "jit_compile=True is not supported by PipelinedModel yet: XLA compiles a graph for one "
-                "device, and compiling each stage separately is not implemented. Received: jit_compile=True. "
-                "Use jit_compile=False (the stages still run as one TensorFlow graph)."
-            )
+        """keras.Model.compile. ``jit_compile=True`` compiles each stage's functions with XLA on its
+        device (one XLA cluster per stage: XLA runs a cluster on one device); Keras' "auto" means
+        False here. The optimizer is built at once, its slots on their variables' devices, and its
+        update arithmetic is issued on each variable's device."""
+        jit = kwargs.get("jit_compile") is True
         kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)
-        if self.optimizer is not None and not self.optimizer.built and self.trainable_variables:
-            self.optimizer.build(self.trainable_variables)
+        state = self._state
+        if state.executor.jit_compile != jit:
+            self._state = replace(state, executor=state.executor.with_jit_compile(jit))
+        if self.optimizer is not None:
+            if not self.optimizer.built and self.trainable_variables:
+                self.optimizer.build(self.trainable_variables)
+            place_updates(self.optimizer)
+
+    @property
+    def stage_jit_compile(self) -> bool:
+        """True iff each stage's functions are compiled with XLA (``compile(jit_compile=True)``)."""
+        return self._state.executor.jit_compile
 
     def compile_from_config(self, config: Any) -> None:
         """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""
@@ -187,28 +195,35 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 
     def train_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            y_pred, loss = self._forward_microbatches(x, y, sample_weight, training=True, with_loss=True)
-            assert loss is not None
-            batch = tf.shape(keras.tree.flatten(x)[0])[0]
+        inputs = self._flat_inputs(x)
+        executor = self._state.executor
+        scale = self.optimizer.scale_loss if self.optimizer is not None else (lambda t: t)
+        loss, predictions, _, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale)
+        if gradients:
+            self.optimizer.apply(gradients, executor.trainable_variables)
+        batch = tf.shape(inputs[0])[0]
+        with tf.device(self._state.stages[-1]):
+            y_pred = _concat(predictions, batch)
             self._loss_tracker.update_state(loss, sample_weight=batch)
-            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
-        if self.trainable_weights:
-            gradients = tape.gradient(scaled, self.trainable_weights)
-            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred, loss = self._forward_microbatches(x, y, sample_weight, training=False, with_loss=True)
-        batch = tf.shape(keras.tree.flatten(x)[0])[0]
-        self._loss_tracker.update_state(loss, sample_weight=batch)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        inputs = self._flat_inputs(x)
+        predictions, _ = self._state.executor.forward(inputs, training=False)
+        batch = tf.shape(inputs[0])[0]
+        with tf.device(self._state.stages[-1]):
+            y_pred = _concat(predictions, batch)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            self._loss_tracker.update_state(loss, sample_weight=batch)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred, _ = self._forward_microbatches(x, None, None, training=False, with_loss=False)
-        return y_pred
+        inputs = self._flat_inputs(x)
+        predictions, _ = self._state.executor.forward(inputs, training=False)
+        with tf.device(self._state.stages[-1]):
+            return _concat(predictions, tf.shape(inputs[0])[0])
 
     # ----- getting the plain model back ------------------------------------------------------------
 

@@ -36,6 +36,8 @@ def plan_and_wrap(
     optimizer_slots: int = 2,
     time_limit_s: float = 10.0,
     pins: Mapping[str, str] | None = None,
+    schedule: str = "gpipe",
+    recompute: str = "never",
 ) -> PipelinedModel:
     """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
 
@@ -49,6 +51,12 @@ def plan_and_wrap(
         optimizer_slots: 2 for Adam, 1 for momentum, 0 for SGD (for the memory check).
         time_limit_s: the solver's time limit.
         pins: {node: device} placements to keep.
+        schedule: the pipeline schedule to plan for and train with: "gpipe" (all forwards, then all
+            backwards: M micro-batches of activations in flight) or "1f1b" (one forward, one
+            backward: at most K - s in flight on stage s, the same bubble).
+        recompute: "never" keeps each micro-batch's activations until its backward; "always" keeps
+            only each stage's inputs and runs its forward again in the backward (about a third more
+            compute for far less activation memory).
 
     Returns:
         A PipelinedModel; its ``.plan`` is the plan used.
@@ -72,12 +80,21 @@ def plan_and_wrap(
         optimizer_slots=optimizer_slots,
         time_limit_s=time_limit_s,
         pins={k: canonical(v) for k, v in (pins or {}).items()} or None,
+        schedule=schedule,
     )
     validate_plan(plan, graph, cluster)
-    return _wrap(model, plan, num_microbatches)
+    return _wrap(model, plan, num_microbatches, schedule=schedule, recompute=recompute)
 
 
-def wrap(model: Any, plan: Plan, *, num_microbatches: int | None = None, validate: bool = True) -> PipelinedModel:
+def wrap(
+    model: Any,
+    plan: Plan,
+    *,
+    num_microbatches: int | None = None,
+    validate: bool = True,
+    schedule: str | None = None,
+    recompute: str = "never",
+) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
 
     Args:
@@ -85,6 +102,8 @@ def wrap(model: Any, plan: Plan, *, num_microbatches: int | None = None, validat
         plan: a Plan (``Plan.from_json(text)``).
         num_microbatches: M; defaults to the plan's.
         validate: profile the model and run ``validate_plan`` first (recommended).
+        schedule: "gpipe" or "1f1b"; defaults to the schedule the plan was made for.
+        recompute: "never" or "always" (see ``plan_and_wrap``).
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
@@ -100,14 +119,15 @@ def wrap(model: Any, plan: Plan, *, num_microbatches: int | None = None, validat
         graph = profile_model(model, batch_size=num_microbatches, num_microbatches=num_microbatches, measure_time=False)
         planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
         validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
-    return _wrap(model, plan, num_microbatches)
+    schedule = getattr(plan, "schedule", "gpipe") if schedule is None else schedule
+    return _wrap(model, plan, num_microbatches, schedule=schedule, recompute=recompute)
 
 
-def _wrap(model: Any, plan: Plan, num_microbatches: int) -> PipelinedModel:
+def _wrap(model: Any, plan: Plan, num_microbatches: int, *, schedule: str, recompute: str) -> PipelinedModel:
     """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
     rebuilt = rebuild(model, assignment)
-    wrapped = PipelinedModel(rebuilt, plan, model, num_microbatches)
+    wrapped = PipelinedModel(rebuilt, plan, model, num_microbatches, schedule=schedule, recompute=recompute)
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)
     return wrapped

@@ -177,13 +177,33 @@ def test_subclassed_model_is_refused(virtual_devices) -> None:
         plan_and_wrap(model, devices=2, batch_size=16, num_microbatches=4)
 
 
-def test_jit_compile_is_refused_with_advice(virtual_devices) -> None:
-    model, _, _, loss = _model_and_data()
-    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
-    with pytest.raises(pt.InputError, match=r"jit_compile=True is not supported .* Use jit_compile=False"):
-        wrapped.compile(optimizer="sgd", loss=loss, jit_compile=True)
+def test_jit_compile_compiles_each_stage_and_trains(virtual_devices) -> None:
+    """compile(jit_compile=True) compiles each stage's functions with XLA; Keras' own step stays uncompiled."""
+    model, x, y, loss = _model_and_data()
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False, schedule="1f1b")
+    wrapped.compile(optimizer="sgd", loss=loss, jit_compile=True)
+    assert wrapped.jit_compile is False and wrapped.stage_jit_compile is True
+    assert all(p.forward(True).function_spec.jit_compile for p in wrapped.executor.programs)
+    history = wrapped.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
     wrapped.compile(optimizer="sgd", loss=loss)
-    assert wrapped.jit_compile is False
+    assert wrapped.stage_jit_compile is False
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"schedule": "zigzag"}, r"schedule must be one of \('gpipe', '1f1b'\)\. Received: schedule='zigzag'"),
+        (
+            {"recompute": "sometimes"},
+            r"recompute must be one of \('never', 'always'\)\. Received: recompute='sometimes'",
+        ),
+    ],
+)
+def test_bad_schedule_or_recompute_is_refused(option, message, virtual_devices) -> None:
+    model, _, _, _ = _model_and_data()
+    with pytest.raises(pt.InputError, match=message):
+        wrap(model, _uniform_plan(model, virtual_devices), validate=False, **option)
 
 
 def test_tensorboard_callback_writes_logs(tmp_path, virtual_devices) -> None:

@@ -1,0 +1,414 @@
+"""Executes a pipeline schedule: each stage's forward, backward and optimizer update on its device.
+
+Every stage (``runtime.stages``) becomes one ``tf.function``, traced once and called once per
+micro-batch, not inlined into the step, so the step's graph and its trace time grow with M only by
+a few call ops per micro-batch. The executor emits the schedule's actions (``partitioner.schedule``)
+into Keras' compiled step, in the schedule's global order, each action under its stage's device and
+after the previous action of that device (a control dependency), so the device-by-device order is
+the schedule's:
+
+- ``F`` (stage s, micro-batch m): calls the stage function on the micro-batch's boundary tensors,
+  recorded on a tape of its own (or, with recomputation, unrecorded: only the inputs are kept). The
+  last stage computes the micro-batch's loss on its device.
+- ``B`` (stage s, micro-batch m): asks that tape for the gradients of the stage's inputs and weights,
+  with the gradients of its outputs from the stages that read them; every gradient op is created
+  under the stage's device. Weight gradients accumulate per stage on its device. With
+  recomputation the stage function first runs again under a fresh tape, with the dropout seeds of
+  its forward and every non-trainable variable (batch-norm statistics) restored afterwards.
+- After the last action each stage's optimizer update runs on its device: the optimizer's per-variable
+  update (moments, bias correction, the assign) is issued under the variable's device.
+
+Micro-batches have one static shape: a batch of B rows is split into M micro-batches of
+ceil(B / M) rows, the rows past B repeating real rows with sample weight zero; batch normalization
+is given a mask so the repeated rows do not count in its statistics. The loss of micro-batch m
+(Keras' mean over its rows) is scaled by ceil(B / M) / B, so the step's loss and gradients are the
+original model's on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from partitioner.errors import InputError
+from partitioner.schedule import Schedule
+from runtime.stages import Stage
+
+RECOMPUTE = ("never", "always")
+
+
+def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> None:
+    if "training" in getattr(operation, "_call_context_args", {}):
+        kwargs["training"] = training
+
+
+def _is_plain_batch_norm(operation: Any, args: Sequence[Any]) -> bool:
+    """A BatchNormalization over the last axis, which accepts a row mask for its statistics."""
+    if not isinstance(operation, keras.layers.BatchNormalization) or getattr(operation, "renorm", False):
+        return False
+    rank = len(args[0].shape)
+    return rank >= 2 and operation.axis in (-1, rank - 1)
+
+
+def _row_mask(valid: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+    """valid [b] -> a mask of x's shape without its last axis (batch-norm's mask convention)."""
+    rank = len(x.shape)
+    shape = tf.concat([tf.shape(valid), tf.ones([rank - 2], tf.int32)], axis=0)
+    return tf.broadcast_to(tf.reshape(valid, shape), tf.shape(x)[:-1])
+
+
+def _seed_variables(operations: Sequence[Any]) -> list[Any]:
+    """The state variables of every seed generator (dropout and other random layers) of the operations."""
+    found: dict[int, Any] = {}
+    for operation in operations:
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+        for layer in layers:
+            for generator in getattr(layer, "_seed_generators", []):
+                found[id(generator.state)] = generator.state
+    return list(found.values())
+
+
+class StageProgram:
+    """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
+
+    def __init__(self, stage: Stage, returns: Sequence[Any], jit_compile: bool) -> None:
+        self.stage = stage
+        self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
+        self.jit_compile = jit_compile
+        self.seed_variables = _seed_variables(stage.operations)
+        self.non_trainable = [
+            v.value
+            for v in {id(v): v for op in stage.operations for v in op.non_trainable_weights}.values()
+            if v.dtype != "string"
+        ]
+        self._functions: dict[str, Any] = {}
+
+    def _run(self, inputs: Sequence[tf.Tensor], valid: tf.Tensor, training: bool) -> list[tf.Tensor]:
+        values = {id(t): x for t, x in zip(self.stage.inputs, inputs)}
+        for node in self.stage.nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            operation = node.operation
+            _call_context(operation, kwargs, training)
+            if training and "mask" not in kwargs and _is_plain_batch_norm(operation, args):
+                kwargs["mask"] = _row_mask(valid, args[0])
+            outputs = operation(*args, **kwargs)
+            for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
+                values[id(symbolic)] = value
+        return [values[id(t)] for t in self.returns]
+
+    def _signature(self) -> list[tf.TensorSpec]:
+        specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in self.stage.inputs]
+        return [*specs, tf.TensorSpec((None,), tf.bool)]
+
+    def _compile(self, name: str, body: Any, signature: list[Any]) -> Any:
+        if name not in self._functions:
+            self._functions[name] = tf.function(
+                body,
+                input_signature=signature,
+                jit_compile=self.jit_compile,
+                experimental_attributes={"_noinline": True},
+            )
+        return self._functions[name]
+
+    def forward(self, training: bool) -> Any:
+        """f(*inputs, valid) -> [returns...] (+ the seed states it started from, when training)."""
+        count = len(self.stage.inputs)
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            seeds = [v.read_value() for v in self.seed_variables] if training else []
+            return self._run(flat[:count], flat[count], training) + seeds
+
+        return self._compile(f"forward_{training}", body, self._signature())
+
+    def recompute(self) -> Any:
+        """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
+
+        The dropout seeds are set to those of the first forward, and every non-trainable variable
+        (batch-norm statistics, seed states) is put back afterwards, so the recomputed forward draws
+        the same masks and updates nothing twice.
+        """
+        count = len(self.stage.inputs)
+        seed_specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.seed_variables]
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            saved = [tf.identity(v.read_value()) for v in self.non_trainable]
+            for variable, seed in zip(self.seed_variables, flat[count + 1 :]):
+                variable.assign(seed)
+            outputs = self._run(flat[:count], flat[count], True)
+            with tf.control_dependencies(outputs):
+                restores = [v.assign(s) for v, s in zip(self.non_trainable, saved)]
+            with tf.control_dependencies(restores):
+                return [tf.identity(o) for o in outputs]
+
+        return self._compile("recompute", body, [*self._signature(), *seed_specs])
+
+
+class Executor:
+    """Runs training, evaluation and prediction steps of a staged model by a schedule.
+
+    Args:
+        model: the flat rebuilt functional model.
+        stages: its stages in pipeline order (``runtime.stages.cut_stages``).
+        schedule: "gpipe" or "1f1b".
+        num_microbatches: M.
+        recompute: "never" (keep each micro-batch's activations until its backward) or "always"
+            (keep only each stage's inputs and run its forward again in the backward).
+        jit_compile: compile each stage's functions with XLA on its device.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        stages: Sequence[Stage],
+        *,
+        schedule: str,
+        num_microbatches: int,
+        recompute: str = "never",
+        jit_compile: bool = False,
+    ) -> None:
+        if recompute not in RECOMPUTE:
+            raise InputError(f"recompute must be one of {RECOMPUTE}. Received: recompute={recompute!r}.")
+        self.model = model
+        self.stages = tuple(stages)
+        self.num_microbatches = num_microbatches
+        self.schedule = Schedule.make(schedule, len(self.stages), num_microbatches)
+        self.recompute = recompute
+        self.jit_compile = jit_compile
+        last = len(self.stages) - 1
+        self.programs = [
+            StageProgram(s, (*s.outputs, *(model.outputs if s.index == last else ())), jit_compile) for s in self.stages
+        ]
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """Every stage's trainable variables, stage after stage: the order ``train`` returns gradients in."""
+        return [v for stage in self.stages for v in stage.trainable_variables]
+
+    def with_jit_compile(self, jit_compile: bool) -> Executor:
+        """The same executor with (or without) XLA compilation of every stage function."""
+        return Executor(
+            self.model,
+            self.stages,
+            schedule=self.schedule.name,
+            num_microbatches=self.num_microbatches,
+            recompute=self.recompute,
+            jit_compile=jit_compile,
+        )
+
+    # ----- splitting a batch ---------------------------------------------------------------------
+
+    def split(self, batch: tf.Tensor, structure: Any) -> list[Any]:
+        """Each leaf [B, ...] -> M micro-batches [ceil(B/M), ...]; rows past B repeat real rows."""
+        m = self.num_microbatches
+        size = (batch + m - 1) // m
+        rows = tf.range(size * m) % batch
+
+        def one(t: Any) -> list[tf.Tensor]:
+            t = tf.convert_to_tensor(t)
+            parts = tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m)
+            for part in parts:
+                part.set_shape([None, *t.shape[1:]])
+            return parts
+
+        flat = [one(t) for t in keras.tree.flatten(structure)]
+        return [keras.tree.pack_sequence_as(structure, [parts[i] for parts in flat]) for i in range(m)]
+
+    def valid_rows(self, batch: tf.Tensor) -> list[tf.Tensor]:
+        """Per micro-batch, [ceil(B/M)] booleans: True for the batch's own rows, False for repeats."""
+        m = self.num_microbatches
+        size = (batch + m - 1) // m
+        return tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m)
+
+    # ----- steps ---------------------------------------------------------------------------------
+
+    def forward(self, inputs: Sequence[tf.Tensor], training: bool) -> tuple[list[Any], list[tf.Tensor]]:
+        """Forward only (evaluation and prediction): per micro-batch the model outputs, and the valid rows."""
+        batch = tf.shape(inputs[0])[0]
+        micro_inputs = self.split(batch, list(inputs))
+        valid = self.valid_rows(batch)
+        values: dict[tuple[int, int], tf.Tensor] = {}
+        last_op: list[Any] = [None] * len(self.stages)
+        for m in range(self.num_microbatches):
+            for t, x in zip(self.model.inputs, micro_inputs[m]):
+                values[(id(t), m)] = x
+        results = []
+        for m in range(self.num_microbatches):
+            for program in self.programs:
+                stage = program.stage
+                with tf.device(stage.device), _after(last_op[stage.index]):
+                    fn = program.forward(training)
+                    outputs = fn(*[values[(id(t), m)] for t in stage.inputs], valid[m])
+                    outputs = outputs[: len(program.returns)]
+                for symbolic, value in zip(program.returns, outputs):
+                    values[(id(symbolic), m)] = value
+                last_op[stage.index] = outputs
+            outputs = [values[(id(t), m)] for t in self.model.outputs]
+            results.append(keras.tree.pack_sequence_as(self.model._outputs_struct, outputs))
+        return results, valid
+
+    def train(self, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any) -> Any:
+        """Runs the schedule's forwards and backwards for one batch.
+
+        Args:
+            inputs: the model's flat inputs, each [B, ...].
+            y: targets in the model's output structure (or None).
+            sample_weight: as Keras takes it (or None).
+            loss_fn: (y, y_pred, sample_weight) -> the mean loss of a micro-batch (Keras' compiled loss).
+            scale_loss: loss -> the loss the gradients are taken of (the optimizer's loss scaling).
+
+        Returns:
+            (the batch's loss, per micro-batch the model outputs, the valid rows, the gradients of
+            every stage's trainable variables, stage after stage, each summed over the micro-batches
+            on its stage's device).
+        """
+        step = _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss)
+        for action in self.schedule.global_order():
+            stage = self.stages[action.stage]
+            with tf.device(stage.device), _after(step.last_op[action.stage]):
+                if action.kind == "F":
+                    step.forward(action.stage, action.microbatch)
+                elif action.kind == "B":
+                    step.backward(action.stage, action.microbatch)
+                else:
+                    raise InputError(f"The runtime executes F and B actions; {action} is not one of them yet.")
+        return step.finish()
+
+
+class _TrainStep:
+    """The tensors of one training step while its actions are emitted: values, tapes, pending gradients."""
+
+    def __init__(
+        self, executor: Executor, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any
+    ) -> None:
+        self.executor = executor
+        self.loss_fn = loss_fn
+        self.scale_loss = scale_loss
+        num = executor.num_microbatches
+        batch = tf.shape(inputs[0])[0]
+        size = (batch + num - 1) // num
+        self.share = tf.cast(size, tf.float32) / tf.cast(batch, tf.float32)  # micro-batch mean -> batch mean
+        self.valid = executor.valid_rows(batch)
+        self.y = executor.split(batch, y) if y is not None else [None] * num
+        if sample_weight is None:
+            self.weights = [tf.cast(v, tf.float32) for v in self.valid]
+        else:
+            self.weights = [
+                keras.tree.map_structure(lambda w, v=v: _mask_rows(w, v), part)
+                for part, v in zip(executor.split(batch, sample_weight), self.valid)
+            ]
+        self.model_inputs = {id(t) for t in executor.model.inputs}
+        self.values: dict[tuple[int, int], tf.Tensor] = {}  # (id(symbolic tensor), m) -> its value
+        for m, parts in enumerate(executor.split(batch, list(inputs))):
+            for t, x in zip(executor.model.inputs, parts):
+                self.values[(id(t), m)] = x
+        self.pending: dict[tuple[int, int], list[tf.Tensor]] = {}  # (id(tensor), m) -> gradients from its readers
+        self.kept: dict[tuple[int, int], Any] = {}  # (s, m) -> (tape or None, outputs, seeds, loss or None)
+        self.losses: list[Any] = [None] * num  # unscaled loss of each micro-batch, its share of the batch
+        self.predictions: list[Any] = [None] * num
+        self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
+        self.last_op: list[Any] = [None] * len(executor.stages)
+
+    def _inputs(self, s: int, m: int) -> tuple[list[tf.Tensor], list[int]]:
+        stage = self.executor.stages[s]
+        values = [self.values[(id(t), m)] for t in stage.inputs]
+        watched = [
+            i
+            for i, (t, x) in enumerate(zip(stage.inputs, values))
+            if x.dtype.is_floating and id(t) not in self.model_inputs
+        ]
+        return values, watched
+
+    def _loss(self, s: int, m: int, outputs: Sequence[tf.Tensor]) -> tf.Tensor | None:
+        """The last stage's loss of micro-batch m as its share of the batch's loss, scaled by the optimizer
+        for the gradient (None on other stages); the unscaled value goes to ``losses``."""
+        executor = self.executor
+        if s != len(executor.stages) - 1:
+            return None
+        stage = executor.stages[s]
+        y_pred = keras.tree.pack_sequence_as(executor.model._outputs_struct, list(outputs[len(stage.outputs) :]))
+        self.predictions[m] = y_pred
+        loss = tf.cast(self.loss_fn(self.y[m], y_pred, self.weights[m]), tf.float32) * self.share
+        self.losses[m] = loss
+        return self.scale_loss(loss)
+
+    def forward(self, s: int, m: int) -> None:
+        program = self.executor.programs[s]
+        values, watched = self._inputs(s, m)
+        tape = tf.GradientTape() if self.executor.recompute == "never" else None
+        with tape if tape is not None else contextlib.nullcontext():
+            if tape is not None:
+                tape.watch([values[i] for i in watched])
+            results = program.forward(True)(*values, self.valid[m])
+            count = len(program.returns)
+            outputs, seeds = results[:count], results[count:]
+            loss = self._loss(s, m, outputs)
+        for symbolic, value in zip(program.returns, outputs):
+            self.values[(id(symbolic), m)] = value
+        self.kept[(s, m)] = (tape, outputs, seeds, loss)
+        self.last_op[s] = [*outputs, *([loss] if loss is not None else [])]
+
+    def backward(self, s: int, m: int) -> None:
+        program, stage = self.executor.programs[s], self.executor.stages[s]
+        values, watched_index = self._inputs(s, m)
+        watched = [values[i] for i in watched_index]
+        tape, outputs, seeds, loss = self.kept.pop((s, m))
+        if tape is None:  # recomputation: the stage's forward again, under a tape, on this device
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                outputs = program.recompute()(*values, self.valid[m], *seeds)
+                loss = self._loss(s, m, outputs)
+        targets: list[tf.Tensor] = [] if loss is None else [loss]
+        output_gradients: list[tf.Tensor] = [] if loss is None else [tf.ones_like(loss)]
+        for symbolic, value in zip(stage.outputs, outputs):
+            grads = self.pending.pop((id(symbolic), m), None)
+            if grads:
+                targets.append(value)
+                output_gradients.append(grads[0] if len(grads) == 1 else tf.add_n(grads))
+        variables = list(stage.trainable_variables)
+        if not targets:  # nothing this stage computes reaches the loss
+            return
+        result = tape.gradient(targets, watched + variables, output_gradients=output_gradients)
+        for i, g in zip(watched_index, result[: len(watched)]):
+            if g is not None:
+                self.pending.setdefault((id(stage.inputs[i]), m), []).append(g)
+        accumulated = self.gradients[s]
+        for i, g in enumerate(result[len(watched) :]):
+            if g is not None:
+                accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
+        self.last_op[s] = [g for g in result if g is not None] or self.last_op[s]
+
+    def finish(self) -> tuple[tf.Tensor, list[Any], list[tf.Tensor], list[tf.Tensor]]:
+        executor = self.executor
+        with tf.device(executor.stages[-1].device):
+            loss = tf.add_n([x for x in self.losses if x is not None])
+        gradients = []
+        for stage, grads in zip(executor.stages, self.gradients):
+            with tf.device(stage.device):
+                gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
+        return loss, self.predictions, self.valid, gradients
+
+
+def _mask_rows(weight: Any, valid: tf.Tensor) -> tf.Tensor:
+    """A sample weight with zeros on the repeated rows."""
+    weight = tf.convert_to_tensor(weight)
+    mask = tf.cast(valid, weight.dtype)
+    return weight * tf.reshape(mask, tf.concat([tf.shape(mask), tf.ones([len(weight.shape) - 1], tf.int32)], 0))
+
+
+class _after:
+    """A control-dependency scope on the previous action of a device (nothing for the first)."""
+
+    def __init__(self, previous: Any) -> None:
+        self._scope = tf.control_dependencies(previous) if previous else None
+
+    def __enter__(self) -> None:
+        if self._scope is not None:
+            self._scope.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._scope is not None:
+            self._scope.__exit__(*exc)
