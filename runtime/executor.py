@@ -18,17 +18,18 @@ the schedule's:
 - After the last action each stage's optimizer update runs on its device: the optimizer's per-variable
   update (moments, bias correction, the assign) is issued under the variable's device.
 
-Micro-batches have one static shape: a batch of B rows is split into M micro-batches of
-ceil(B / M) rows, the rows past B repeating real rows with sample weight zero; batch normalization
-is given a mask so the repeated rows do not count in its statistics. The loss of micro-batch m
-(Keras' mean over its rows) is scaled by ceil(B / M) / B, so the step's loss and gradients are the
-original model's on the whole batch.
+Micro-batches have one shape, so each stage function is traced once: a batch of B rows is split
+into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
+left out of the loss (each micro-batch's loss is Keras' compiled loss over its own rows, weighted by
+their share of the batch, so the step's loss and gradients are the original model's on the whole
+batch) and out of batch normalization's statistics (a row mask).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
@@ -36,29 +37,16 @@ import tensorflow as tf
 
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
+from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update_moving_statistics
 from runtime.stages import Stage
 
 RECOMPUTE = ("never", "always")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> None:
     if "training" in getattr(operation, "_call_context_args", {}):
         kwargs["training"] = training
-
-
-def _is_plain_batch_norm(operation: Any, args: Sequence[Any]) -> bool:
-    """A BatchNormalization over the last axis, which accepts a row mask for its statistics."""
-    if not isinstance(operation, keras.layers.BatchNormalization) or getattr(operation, "renorm", False):
-        return False
-    rank = len(args[0].shape)
-    return rank >= 2 and operation.axis in (-1, rank - 1)
-
-
-def _row_mask(valid: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
-    """valid [b] -> a mask of x's shape without its last axis (batch-norm's mask convention)."""
-    rank = len(x.shape)
-    shape = tf.concat([tf.shape(valid), tf.ones([rank - 2], tf.int32)], axis=0)
-    return tf.broadcast_to(tf.reshape(valid, shape), tf.shape(x)[:-1])
 
 
 def _seed_variables(operations: Sequence[Any]) -> list[Any]:
@@ -75,30 +63,47 @@ def _seed_variables(operations: Sequence[Any]) -> list[Any]:
 class StageProgram:
     """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
 
-    def __init__(self, stage: Stage, returns: Sequence[Any], jit_compile: bool) -> None:
+    def __init__(self, stage: Stage, returns: Sequence[Any], options: ExecutionOptions) -> None:
         self.stage = stage
         self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
-        self.jit_compile = jit_compile
+        self.jit_compile = options.jit_compile
+        self.batch_norm = options.batch_norm
         self.seed_variables = _seed_variables(stage.operations)
         self.non_trainable = [
             v.value
             for v in {id(v): v for op in stage.operations for v in op.non_trainable_weights}.values()
             if v.dtype != "string"
         ]
+        self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
         self._functions: dict[str, Any] = {}
 
-    def _run(self, inputs: Sequence[tf.Tensor], valid: tf.Tensor, training: bool) -> list[tf.Tensor]:
+    def _run(self, inputs: Sequence[tf.Tensor], valid: tf.Tensor, training: bool, stats: list[Any]) -> list[tf.Tensor]:
+        """The stage's nodes in order. In training, batch normalizations (``runtime.batchnorm``) use
+        the valid rows' statistics and append (layer, [mean, variance, count]) to ``stats`` instead of
+        moving their own."""
         values = {id(t): x for t, x in zip(self.stage.inputs, inputs)}
         for node in self.stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
             operation = node.operation
             _call_context(operation, kwargs, training)
-            if training and "mask" not in kwargs and _is_plain_batch_norm(operation, args):
-                kwargs["mask"] = _row_mask(valid, args[0])
-            outputs = operation(*args, **kwargs)
+            if training and is_plain_batch_norm(operation, args, kwargs):
+                outputs, moments = normalize(operation, args[0], valid)
+                stats.append((operation, moments))
+            else:
+                outputs = operation(*args, **kwargs)
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
         return [values[id(t)] for t in self.returns]
+
+    def split(self, results: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
+        """A training forward's results -> (returns, [mean, variance, count] per deferred call, seeds)."""
+        count, num_stats = len(self.returns), 3 * len(self.deferred_layers)
+        stats = list(results[count : count + num_stats])
+        return (
+            list(results[:count]),
+            [stats[i : i + 3] for i in range(0, num_stats, 3)],
+            list(results[count + num_stats :]),
+        )
 
     def _signature(self) -> list[tf.TensorSpec]:
         specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in self.stage.inputs]
@@ -115,12 +120,21 @@ class StageProgram:
         return self._functions[name]
 
     def forward(self, training: bool) -> Any:
-        """f(*inputs, valid) -> [returns...] (+ the seed states it started from, when training)."""
+        """f(*inputs, valid) -> [returns...]; when training, + batch-norm statistics + the seed states it began with."""
         count = len(self.stage.inputs)
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
-            seeds = [v.read_value() for v in self.seed_variables] if training else []
-            return self._run(flat[:count], flat[count], training) + seeds
+            stats: list[Any] = []
+            if not training:
+                return self._run(flat[:count], flat[count], False, stats)
+            seeds = [v.read_value() for v in self.seed_variables]
+            outputs = self._run(flat[:count], flat[count], True, stats)
+            if self.batch_norm == "per_microbatch":
+                for layer, moments in stats:
+                    update_moving_statistics(layer, [moments])
+                stats = []
+            self.deferred_layers = [layer for layer, _ in stats]
+            return outputs + [t for _, moments in stats for t in moments] + seeds
 
         return self._compile(f"forward_{training}", body, self._signature())
 
@@ -138,7 +152,7 @@ class StageProgram:
             saved = [tf.identity(v.read_value()) for v in self.non_trainable]
             for variable, seed in zip(self.seed_variables, flat[count + 1 :]):
                 variable.assign(seed)
-            outputs = self._run(flat[:count], flat[count], True)
+            outputs = self._run(flat[:count], flat[count], True, [])  # statistics are the first forward's
             with tf.control_dependencies(outputs):
                 restores = [v.assign(s) for v, s in zip(self.non_trainable, saved)]
             with tf.control_dependencies(restores):
@@ -147,57 +161,58 @@ class StageProgram:
         return self._compile("recompute", body, [*self._signature(), *seed_specs])
 
 
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How a PipelinedModel runs its steps (everything but the stages themselves)."""
+
+    num_microbatches: int  # M
+    schedule: str = "gpipe"  # "gpipe" or "1f1b"
+    recompute: str = "never"  # "never" keeps activations until the backward; "always" re-runs each stage forward
+    batch_norm: str = "deferred"  # "deferred": one moving-statistics update per step; "per_microbatch": M updates
+    jit_compile: bool = False  # compile each stage's functions with XLA on its device
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("batch_norm", BATCH_NORM)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise InputError(f"{name} must be one of {allowed}. Received: {name}={value!r}.")
+
+
 class Executor:
     """Runs training, evaluation and prediction steps of a staged model by a schedule.
 
     Args:
         model: the flat rebuilt functional model.
         stages: its stages in pipeline order (``runtime.stages.cut_stages``).
-        schedule: "gpipe" or "1f1b".
-        num_microbatches: M.
-        recompute: "never" (keep each micro-batch's activations until its backward) or "always"
-            (keep only each stage's inputs and run its forward again in the backward).
-        jit_compile: compile each stage's functions with XLA on its device.
+        options: M, the schedule, recomputation, batch normalization and XLA.
+
+    Example:
+        >>> executor = Executor(rebuilt.model, cut_stages(...), ExecutionOptions(8, schedule="1f1b"))  # doctest: +SKIP
+        >>> print(executor.schedule)                                                                   # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        model: Any,
-        stages: Sequence[Stage],
-        *,
-        schedule: str,
-        num_microbatches: int,
-        recompute: str = "never",
-        jit_compile: bool = False,
-    ) -> None:
-        if recompute not in RECOMPUTE:
-            raise InputError(f"recompute must be one of {RECOMPUTE}. Received: recompute={recompute!r}.")
+    def __init__(self, model: Any, stages: Sequence[Stage], options: ExecutionOptions) -> None:
         self.model = model
         self.stages = tuple(stages)
-        self.num_microbatches = num_microbatches
-        self.schedule = Schedule.make(schedule, len(self.stages), num_microbatches)
-        self.recompute = recompute
-        self.jit_compile = jit_compile
+        self.options = options
+        self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
         last = len(self.stages) - 1
         self.programs = [
-            StageProgram(s, (*s.outputs, *(model.outputs if s.index == last else ())), jit_compile) for s in self.stages
+            StageProgram(s, (*s.outputs, *(model.outputs if s.index == last else ())), options) for s in self.stages
         ]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.options.num_microbatches
 
     @property
     def trainable_variables(self) -> list[Any]:
         """Every stage's trainable variables, stage after stage: the order ``train`` returns gradients in."""
         return [v for stage in self.stages for v in stage.trainable_variables]
 
-    def with_jit_compile(self, jit_compile: bool) -> Executor:
-        """The same executor with (or without) XLA compilation of every stage function."""
-        return Executor(
-            self.model,
-            self.stages,
-            schedule=self.schedule.name,
-            num_microbatches=self.num_microbatches,
-            recompute=self.recompute,
-            jit_compile=jit_compile,
-        )
+    def with_options(self, **changes: Any) -> Executor:
+        """The same stages run with other options (new stage functions, traced afresh)."""
+        return Executor(self.model, self.stages, replace(self.options, **changes))
 
     # ----- splitting a batch ---------------------------------------------------------------------
 
@@ -290,16 +305,12 @@ class _TrainStep:
         num = executor.num_microbatches
         batch = tf.shape(inputs[0])[0]
         size = (batch + num - 1) // num
-        self.share = tf.cast(size, tf.float32) / tf.cast(batch, tf.float32)  # micro-batch mean -> batch mean
+        # the batch's own rows of micro-batch m are its first rows[m] (the rest repeat earlier rows)
+        self.rows = [tf.clip_by_value(batch - m * size, 0, size) for m in range(num)]
+        self.share = [tf.cast(n, tf.float32) / tf.cast(batch, tf.float32) for n in self.rows]
         self.valid = executor.valid_rows(batch)
         self.y = executor.split(batch, y) if y is not None else [None] * num
-        if sample_weight is None:
-            self.weights = [tf.cast(v, tf.float32) for v in self.valid]
-        else:
-            self.weights = [
-                keras.tree.map_structure(lambda w, v=v: _mask_rows(w, v), part)
-                for part, v in zip(executor.split(batch, sample_weight), self.valid)
-            ]
+        self.weights = executor.split(batch, sample_weight) if sample_weight is not None else [None] * num
         self.model_inputs = {id(t) for t in executor.model.inputs}
         self.values: dict[tuple[int, int], tf.Tensor] = {}  # (id(symbolic tensor), m) -> its value
         for m, parts in enumerate(executor.split(batch, list(inputs))):
@@ -311,6 +322,7 @@ class _TrainStep:
         self.predictions: list[Any] = [None] * num
         self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
         self.last_op: list[Any] = [None] * len(executor.stages)
+        self.statistics: dict[tuple[int, int], tuple[Any, list[Any]]] = {}  # (s, id(layer)) -> (layer, moments)
 
     def _inputs(self, s: int, m: int) -> tuple[list[tf.Tensor], list[int]]:
         stage = self.executor.stages[s]
@@ -331,21 +343,26 @@ class _TrainStep:
         stage = executor.stages[s]
         y_pred = keras.tree.pack_sequence_as(executor.model._outputs_struct, list(outputs[len(stage.outputs) :]))
         self.predictions[m] = y_pred
-        loss = tf.cast(self.loss_fn(self.y[m], y_pred, self.weights[m]), tf.float32) * self.share
+        rows = self.rows[m]
+        own = [
+            None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
+            for part in (self.y[m], y_pred, self.weights[m])
+        ]
+        loss = tf.cast(self.loss_fn(*own), tf.float32) * self.share[m]
         self.losses[m] = loss
         return self.scale_loss(loss)
 
     def forward(self, s: int, m: int) -> None:
         program = self.executor.programs[s]
         values, watched = self._inputs(s, m)
-        tape = tf.GradientTape() if self.executor.recompute == "never" else None
+        tape = tf.GradientTape() if self.executor.options.recompute == "never" else None
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])
-            results = program.forward(True)(*values, self.valid[m])
-            count = len(program.returns)
-            outputs, seeds = results[:count], results[count:]
+            outputs, stats, seeds = program.split(program.forward(True)(*values, self.valid[m]))
             loss = self._loss(s, m, outputs)
+        for layer, moments in zip(program.deferred_layers, stats):
+            self.statistics.setdefault((s, id(layer)), (layer, []))[1].append(moments)
         for symbolic, value in zip(program.returns, outputs):
             self.values[(id(symbolic), m)] = value
         self.kept[(s, m)] = (tape, outputs, seeds, loss)
@@ -382,21 +399,38 @@ class _TrainStep:
         self.last_op[s] = [g for g in result if g is not None] or self.last_op[s]
 
     def finish(self) -> tuple[tf.Tensor, list[Any], list[tf.Tensor], list[tf.Tensor]]:
+        """After the last action, per stage on its device: the weights' regularization (once per step,
+        with its gradients) and the deferred batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
-        with tf.device(executor.stages[-1].device):
-            loss = tf.add_n([x for x in self.losses if x is not None])
+        losses = [x for x in self.losses if x is not None]
         gradients = []
         for stage, grads in zip(executor.stages, self.gradients):
-            with tf.device(stage.device):
+            with tf.device(stage.device), _after(self.last_op[stage.index]):
+                penalties = _regularization(stage, grads, self.scale_loss)
+                if penalties is not None:
+                    losses.append(penalties)
+                for (s, _), (layer, moments) in self.statistics.items():
+                    if s == stage.index:
+                        update_moving_statistics(layer, moments)
                 gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
+        with tf.device(executor.stages[-1].device):
+            loss = tf.add_n(losses)
         return loss, self.predictions, self.valid, gradients
 
 
-def _mask_rows(weight: Any, valid: tf.Tensor) -> tf.Tensor:
-    """A sample weight with zeros on the repeated rows."""
-    weight = tf.convert_to_tensor(weight)
-    mask = tf.cast(valid, weight.dtype)
-    return weight * tf.reshape(mask, tf.concat([tf.shape(mask), tf.ones([len(weight.shape) - 1], tf.int32)], 0))
+def _regularization(stage: Stage, gradients: list[Any], scale_loss: Any) -> tf.Tensor | None:
+    """Adds the gradients of the stage's weight regularizers to ``gradients``; returns their sum (or None)."""
+    variables = list(stage.trainable_variables)
+    with tf.GradientTape() as tape:
+        terms = [t for op in stage.operations for t in getattr(op, "_get_regularization_losses", list)()]
+        if not terms:
+            return None
+        penalty = tf.cast(tf.add_n(terms), tf.float32)
+        scaled = scale_loss(penalty)
+    for i, g in enumerate(tape.gradient(scaled, variables)):
+        if g is not None:
+            gradients[i] = g if gradients[i] is None else gradients[i] + g
+    return penalty
 
 
 class _after:

@@ -23,12 +23,10 @@ import tensorflow as tf
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
-from runtime.executor import RECOMPUTE, Executor
+from runtime.executor import ExecutionOptions, Executor
 from runtime.optimizer_state import compile_like, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
 from runtime.stages import cut_stages
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -69,35 +67,15 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     Attributes:
         plan: the Plan the model was built from.
         num_microbatches: M, the micro-batches per training step.
-        schedule: "gpipe" or "1f1b".
-        recompute: "never" or "always" (re-run each stage's forward in its backward).
+        options: the ExecutionOptions (schedule, recompute, batch_norm, jit_compile).
+        executor: what runs the schedule (its ``schedule`` prints the actions of every stage).
     """
 
-    def __init__(
-        self,
-        rebuilt: Rebuilt,
-        plan: Plan,
-        original: Any,
-        num_microbatches: int,
-        *,
-        schedule: str = "gpipe",
-        recompute: str = "never",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, rebuilt: Rebuilt, plan: Plan, original: Any, options: ExecutionOptions, **kwargs: Any) -> None:
         super().__init__(name=kwargs.pop("name", f"{original.name}_pipelined"), **kwargs)
-        if schedule not in SCHEDULES:
-            raise InputError(f"schedule must be one of {SCHEDULES}. Received: schedule={schedule!r}.")
-        if recompute not in RECOMPUTE:
-            raise InputError(f"recompute must be one of {RECOMPUTE}. Received: recompute={recompute!r}.")
         self.staged = rebuilt.model
         stages = tuple(plan.stages)
-        executor = Executor(
-            rebuilt.model,
-            cut_stages(rebuilt.model, rebuilt.device_of, stages),
-            schedule=schedule,
-            num_microbatches=num_microbatches,
-            recompute=recompute,
-        )
+        executor = Executor(rebuilt.model, cut_stages(rebuilt.model, rebuilt.device_of, stages), options)
         self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
 
     # ----- what it is ------------------------------------------------------------------------------
@@ -113,14 +91,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         return self._state.executor.num_microbatches
 
     @property
-    def schedule(self) -> str:
-        """The pipeline schedule a training step follows: "gpipe" or "1f1b"."""
-        return self._state.executor.schedule.name
-
-    @property
-    def recompute(self) -> str:
-        """"never", or "always": each stage keeps only its inputs and re-runs its forward in the backward."""
-        return self._state.executor.recompute
+    def options(self) -> ExecutionOptions:
+        """How the steps run: M, the schedule, recomputation, batch normalization, XLA per stage."""
+        return self._state.executor.options
 
     @property
     def executor(self) -> Executor:
@@ -177,8 +150,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)
         state = self._state
-        if state.executor.jit_compile != jit:
-            self._state = replace(state, executor=state.executor.with_jit_compile(jit))
+        if state.executor.options.jit_compile != jit:
+            self._state = replace(state, executor=state.executor.with_options(jit_compile=jit))
         if self.optimizer is not None:
             if not self.optimizer.built and self.trainable_variables:
                 self.optimizer.build(self.trainable_variables)
@@ -187,7 +160,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     @property
     def stage_jit_compile(self) -> bool:
         """True iff each stage's functions are compiled with XLA (``compile(jit_compile=True)``)."""
-        return self._state.executor.jit_compile
+        return self._state.executor.options.jit_compile
 
     def compile_from_config(self, config: Any) -> None:
         """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""

@@ -11,6 +11,7 @@ from partitioner.plan import Plan
 from partitioner.solver import solve
 from partitioner.validate import validate_plan
 from runtime.devices import canonical, resolve_devices
+from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
@@ -38,6 +39,7 @@ def plan_and_wrap(
     pins: Mapping[str, str] | None = None,
     schedule: str = "gpipe",
     recompute: str = "never",
+    batch_norm: str = "deferred",
 ) -> PipelinedModel:
     """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
 
@@ -57,6 +59,9 @@ def plan_and_wrap(
         recompute: "never" keeps each micro-batch's activations until its backward; "always" keeps
             only each stage's inputs and runs its forward again in the backward (about a third more
             compute for far less activation memory).
+        batch_norm: "deferred" (each micro-batch normalised by its own statistics, the moving
+            statistics moved once per step towards the whole batch's, as the original model does) or
+            "per_microbatch" (Keras' layer as is: M moving updates per step).
 
     Returns:
         A PipelinedModel; its ``.plan`` is the plan used.
@@ -71,6 +76,7 @@ def plan_and_wrap(
     from profiles import profile_model
 
     _check_microbatches(num_microbatches, batch_size)
+    options = ExecutionOptions(num_microbatches, schedule=schedule, recompute=recompute, batch_norm=batch_norm)
     cluster = resolve_devices(devices, memory=memory)
     graph = profile_model(model, batch_size=batch_size, num_microbatches=num_microbatches, measure_time=False)
     plan = solve(
@@ -83,7 +89,7 @@ def plan_and_wrap(
         schedule=schedule,
     )
     validate_plan(plan, graph, cluster)
-    return _wrap(model, plan, num_microbatches, schedule=schedule, recompute=recompute)
+    return _wrap(model, plan, options)
 
 
 def wrap(
@@ -94,6 +100,7 @@ def wrap(
     validate: bool = True,
     schedule: str | None = None,
     recompute: str = "never",
+    batch_norm: str = "deferred",
 ) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
 
@@ -104,14 +111,17 @@ def wrap(
         validate: profile the model and run ``validate_plan`` first (recommended).
         schedule: "gpipe" or "1f1b"; defaults to the schedule the plan was made for.
         recompute: "never" or "always" (see ``plan_and_wrap``).
+        batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
     """
-    num_microbatches = plan.num_microbatches if num_microbatches is None else num_microbatches
-    _check_microbatches(num_microbatches, None)
     if not isinstance(plan, Plan):
         raise PlanError(f"wrap needs a partitioner.Plan. Received: {type(plan).__name__}.")
+    num_microbatches = plan.num_microbatches if num_microbatches is None else num_microbatches
+    _check_microbatches(num_microbatches, None)
+    schedule = plan.schedule if schedule is None else schedule
+    options = ExecutionOptions(num_microbatches, schedule=schedule, recompute=recompute, batch_norm=batch_norm)
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
     if validate:
         from profiles import profile_model
@@ -119,15 +129,14 @@ def wrap(
         graph = profile_model(model, batch_size=num_microbatches, num_microbatches=num_microbatches, measure_time=False)
         planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
         validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
-    schedule = getattr(plan, "schedule", "gpipe") if schedule is None else schedule
-    return _wrap(model, plan, num_microbatches, schedule=schedule, recompute=recompute)
+    return _wrap(model, plan, options)
 
 
-def _wrap(model: Any, plan: Plan, num_microbatches: int, *, schedule: str, recompute: str) -> PipelinedModel:
+def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:
     """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
     rebuilt = rebuild(model, assignment)
-    wrapped = PipelinedModel(rebuilt, plan, model, num_microbatches, schedule=schedule, recompute=recompute)
+    wrapped = PipelinedModel(rebuilt, plan, model, options)
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)
     return wrapped

@@ -59,17 +59,38 @@ def _slice(structure: object, start: int, stop: int) -> object:
     return keras.tree.map_structure(lambda a: a[start:stop], structure)
 
 
-def _reference_loss(model: keras.Model, x: object, y: object, num_microbatches: int) -> tf.Tensor:
-    """The original model's loss on the batch (micro-batch by micro-batch when it has BatchNorm)."""
+def _reference_loss(
+    model: keras.Model, x: object, y: object, num_microbatches: int, sizes: list[int] | None = None
+) -> tf.Tensor:
+    """The original model's loss on the batch (micro-batch by micro-batch when it has BatchNorm).
+
+    With BatchNorm and M > 1, each micro-batch is normalised by its own statistics, and each layer's
+    moving statistics move once, towards the mean and variance over the whole batch of the inputs
+    that layer saw (deferred batch normalization, the runtime's default).
+    """
     if num_microbatches == 1 or not has_batch_norm(model):
         return model.compute_loss(x=x, y=y, y_pred=model(x, training=True), training=True)
-    sizes = [BATCH // num_microbatches + (i < BATCH % num_microbatches) for i in range(num_microbatches)]
-    total, start = 0.0, 0
+    batch = len(keras.tree.flatten(x)[0])
+    before = [v.numpy() for v in model.non_trainable_weights]
+    norms = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+    probe = keras.Model(model.inputs, [layer.input for layer in norms])  # what each batch norm reads
+    sizes = sizes or [batch // num_microbatches] * num_microbatches
+    total, start, seen = 0.0, 0, []
     for size in sizes:
         x_m, y_m = _slice(x, start, start + size), _slice(y, start, start + size)
+        with tf.GradientTape() as probe_tape:
+            probe_tape.stop_recording()
+            seen.append([np.asarray(t, dtype=np.float64) for t in probe(x_m, training=True)])
         loss = model.compute_loss(x=x_m, y=y_m, y_pred=model(x_m, training=True), training=True)
-        total += loss * size / BATCH
+        total += loss * size / batch
         start += size
+    for variable, value in zip(model.non_trainable_weights, before):
+        variable.assign(value)
+    for i, layer in enumerate(norms):
+        inputs = np.concatenate([parts[i] for parts in seen], axis=0)
+        axes = tuple(range(inputs.ndim - 1))
+        for variable, value in ((layer.moving_mean, inputs.mean(axes)), (layer.moving_variance, inputs.var(axes))):
+            variable.assign(variable.numpy() * layer.momentum + value * (1 - layer.momentum))
     return total
 
 
@@ -160,6 +181,38 @@ def test_transparency_matches_original(
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
+    grads = tape.gradient(ref_loss, reference.trainable_weights)
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    logs = wrapped.train_on_batch(x, y, return_dict=True)
+    assert_close(logs["loss"], float(ref_loss))
+    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+        assert_close(after, expected)
+
+
+@pytest.mark.parametrize("batch_norm", ["deferred", "per_microbatch"])
+def test_batch_norm_remainder_batch_matches_microbatched_original(batch_norm: str, virtual_devices) -> None:
+    """13 rows in M = 4 micro-batches of ceil(13/4) = 4 rows: 4 + 4 + 4 + 1, the last padded with 3
+    repeated rows that must count neither in the loss nor in batch normalization's statistics."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["resnet_style"]()
+    x, y = make_batch(13, 2)
+    plan = _plan(model, virtual_devices, 2, 4)
+    wrapped = wrap(model, plan, validate=False, batch_norm=batch_norm)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    sizes = [4, 4, 4, 1]
+    if batch_norm == "deferred":
+        with tf.GradientTape() as tape:
+            ref_loss = _reference_loss(reference, x, y, 4, sizes)
+    else:  # Keras' own layers, micro-batch after micro-batch: M moving updates
+        with tf.GradientTape() as tape:
+            ref_loss, start = 0.0, 0
+            for size in sizes:
+                x_m, y_m = x[start : start + size], y[start : start + size]
+                y_pred = reference(x_m, training=True)
+                ref_loss += reference.compute_loss(x=x_m, y=y_m, y_pred=y_pred, training=True) * size / 13
+                start += size
     grads = tape.gradient(ref_loss, reference.trainable_weights)
     reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
     logs = wrapped.train_on_batch(x, y, return_dict=True)

@@ -1,0 +1,80 @@
+"""Deferred batch normalization: each micro-batch normalised by its own statistics, one moving update per step.
+
+With M micro-batches a BatchNormalization layer would move its moving mean and variance M times per
+step, each time towards the statistics of a few samples: unlike the original model, which moves
+them once, towards the statistics of the whole batch. torchgpipe's answer, used here by default
+(``batch_norm="deferred"``): a micro-batch is still normalised by its own statistics (as in any
+pipeline), but the layer does not update its moving statistics; the step gathers each micro-batch's
+mean, variance and row count and, after the last micro-batch, moves the statistics once, towards the
+whole batch's mean and (biased) variance:
+
+    mean = sum_m n_m mean_m / N        variance = sum_m n_m (variance_m + (mean_m - mean)^2) / N
+
+which is exactly the moving update of the original model on the whole batch. ``"per_microbatch"``
+moves them after each micro-batch, M times a step, towards that micro-batch's statistics, as Keras'
+layer would. Either way the repeated rows that pad a remainder batch (``runtime.executor``) are left
+out of the statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+BATCH_NORM = ("deferred", "per_microbatch")
+
+
+def is_plain_batch_norm(operation: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A trainable BatchNormalization over the last axis, without renorm or a mask of its own: its
+    training forward is ``normalize``'s."""
+    if not isinstance(operation, keras.layers.BatchNormalization) or not operation.trainable:
+        return False
+    if getattr(operation, "renorm", False) or getattr(operation, "synchronized", False):
+        return False
+    if kwargs.get("mask") is not None or not args or not hasattr(args[0], "shape"):
+        return False
+    rank = len(args[0].shape)
+    return rank >= 2 and operation.axis in (-1, rank - 1)
+
+
+def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """What ``layer(inputs, training=True)`` computes over the rows where ``valid`` holds, without moving
+    the layer's statistics.
+
+    The mean and variance are exact over those rows (Keras' masked moments add an epsilon to the row
+    count, a bias that micro-batches of a few rows turn into visible error); with every row valid they
+    are ``tf.nn.moments``', the original layer's, up to rounding.
+
+    Returns:
+        (the normalised outputs, [mean, variance, number of values counted per channel]).
+    """
+    x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+    axes = layer._reduction_axes
+    rank = len(x.shape)
+    weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
+    weights = tf.broadcast_to(weights, tf.shape(x))
+    count = tf.reduce_sum(weights, axis=axes)
+    n = tf.maximum(count, 1.0)  # a micro-batch of repeated rows only: zeros, not NaN
+    mean = tf.reduce_sum(weights * x, axis=axes) / n
+    variance = tf.reduce_sum(weights * tf.square(x - tf.stop_gradient(mean)), axis=axes) / n
+    gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
+    beta = tf.cast(layer.beta, x.dtype) if layer.center else None
+    outputs = keras.ops.batch_normalization(
+        x, mean=mean, variance=variance, axis=layer.axis, offset=beta, scale=gamma, epsilon=layer.epsilon
+    )
+    return tf.cast(outputs, layer.compute_dtype), [mean, variance, count]
+
+
+def update_moving_statistics(layer: Any, stats: Sequence[Sequence[tf.Tensor]]) -> None:
+    """Moves ``layer``'s statistics once, towards the whole batch's: ``stats`` is [mean, variance, count] per part."""
+    counts = [s[2] for s in stats]
+    total = tf.add_n(counts)
+    mean = tf.add_n([n * s[0] for n, s in zip(counts, stats)]) / total
+    variance = tf.add_n([n * (s[1] + tf.square(s[0] - mean)) for n, s in zip(counts, stats)]) / total
+    momentum = layer.momentum
+    for variable, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+        old = tf.cast(variable.value, value.dtype)
+        variable.assign(tf.cast(old * momentum + value * (1.0 - momentum), variable.dtype))
