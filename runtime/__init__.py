@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from runtime.devices import make_virtual_devices, resolve_devices
 from runtime.pipeline import PipelinedModel
-from runtime.placement import placement_report
+from runtime.placement import executed_placement, placement_report
 from runtime.wrap import plan_and_wrap, wrap
 
-__all__ = ["PipelinedModel", "make_virtual_devices", "placement_report", "plan_and_wrap", "resolve_devices", "wrap"]
+__all__ = [
+    "PipelinedModel",
+    "executed_placement",
+    "make_virtual_devices",
+    "placement_report",
+    "plan_and_wrap",
+    "resolve_devices",
+    "wrap",
+]

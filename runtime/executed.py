@@ -52,6 +52,7 @@ class ExecutedNode:
     op: str  # kernel as run, e.g. 'MatMul', '_MklMatMul', '_MklNativeFusedMatMul' (MatMul + BiasAdd + Relu)
     device: str  # e.g. '/device:CPU:1'
     inputs: tuple[str, ...] = ()  # the nodes feeding its data inputs, all in its partition (graph and device)
+    calls: str = ""  # for a function call node, the function it runs (an XLA-compiled one lists no body)
 
 
 @dataclass(frozen=True)
@@ -244,5 +245,6 @@ def _read_dumps(folder: Path) -> list[ExecutedNode]:
         graph_def.ParseFromString(path.read_bytes())
         for node in graph_def.node:
             inputs = tuple(i.split(":")[0] for i in node.input if not i.startswith("^"))
-            nodes[ExecutedNode(match["graph"], node.name, node.op, canonical(node.device), inputs)] = None
+            calls = node.attr["f"].func.name if "f" in node.attr else ""
+            nodes[ExecutedNode(match["graph"], node.name, node.op, canonical(node.device), inputs, calls)] = None
     return list(nodes)

@@ -8,8 +8,9 @@ after the previous action of that device (a control dependency), so the device-b
 the schedule's:
 
 - ``F`` (stage s, micro-batch m): calls the stage function on the micro-batch's boundary tensors,
-  recorded on a tape of its own (or, with recomputation, unrecorded: only the inputs are kept). The
-  last stage computes the micro-batch's loss on its device.
+  recorded on a tape of its own (or, with recomputation, unrecorded: only the inputs are kept; the
+  last stage, whose backward comes next, always records). The last stage computes the micro-batch's
+  loss on its device.
 - ``B`` (stage s, micro-batch m): asks that tape for the gradients of the stage's inputs and weights,
   with the gradients of its outputs from the stages that read them; every gradient op is created
   under the stage's device. Weight gradients accumulate per stage on its device. With
@@ -110,7 +111,9 @@ class StageProgram:
         return [*specs, tf.TensorSpec((None,), tf.bool)]
 
     def _compile(self, name: str, body: Any, signature: list[Any]) -> Any:
+        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name)."""
         if name not in self._functions:
+            body.__name__ = f"stage{self.stage.index}_{name}"
             self._functions[name] = tf.function(
                 body,
                 input_signature=signature,
@@ -136,7 +139,7 @@ class StageProgram:
             self.deferred_layers = [layer for layer, _ in stats]
             return outputs + [t for _, moments in stats for t in moments] + seeds
 
-        return self._compile(f"forward_{training}", body, self._signature())
+        return self._compile("forward" if training else "inference", body, self._signature())
 
     def recompute(self) -> Any:
         """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
@@ -355,7 +358,8 @@ class _TrainStep:
     def forward(self, s: int, m: int) -> None:
         program = self.executor.programs[s]
         values, watched = self._inputs(s, m)
-        tape = tf.GradientTape() if self.executor.options.recompute == "never" else None
+        last = s == len(self.executor.stages) - 1  # the last stage's backward follows at once: never recomputed
+        tape = tf.GradientTape() if self.executor.options.recompute == "never" or last else None
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])

@@ -157,6 +157,13 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 self.optimizer.build(self.trainable_variables)
             place_updates(self.optimizer)
 
+    def retrace(self) -> None:
+        """Drops every traced function (stage functions and Keras' step functions): the next step traces afresh."""
+        self._state = replace(self._state, executor=self._state.executor.with_options())
+        self.make_train_function(force=True)
+        self.make_test_function(force=True)
+        self.make_predict_function(force=True)
+
     @property
     def stage_jit_compile(self) -> bool:
         """True iff each stage's functions are compiled with XLA (``compile(jit_compile=True)``)."""

@@ -1,7 +1,8 @@
-"""Where things really are: the devices of each stage's variables and of the ops in the traced step."""
+"""Where things really are: the devices of each stage's variables, and of the ops a training step executed."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,3 +70,117 @@ def placement_report(model: Any) -> PlacementReport:
     graph = forward.get_concrete_function(*specs).graph
     counts: Counter[str] = Counter(canonical(op.device) for op in graph.get_operations() if op.device)
     return PlacementReport(planned, variable_devices, dict(counts), misplaced)
+
+
+# Nodes that move or name data rather than compute it: left out of the shares.
+_PLUMBING = {
+    "_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "NoOp", "Const", "HostConst", "Identity", "IdentityN",
+    "_Send", "_Recv", "_HostSend", "_HostRecv", "ReadVariableOp", "VarHandleOp", "Placeholder",
+}  # fmt: skip
+_STAGE_GRAPH = re.compile(r"stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute)_")
+
+
+@dataclass(frozen=True)
+class Share:
+    """How many of some ops ran on the planned device, of how many."""
+
+    on_device: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.on_device / self.total if self.total else 1.0
+
+
+@dataclass(frozen=True)
+class ExecutedPlacement:
+    """Where one training step's work ran, per stage, read from the graphs TensorFlow executed.
+
+    ``forward[s]`` counts the compute nodes of stage s's forward functions and the calls of them,
+    ``backward[s]`` those of its generated backward functions and of its recomputing forward (with XLA
+    a stage function's body is one compiled cluster: only its calls are listed), ``optimizer[s]`` the optimizer's
+    variable writes on stage s's device whose value was computed there (the moments, bias correction
+    and update arithmetic found by walking back from the write, ``runtime.executed.variable_writes``)
+    rather than received from another device. ``off_device`` lists what ran elsewhere.
+    """
+
+    stages: tuple[str, ...]  # stage devices in pipeline order
+    forward: tuple[Share, ...]
+    backward: tuple[Share, ...]
+    optimizer: tuple[Share, ...]
+    off_device: tuple[str, ...]  # "stage s <kind>: <op> '<node>' on <device>"
+
+    @property
+    def ok(self) -> bool:
+        """True iff every counted op ran on its stage's device."""
+        shares = (*self.forward, *self.backward, *self.optimizer)
+        return not self.off_device and all(s.on_device == s.total for s in shares)
+
+    def table(self) -> Table:
+        """Per stage: forward, backward and optimizer ops on the planned device, as counts and shares."""
+        table = Table(title="Executed placement (one training step)", box=box.SIMPLE_HEAD, title_justify="left")
+        for header in ("stage", "device", "forward ops there", "backward ops there", "optimizer updates there"):
+            table.add_column(header, justify="left" if header in ("stage", "device") else "right")
+        for s, device in enumerate(self.stages):
+            cells = [
+                f"{x.on_device}/{x.total} ({x.fraction:.0%})"
+                for x in (self.forward[s], self.backward[s], self.optimizer[s])
+            ]
+            table.add_row(str(s), device, *cells)
+        return table
+
+
+def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> ExecutedPlacement:
+    """Runs ONE training step of ``model`` (it updates the weights) and reports where its ops ran.
+
+    Needs ``runtime.executed.enable_collection()`` called first thing in the process, before
+    TensorFlow runs any function, and a compiled model.
+
+    Example:
+        >>> from runtime import executed; executed.enable_collection()          # doctest: +SKIP
+        >>> report = executed_placement(wrapped, x, y)                            # doctest: +SKIP
+        >>> report.ok                                                             # doctest: +SKIP
+        True
+    """
+    from runtime.executed import collect_executed, variable_writes
+
+    stages = tuple(canonical(d) for d in model.plan.stages)
+    model.retrace()  # new stage functions: TensorFlow places (and so lists) a function once
+    _, nodes = collect_executed(model.train_on_batch, x, y, sample_weight=sample_weight)
+    num = len(stages)
+    forward, backward = [[0, 0] for _ in stages], [[0, 0] for _ in stages]
+    off: list[str] = []
+    for node in nodes:
+        # a stage function's own nodes, or a call of one (the only trace of an XLA-compiled stage function,
+        # which XLA compiles and runs as one cluster on the call's device)
+        function = node.calls or node.graph
+        match = _STAGE_GRAPH.search(function)
+        if match is None or node.op in _PLUMBING:
+            continue
+        s = int(match["stage"])
+        kind = "backward" if "__backward_" in function or match["kind"] == "recompute" else "forward"
+        counts = (backward if kind == "backward" else forward)[s]
+        counts[1] += 1
+        if canonical(node.device) == stages[s]:
+            counts[0] += 1
+        else:
+            off.append(f"stage {s} {kind}: {node.op} '{node.name}' on {canonical(node.device)}")
+    optimizer = [[0, 0] for _ in stages]
+    scope = f"{model.optimizer.name}/"
+    for write in variable_writes(nodes):
+        device = canonical(write.write.device)
+        if not write.write.name.startswith(scope) or device not in stages:
+            continue
+        counts = optimizer[stages.index(device)]
+        counts[1] += 1
+        if any(f.op not in _PLUMBING for f in write.feeders):
+            counts[0] += 1
+        else:
+            off.append(f"optimizer: '{write.write.name}' on {device} writes a value computed on another device")
+    return ExecutedPlacement(
+        stages,
+        tuple(Share(*c) for c in forward[:num]),
+        tuple(Share(*c) for c in backward[:num]),
+        tuple(Share(*c) for c in optimizer[:num]),
+        tuple(off),
+    )

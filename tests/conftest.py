@@ -12,11 +12,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def _make_virtual_devices() -> list[str]:
-    """NUM_VIRTUAL_DEVICES logical devices (virtual GPUs where a GPU exists, else logical CPUs)."""
+    """NUM_VIRTUAL_DEVICES logical devices (virtual GPUs where a GPU exists, else logical CPUs), with
+    TensorFlow's graph dumps switched on first, so tests can read where executed ops ran."""
     try:
-        from runtime import make_virtual_devices
+        from runtime import executed, make_virtual_devices
     except ImportError:  # the planner's tests run without TensorFlow
         return []
+    executed.enable_collection()
     return make_virtual_devices(NUM_VIRTUAL_DEVICES)
 
 
