@@ -351,7 +351,8 @@ class _TrainStep:
             None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
             for part in (self.y[m], y_pred, self.weights[m])
         ]
-        loss = tf.cast(self.loss_fn(*own), tf.float32) * self.share[m]
+        # reduce_sum: a micro-batch with no rows of its own (B < M) gives Keras an empty loss, summed to 0
+        loss = tf.reduce_sum(tf.cast(self.loss_fn(*own), tf.float32)) * self.share[m]
         self.losses[m] = loss
         return self.scale_loss(loss)
 
@@ -399,6 +400,7 @@ class _TrainStep:
         accumulated = self.gradients[s]
         for i, g in enumerate(result[len(watched) :]):
             if g is not None:
+                g = tf.convert_to_tensor(g)  # an embedding's IndexedSlices, made dense to be summed
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
         self.last_op[s] = [g for g in result if g is not None] or self.last_op[s]
 
