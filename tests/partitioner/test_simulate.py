@@ -127,12 +127,17 @@ def test_random_dag_timelines_obey_resources_and_data(schedule, seed, k, m):
 @given(seed=st.integers(0, 10**6), k=st.integers(1, 4), m=st.integers(1, 8))
 @settings(max_examples=25, deadline=None)
 def test_without_transfer_time_the_step_is_within_the_fill_drain_bound(seed, k, m):
+    """GPipe runs a forward pipeline, then a backward one: each ends within (M + K - 1) times its slowest
+    action. (M + K - 1) x the slowest stage's forward + backward is not a bound when stages split their
+    time differently between forward and backward: seed=191, k=3, m=5 steps 1.503 s against 1.498 s.)"""
     graph = random_dag(random.Random(seed), 12)
     for u, v in graph.edges:
         graph.edges[u, v]["bytes"] = 0
     cluster = pt.Cluster.uniform(k, memory="1GiB", flops_per_s=FLOPS_PER_S)
     plan = pt.baselines.uniform(graph, cluster, num_microbatches=m)
-    assert plan.step_time_s <= plan.fill_drain_step_s * (1 + 1e-9)
+    sim = pt.simulate(plan, graph, cluster)
+    slowest = {kind: max(a.duration_s for a in sim.timeline if a.kind == kind) for kind in ("forward", "backward")}
+    assert plan.step_time_s <= (m + len(sim.stages) - 1) * (slowest["forward"] + slowest["backward"]) * (1 + 1e-9)
 
 
 def test_forward_share_rules():
