@@ -257,7 +257,7 @@ class Executor:
         for m in range(self.num_microbatches):
             for program in self.programs:
                 stage = program.stage
-                with tf.device(stage.device), _after(last_op[stage.index]):
+                with tf.device(stage.device), tf.control_dependencies(last_op[stage.index] or []):
                     fn = program.forward(training)
                     outputs = fn(*[values[(id(t), m)] for t in stage.inputs], valid[m])
                     outputs = outputs[: len(program.returns)]
@@ -286,7 +286,7 @@ class Executor:
         step = _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss)
         for action in self.schedule.global_order():
             stage = self.stages[action.stage]
-            with tf.device(stage.device), _after(step.last_op[action.stage]):
+            with tf.device(stage.device), tf.control_dependencies(step.last_op[action.stage] or []):
                 if action.kind == "F":
                     step.forward(action.stage, action.microbatch)
                 elif action.kind == "B":
@@ -411,7 +411,7 @@ class _TrainStep:
         losses = [x for x in self.losses if x is not None]
         gradients = []
         for stage, grads in zip(executor.stages, self.gradients):
-            with tf.device(stage.device), _after(self.last_op[stage.index]):
+            with tf.device(stage.device), tf.control_dependencies(self.last_op[stage.index] or []):
                 penalties = _regularization(stage, grads, self.scale_loss)
                 if penalties is not None:
                     losses.append(penalties)
@@ -437,18 +437,3 @@ def _regularization(stage: Stage, gradients: list[Any], scale_loss: Any) -> tf.T
         if g is not None:
             gradients[i] = g if gradients[i] is None else gradients[i] + g
     return penalty
-
-
-class _after:
-    """A control-dependency scope on the previous action of a device (nothing for the first)."""
-
-    def __init__(self, previous: Any) -> None:
-        self._scope = tf.control_dependencies(previous) if previous else None
-
-    def __enter__(self) -> None:
-        if self._scope is not None:
-            self._scope.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._scope is not None:
-            self._scope.__exit__(*exc)

@@ -102,6 +102,17 @@ def _variable_pairs(wrapped: object) -> list[tuple[tf.Variable, tf.Variable]]:
     return pairs
 
 
+def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
+    """One SGD step of the reference from its taped loss, one train_on_batch of the wrapped model: the same
+    loss and the same weights after (moving statistics included)."""
+    grads = tape.gradient(ref_loss, reference.trainable_weights)
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    logs = wrapped.train_on_batch(x, y, return_dict=True)
+    assert_close(logs["loss"], float(ref_loss))
+    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+        assert_close(after, expected)
+
+
 CASES = [(name, k, m, "gpipe", "never", False) for name in ZOO for k in (2, 4) for m in (1, 4)] + [
     (name, 4, 4, schedule, recompute, jit)
     for name in ZOO
@@ -181,12 +192,7 @@ def test_transparency_matches_original(
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
-    grads = tape.gradient(ref_loss, reference.trainable_weights)
-    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
-    logs = wrapped.train_on_batch(x, y, return_dict=True)
-    assert_close(logs["loss"], float(ref_loss))
-    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
-        assert_close(after, expected)
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
 
 
 @pytest.mark.parametrize("batch_norm", ["deferred", "per_microbatch"])
@@ -213,9 +219,4 @@ def test_batch_norm_remainder_batch_matches_microbatched_original(batch_norm: st
                 y_pred = reference(x_m, training=True)
                 ref_loss += reference.compute_loss(x=x_m, y=y_m, y_pred=y_pred, training=True) * size / 13
                 start += size
-    grads = tape.gradient(ref_loss, reference.trainable_weights)
-    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
-    logs = wrapped.train_on_batch(x, y, return_dict=True)
-    assert_close(logs["loss"], float(ref_loss))
-    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
-        assert_close(after, expected)
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
