@@ -182,12 +182,12 @@ def _tensor_bytes(tensor: Any, micro_batch: int, owner: str) -> int:
 def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
     """{producer call index: bytes} of the distinct tensors this call reads."""
     edges: dict[int, int] = {}
-    read: set[int] = set()
-    for index, tensor in call.sources:
-        if id(tensor) in read:
+    read: set[tuple[int, int]] = set()
+    for source in call.sources:
+        if (source.call, source.output) in read:  # the same tensor twice (a nested model's: twice, two calls)
             continue
-        read.add(id(tensor))
-        edges[index] = edges.get(index, 0) + _tensor_bytes(tensor, micro_batch, call.operation.name)
+        read.add((source.call, source.output))
+        edges[source.call] = edges.get(source.call, 0) + _tensor_bytes(source.tensor, micro_batch, call.operation.name)
     return edges
 
 

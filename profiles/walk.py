@@ -11,9 +11,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from partitioner.errors import ProfileError
+
+
+class Source(NamedTuple):
+    """Where a call's input comes from: one output of an earlier call of the flattened graph.
+
+    A nested model called twice reuses its inner Keras tensors, so a tensor object alone does not
+    say which call produced it; ``(call, output)`` does.
+    """
+
+    call: int  # index of the producing call in the flattened list
+    output: int  # position of the tensor among that call's (flattened) outputs
+    tensor: Any  # the KerasTensor as that call's node produced it (its shape and dtype)
 
 
 @dataclass
@@ -23,7 +35,7 @@ class LayerCall:
     operation: Any  # the keras Layer or Operation
     node: Any  # the keras Node of the call (its arguments and output tensors)
     path: tuple[str, ...]  # names of the nested models it sits in, outermost first
-    sources: list[tuple[int, Any]] = field(default_factory=list)  # per input tensor: (call index, tensor)
+    sources: list[Source] = field(default_factory=list)  # one per tensor of node.input_tensors
     name: str = ""
     colocation_group: str | None = None
 
@@ -81,23 +93,27 @@ def _ordered_nodes(functional: Any) -> Iterator[Any]:
         )
 
 
-def _flatten(functional: Any) -> tuple[list[LayerCall], dict[int, tuple[int, Any]]]:
-    """Lists the leaf calls of a functional graph in topological order, nested models expanded."""
-    calls: list[LayerCall] = []
-    producer: dict[int, tuple[int, Any]] = {}  # id(KerasTensor) -> (call index, tensor as produced)
+def _flatten(functional: Any) -> tuple[list[LayerCall], dict[int, Source]]:
+    """Lists the leaf calls of a functional graph in topological order, nested models expanded.
 
-    def walk(graph: Any, path: tuple[str, ...]) -> None:
+    Each call of a nested model is walked with a map of its own from the inner graph's tensors to
+    their sources: the inner tensors are the same objects at every call, the sources are not.
+    """
+    calls: list[LayerCall] = []
+
+    def walk(graph: Any, path: tuple[str, ...], bound: dict[int, Source]) -> dict[int, Source]:
+        where = dict(bound)  # id(KerasTensor of this graph) -> its source, for this call of the graph
         for node in _ordered_nodes(graph):
             operation = node.operation
             if node.is_input:
                 if path:  # a nested model's input: already bound to the outer tensor
                     continue
                 calls.append(LayerCall(operation, node, path))
-                for tensor in node.output_tensors:
-                    producer[id(tensor)] = (len(calls) - 1, tensor)
+                for position, tensor in enumerate(node.output_tensors):
+                    where[id(tensor)] = Source(len(calls) - 1, position, tensor)
                 continue
             for tensor in node.input_tensors:
-                if id(tensor) not in producer:
+                if id(tensor) not in where:
                     raise ProfileError(
                         f"Cannot find the layer that produces input '{tensor.name}' of '{operation.name}'. "
                         "Expected a connected functional graph; rebuild the model with keras.Input."
@@ -105,24 +121,25 @@ def _flatten(functional: Any) -> tuple[list[LayerCall], dict[int, tuple[int, Any
             inner = _inner_graph(operation)
             if inner is not None:
                 outer_inputs, inner_inputs = node.input_tensors, list(inner.inputs)
-                if len(outer_inputs) != len(inner_inputs):
+                outer_outputs, inner_outputs = node.output_tensors, list(inner.outputs)
+                if len(outer_inputs) != len(inner_inputs) or len(outer_outputs) != len(inner_outputs):
                     raise ProfileError(
-                        f"Nested model '{operation.name}' takes {len(inner_inputs)} input(s) but is called "
-                        f"with {len(outer_inputs)} tensor(s). Call it with one tensor per keras.Input."
+                        f"Nested model '{operation.name}' takes {len(inner_inputs)} input(s) and returns "
+                        f"{len(inner_outputs)} output(s) but is called with {len(outer_inputs)} tensor(s) "
+                        f"and gives {len(outer_outputs)}. Call it with one tensor per keras.Input."
                     )
-                for outer, inner_tensor in zip(outer_inputs, inner_inputs, strict=True):
-                    producer[id(inner_tensor)] = producer[id(outer)]
-                walk(inner, (*path, operation.name))
-                for outer, inner_tensor in zip(node.output_tensors, inner.outputs, strict=False):
-                    producer[id(outer)] = producer[id(inner_tensor)]
+                inner_bound = {id(i): where[id(o)] for o, i in zip(outer_inputs, inner_inputs, strict=True)}
+                inner_where = walk(inner, (*path, operation.name), inner_bound)
+                for outer, inner_tensor in zip(outer_outputs, inner_outputs, strict=True):
+                    where[id(outer)] = inner_where[id(inner_tensor)]
                 continue
-            call = LayerCall(operation, node, path, sources=[producer[id(t)] for t in node.input_tensors])
+            call = LayerCall(operation, node, path, sources=[where[id(t)] for t in node.input_tensors])
             calls.append(call)
-            for tensor in node.output_tensors:
-                producer[id(tensor)] = (len(calls) - 1, tensor)
+            for position, tensor in enumerate(node.output_tensors):
+                where[id(tensor)] = Source(len(calls) - 1, position, tensor)
+        return where
 
-    walk(functional, ())
-    return calls, producer
+    return calls, walk(functional, (), {})
 
 
 def _name_calls(calls: list[LayerCall]) -> None:
@@ -151,16 +168,17 @@ def _name_calls(calls: list[LayerCall]) -> None:
         )
 
 
-def flatten_calls(model: Any) -> tuple[list[LayerCall], dict[int, tuple[int, Any]]]:
-    """Returns the named leaf calls of ``model`` in topological order, and where each tensor comes from.
+def flatten_calls(model: Any) -> tuple[list[LayerCall], dict[int, Source]]:
+    """Returns the named leaf calls of ``model`` in topological order, and where its tensors come from.
 
-    The second value maps ``id(tensor)`` of every tensor of the graph (nested models' included) to
-    ``(index of the call that produces it, the tensor as that call produced it)``.
+    The second value maps ``id(tensor)`` of every tensor of ``model``'s own graph (its outputs
+    included) to its Source. Tensors inside nested models are not in it: a nested model called
+    twice has one inner tensor and two sources; each call's ``sources`` names them.
 
     Raises:
         ProfileError: for subclassed or unbuilt models, and disconnected graphs.
     """
     functional = functional_graph(model)
-    calls, producer = _flatten(functional)
+    calls, sources = _flatten(functional)
     _name_calls(calls)
-    return calls, producer
+    return calls, sources

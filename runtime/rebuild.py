@@ -1,9 +1,12 @@
 """Rebuilds a Keras model as stages: each layer re-created on its plan's device, weights copied over.
 
 The original model is walked with the profiler's own walk (``profiles.walk``), so node names match
-the plan's. Every leaf layer is cloned from its config, called on the symbolic inputs under
-``tf.device(device)`` (which creates its variables there) and given the original's weights. Nested
-models are flattened; a shared layer is cloned once and called at every call site. The result is a
+the plan's. Every leaf operation (layer or Keras op such as ``x * 2.0``) is cloned from its config
+and called on the symbolic inputs, both under ``tf.device(device)`` (which creates its variables
+there), and given the original's weights. Nested models are flattened; a shared layer is cloned
+once and called at every call site. Masks need no special care: Keras records a mask a layer reads
+as an argument of its call, computed by an op node (``NotEqual`` for ``Embedding(mask_zero=True)``),
+so it is an ordinary tensor of the flat graph and crosses stages like any other. The result is a
 flat functional model plus a map from each cloned operation to its device.
 """
 
@@ -13,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from partitioner.errors import PlanError
-from profiles.walk import flatten_calls, functional_graph
+from partitioner.errors import PlanError, ProfileError
+from profiles.walk import LayerCall, flatten_calls, functional_graph
 
 
 @dataclass
@@ -46,26 +49,34 @@ def check_plan_matches(names: list[str], assignment: Mapping[str, str]) -> None:
 def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     """Clones ``model``'s layers onto the devices ``assignment`` names and wires them as the original.
 
+    Every operation of the flattened graph (layer or Keras op) is cloned once, under
+    ``tf.device(its device)``, so variables made in ``__init__`` (wrappers such as Bidirectional,
+    seed generators) land there too, and called there at each of its call sites. A clone keeps its
+    layer's name unless flattening makes two names meet (an outer and a nested ``"fc"``): then it
+    takes its node name, with ``"_"`` for ``"/"``.
+
     Args:
         model: a built Functional or Sequential keras.Model.
         assignment: {node name: TensorFlow device name}, e.g. ``plan.assignment``.
 
     Raises:
         PlanError: when the plan's nodes differ from the model's layer calls.
+        ProfileError: when a layer cannot be copied from its config.
     """
     import keras
     import tensorflow as tf
 
     functional = functional_graph(model)
-    calls, producer = flatten_calls(functional)
+    calls, sources = flatten_calls(functional)
     check_plan_matches([c.name for c in calls], assignment)
+    _check_output_masks(functional)
+    names = _clone_names(calls)
 
-    by_original: dict[int, Any] = {}  # id(original tensor as produced) -> new symbolic tensor
+    produced: list[list[Any]] = []  # per call: its new symbolic outputs, flattened
     clones: dict[int, Any] = {}  # id(original operation) -> clone
     device_of: dict[int, str] = {}
     node_of: dict[int, str] = {}
     origin: list[tuple[Any, Any]] = []
-    new_inputs: dict[int, Any] = {}
 
     for call in calls:
         device = assignment[call.name]
@@ -74,32 +85,107 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             (tensor,) = node.output_tensors
             with tf.device(device):
                 new = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, name=call.operation.name)
-            new_inputs[id(tensor)] = new
-            by_original[id(tensor)] = new
+            produced.append([new])
             continue
-        tensor_dict = {id(t): by_original[id(produced)] for t, (_, produced) in zip(node.input_tensors, call.sources)}
-        args, kwargs = node.arguments.fill_in(tensor_dict)
+        values = {id(t): produced[s.call][s.output] for t, s in zip(node.input_tensors, call.sources, strict=True)}
+        args, kwargs = node.arguments.fill_in(values)
         operation = call.operation
         clone = clones.get(id(operation))
         if clone is None:
-            clone = operation.__class__.from_config(operation.get_config())
+            with tf.device(device):
+                clone = _clone(operation, names[id(operation)])
             clones[id(operation)] = clone
             device_of[id(clone)] = device
             node_of[id(clone)] = call.name
-            if operation.weights:
+            if getattr(operation, "weights", None):
                 origin.append((operation, clone))
         with tf.device(device):
             outputs = clone(*args, **kwargs)
-        flat_outputs = keras.tree.flatten(outputs)
-        for original, new in zip(node.output_tensors, flat_outputs):
-            by_original[id(original)] = new
+        produced.append(keras.tree.flatten(outputs))
 
-    inputs = keras.tree.map_structure(lambda t: new_inputs[id(t)], functional._inputs_struct)
-    outputs = keras.tree.map_structure(lambda t: by_original[id(producer[id(t)][1])], functional._outputs_struct)
+    def new_tensor(tensor: Any) -> Any:
+        source = sources[id(tensor)]
+        return produced[source.call][source.output]
+
+    inputs = keras.tree.map_structure(new_tensor, functional._inputs_struct)
+    outputs = keras.tree.map_structure(new_tensor, functional._outputs_struct)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     for operation, clone in origin:
         clone.set_weights(operation.get_weights())
     return Rebuilt(flat, device_of, origin, node_of)
+
+
+def _check_output_masks(functional: Any) -> None:
+    """Raises ProfileError for a model output that carries a Keras mask (the loss would ignore it)."""
+    masked = [t._keras_history[0].name for t in functional.outputs if getattr(t, "_keras_mask", None) is not None]
+    if masked:
+        raise ProfileError(
+            f"Model '{functional.name}' returns the masked output(s) of {masked} (a mask from "
+            "Embedding(mask_zero=True) or Masking reaches the output): Keras' loss skips masked steps, and "
+            "the pipelined loss cannot see the mask yet, so it would differ from the original's. Expected "
+            "outputs without a mask: drop it before the output (e.g. an LSTM with return_sequences=False or "
+            "a pooling layer reading it), or weight the loss with fit(..., sample_weight=...) instead."
+        )
+
+
+def _clone_names(calls: list[LayerCall]) -> dict[int, str]:
+    """id(operation) -> a name for its clone, unique in the flat model.
+
+    The original name where it is unique after flattening; else the node name (``"inner/fc"``)
+    with ``"_"`` for ``"/"`` (Keras forbids ``"/"``), numbered if even that is taken.
+    """
+    first: dict[int, LayerCall] = {}
+    for call in calls:
+        first.setdefault(id(call.operation), call)
+    base = {key: call.colocation_group or call.name for key, call in first.items()}
+    taken = {call.operation.name for key, call in first.items() if base[key] == call.operation.name}
+    names: dict[int, str] = {}
+    for key, call in first.items():
+        name = call.operation.name
+        if base[key] != name:
+            name = candidate = base[key].replace("/", "_")
+            number = 1
+            while name in taken:
+                name = f"{candidate}_{number}"
+                number += 1
+            taken.add(name)
+        names[key] = name
+    return names
+
+
+def _clone(operation: Any, name: str) -> Any:
+    """A fresh copy of a layer or Keras op, named ``name``, made from its config (weights not copied).
+
+    A Lambda layer gets the user's own function back rather than a deserialized one (its config
+    holds Python bytecode, which Keras loads only with unsafe deserialization).
+    """
+    import keras
+
+    if isinstance(operation, keras.layers.Lambda):
+        config = keras.layers.Layer.get_config(operation)  # name, trainable, dtype: no function
+        config["name"] = name
+        return keras.layers.Lambda(
+            operation.function,
+            output_shape=operation._output_shape,
+            mask=operation.mask,
+            arguments=operation.arguments,
+            **config,
+        )
+    try:
+        config = operation.get_config()
+        if "name" in config:
+            config = {**config, "name": name}
+        clone = operation.__class__.from_config(config)
+    except Exception as err:
+        raise ProfileError(
+            f"Cannot copy '{operation.name}' ({type(operation).__name__}) onto its device: "
+            f"from_config(get_config()) failed with {type(err).__name__}: {err}. Expected every layer to "
+            "be rebuildable from its config, as keras.models.clone_model needs; implement get_config() "
+            "(returning every __init__ argument) in the layer's class."
+        ) from err
+    if clone.name != name:  # an op whose __init__ takes no name
+        clone.name = name
+    return clone
 
 
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:

@@ -32,7 +32,7 @@ class Stage:
     inputs: tuple[Any, ...]  # symbolic tensors read from model inputs or earlier stages
     outputs: tuple[Any, ...]  # symbolic tensors later stages (or the loss) read
     trainable_variables: tuple[Any, ...]  # the stage's trainable weights, each once
-    operations: tuple[Any, ...]  # the distinct operations (layers, ops) the stage calls
+    operations: tuple[Any, ...]  # the distinct layers the stage calls (Keras ops hold no weights, seeds or losses)
 
 
 def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) -> list[Stage]:
@@ -46,6 +46,8 @@ def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) ->
     Raises:
         PlanError: when an edge goes from a later stage to an earlier one (the plan is not a pipeline).
     """
+    import keras
+
     position = {d: i for i, d in enumerate(devices)}
     producer: dict[int, int] = {id(t): -1 for t in model.inputs}  # id(tensor) -> stage producing it (-1: input)
     ordered = [
@@ -88,7 +90,9 @@ def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) ->
 
     stages = []
     for stage, device in enumerate(devices):
-        operations = tuple(dict.fromkeys(node.operation for node in nodes[stage]))
+        operations = tuple(
+            dict.fromkeys(n.operation for n in nodes[stage] if isinstance(n.operation, keras.layers.Layer))
+        )
         variables = {id(v): v for op in operations for v in op.trainable_weights}
         stages.append(
             Stage(

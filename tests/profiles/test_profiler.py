@@ -173,6 +173,17 @@ def test_profile_model_shared_nested_model_colocates_its_layers():
     assert _total(graph, "param_bytes") == model.count_params() * 4
 
 
+def test_profile_model_nested_model_called_on_two_inputs_gives_an_edge_per_call():
+    """Siamese towers: the inner Dense's output is one Keras tensor for both calls; the Subtract reads
+    two calls of it, so it has two edges (one tensor read twice would be one)."""
+    tower = keras.Sequential([keras.Input((4,)), layers.Dense(3, name="embed")], name="tower")
+    a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    model = keras.Model([a, b], layers.Subtract(name="diff")([tower(a), tower(b)]))
+    graph = _profile(model, batch_size=4, num_microbatches=1)
+    assert set(graph.edges) == {("a", "embed"), ("b", "embed:1"), ("embed", "diff"), ("embed:1", "diff")}
+    assert graph.edges["embed:1", "diff"]["bytes"] == 4 * 3 * 4
+
+
 def test_profile_model_two_inputs_two_outputs():
     graph = _profile(two_in_two_out(), batch_size=4, num_microbatches=2)
     assert set(graph.nodes) == {"a", "b", "da", "db", "join", "out1", "out2"}
