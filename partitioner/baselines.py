@@ -8,7 +8,8 @@ pipeline order (contiguous blocks of a topological order never send activations 
 - ``by_time``: balances per-layer compute time (torchgpipe ``balance_by_time``).
 
 None of them looks at memory, transfers or device speed; ``plan.fits_memory`` says whether the
-result fits. Cuts never fall between the calls of a shared layer (they stay on one device).
+result fits. ``recompute`` ("never", "always", "auto") sets the stages' modes of the split they make
+(partitioner.cost), not the split itself. Cuts never fall between the calls of a shared layer (they stay on one device).
 Block boundaries minimise the largest block's weight (binary search + greedy fill).
 """
 
@@ -154,6 +155,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
         optimizer_slots: int = 2,
         cost: str = "flops",
         schedule: str = "gpipe",
+        recompute: str = "never",
     ) -> Plan:
         started = time.perf_counter()
         costs = CostModel(
@@ -163,6 +165,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
             optimizer_slots=optimizer_slots,
             cost=cost,
             schedule=schedule,
+            recompute=recompute,
         )
         return split_with(costs, method, started=started)
 

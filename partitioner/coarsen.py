@@ -31,12 +31,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError
+from partitioner.graph import trainable_param_bytes
 
 __all__ = ["Coarsening", "UnitCosts", "around_boundaries", "chain_quotient", "identity", "segments", "unit_costs"]
 
@@ -93,11 +94,14 @@ class UnitCosts:
     receives its output once, as for nodes in the fine model (docs/cost-model.md).
     """
 
-    compute_s: list[list[float]]  # [unit][device index]: seconds of the unit's nodes on that device
-    memory: list[int]  # bytes per unit (sum of its nodes' memory)
+    compute_s: list[list[float]]  # [unit][device index]: seconds of the unit's nodes on that device (kept)
+    memory: list[int]  # bytes per unit (sum of its nodes' memory, kept)
     edges: list[tuple[int, int]]  # (unit, later unit) joined by at least one edge of the graph
     senders: list[tuple[str, int, tuple[int, ...]]]  # (node, its unit, the other units reading its output)
     colocated: list[list[int]]  # units that hold calls of one shared layer: one device for all
+    # per mode of CostModel.modes (partitioner.cost.mode_cost): seconds [unit][device] and bytes [unit]
+    mode_compute_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    mode_memory: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _check_pins(pins: Mapping[str, int] | None, costs: CostModel) -> dict[str, int]:
@@ -302,12 +306,19 @@ def unit_costs(costs: CostModel, coarsening: Coarsening) -> UnitCosts:
         if group is not None:
             groups.setdefault(str(group), set()).add(unit_of[v])
     colocated = [sorted(units) for units in groups.values() if len(units) > 1]
-    return UnitCosts(compute, memory, edges, senders, colocated)
+    mode_compute, mode_memory = {"kept": compute}, {"kept": memory}
+    for mode in costs.modes[1:]:
+        rows = costs.mode_compute_s[mode]
+        mode_compute[mode] = [[sum(rows[v][k] for v in unit) for k in range(num_devices)] for unit in coarsening.units]
+        mode_memory[mode] = [sum(costs.mode_memory[mode][v] for v in unit) for unit in coarsening.units]
+    return UnitCosts(compute, memory, edges, senders, colocated, mode_compute, mode_memory)
 
 
-def chain_quotient(graph: nx.DiGraph, coarsening: Coarsening) -> nx.DiGraph:
+def chain_quotient(graph: nx.DiGraph, coarsening: Coarsening, *, cost: str = "flops") -> nx.DiGraph:
     """The layer graph of a chain's units: one node per unit (named after its first node) with the
-    summed flops, weights, activations (and time_s), and the edge bytes between consecutive units.
+    summed flops, weights (and trainable weights), activations (and time_s), the forward FLOPs that
+    split the unit's work as its nodes split theirs (``cost``: by FLOPs or by measured time), and the
+    edge bytes between consecutive units.
 
     On a chain this is exact: a unit's only output read elsewhere is its last node's.
 
@@ -318,13 +329,20 @@ def chain_quotient(graph: nx.DiGraph, coarsening: Coarsening) -> nx.DiGraph:
     quotient = nx.DiGraph(**graph.graph)
     for name, unit in zip(names, coarsening.units):
         data = [graph.nodes[v] for v in unit]
+        flops = float(sum(d["flops"] for d in data))
         attrs: dict[str, object] = {
-            "flops": float(sum(d["flops"] for d in data)),
+            "flops": flops,
             "param_bytes": int(sum(d["param_bytes"] for d in data)),
+            "trainable_param_bytes": int(sum(trainable_param_bytes(d) for d in data)),
             "activation_bytes": int(sum(d["activation_bytes"] for d in data)),
         }
-        if all(d.get("time_s") is not None for d in data):
+        timed = all(d.get("time_s") is not None for d in data)
+        if timed:
             attrs["time_s"] = float(sum(d["time_s"] for d in data))
+        work = [float(d["time_s"]) if cost == "time" and timed else float(d["flops"]) for d in data]
+        if sum(work) > 0 and flops > 0:  # the unit's forward share is its nodes' forward work over their work
+            share = sum(w * forward_share(d) for w, d in zip(work, data)) / sum(work)
+            attrs["forward_flops"] = min(flops, share * flops)
         quotient.add_node(name, **attrs)
     for (a, b), unit in zip(itertools.pairwise(names), coarsening.units):
         if not graph.has_edge(unit[-1], b):

@@ -1,17 +1,29 @@
 """The cost model: how long each stage takes and how much memory each device needs for a placement.
 
-One :class:`CostModel` is shared by every planner (CP-SAT, the exact chain DP, the baselines), so all
-plans are scored by the same formulas; docs/cost-model.md writes them down::
+One :class:`CostModel` is shared by every planner (CP-SAT, the exact chain DP, the baselines) and the
+simulator, so all plans are scored by the same formulas; docs/cost-model.md writes them down. The
+one place node costs combine into a stage's is :func:`mode_cost`: a stage runs in a *mode*,
 
-    compute(d)    = sum over nodes v on d of flops(v) / flops_per_s(d)
-                    (or, with cost="time", time_s(v) * profiled_flops_per_s / flops_per_s(d))
+    mode          forward   backward              held per micro-batch in flight   held once (in a backward)
+    kept          F         B                     A (every activation)             0
+    recomputed    F         B + F (forward again) I (the stage's inputs)           A (one micro-batch's)
+
+with F, B, A summed over the stage's nodes and I the bytes of the tensors it receives, so a stage's
+figures are a node's, a coarsened unit's or a stage's alike (every term is a sum)::
+
+    compute(s)    = forward + backward of the stage's mode, on its device
     receive(d)    = sum over nodes u on another device with a successor on d of
                     out_bytes(u) / bw(dev(u), d) + out_bytes(u) / bw(d, dev(u))   (activation, then its gradient)
     stage_time(d) = compute(d) + receive(d)           bottleneck = max over used devices
-    memory(d)     = sum over v on d of param_bytes(v) * (2 + optimizer_slots)
-                    + in_flight(s) * activation_bytes(v)          d runs stage s
+    weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (1 + optimizer_slots)
+    memory(s)     = weights + in_flight(s) * held + held once
     in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe, min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
+
+The last stage is never recomputed (its backward follows its forward at once in the runtime, which
+keeps the tape). ``recompute`` picks the modes: "never", "always" (every stage but the last) or
+"auto" (a stage is recomputed only when its kept activations do not fit and recomputing holds less;
+recomputation never shortens a step in this model, it only saves memory).
 
 Planners cannot know a node's stage before they place it, so they budget each node's activations
 ``max_in_flight`` times, the most any stage holds on this cluster (M for GPipe, min(number of devices,
@@ -22,24 +34,102 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
-from partitioner.graph import topological_order, validate_graph
+from partitioner.graph import topological_order, trainable_param_bytes, validate_graph
 from partitioner.schedule import Schedule, check_schedule_name
 
 COST_SOURCES = ("flops", "time")
+MODES = ("kept", "recomputed")
+RECOMPUTE = ("never", "always", "auto")
+# Backward FLOPs per forward FLOP: gradients for the inputs and the trainable weights (2x), or for the
+# inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
+BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """What a node, a unit or a stage costs in one mode, per micro-batch (see :func:`mode_cost`)."""
+
+    forward_s: float  # seconds of the forward pass
+    backward_s: float  # seconds of the backward pass (with the forward again when recomputed)
+    weight_bytes: int  # weights, and gradients and optimizer slots of the trainable ones
+    held_bytes: int  # bytes held per micro-batch in flight
+    once_bytes: int  # bytes held once, while a backward runs
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward seconds."""
+        return self.forward_s + self.backward_s
+
+    def memory_bytes(self, in_flight: int) -> int:
+        """Peak bytes with ``in_flight`` micro-batches held: weights + in_flight * held + held once."""
+        return self.weight_bytes + in_flight * self.held_bytes + (self.once_bytes if in_flight > 0 else 0)
+
+
+def mode_cost(
+    mode: str,
+    *,
+    forward_s: float = 0.0,
+    backward_s: float = 0.0,
+    weight_bytes: int = 0,
+    activation_bytes: int = 0,
+    input_bytes: int = 0,
+) -> ModeCost:
+    """The costs of work in ``mode``: the one place the planners and the simulator take them from.
+
+    Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
+    the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
+    (a kept stage's received buffers are not counted, docs/cost-model.md).
+
+    Example:
+        >>> mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
+        ModeCost(forward_s=1.0, backward_s=3.0, weight_bytes=0, held_bytes=8, once_bytes=80)
+    """
+    if mode == "kept":
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0)
+    if mode == "recomputed":
+        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes)
+    raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
+
+
+def forward_share(data: Mapping[str, object]) -> float:
+    """The forward pass's share of a node's forward + backward work: the one split rule.
+
+    ``forward_flops / flops`` when the node says, else 1 / (1 + BACKWARD_PER_FORWARD[trainable]):
+    1/3 for a node with trainable weights, 1/2 without (frozen weights count as none).
+
+    Example:
+        >>> forward_share({"flops": 3.0, "param_bytes": 4}), forward_share({"flops": 2.0, "param_bytes": 0})
+        (0.3333333333333333, 0.5)
+    """
+    flops = data.get("flops")
+    forward = data.get("forward_flops")
+    if isinstance(forward, (int, float)) and isinstance(flops, (int, float)) and flops > 0:
+        return min(1.0, max(0.0, float(forward) / float(flops)))
+    return 1 / (1 + BACKWARD_PER_FORWARD[trainable_param_bytes(data) > 0])
+
+
+def training_flops(forward_flops: float, has_trainable_weights: bool) -> float:
+    """Forward + backward FLOPs of a node from its forward FLOPs (what the profiler writes as ``flops``).
+
+    Example:
+        >>> training_flops(10.0, True), training_flops(10.0, False)
+        (30.0, 20.0)
+    """
+    return forward_flops * (1 + BACKWARD_PER_FORWARD[bool(has_trainable_weights)])
 
 
 @dataclass(frozen=True)
 class Evaluation:
     """Every figure of one placement under the cost model, keyed by device name."""
 
-    compute_times: dict[str, float]  # seconds of forward + backward per micro-batch
+    compute_times: dict[str, float]  # seconds of forward + backward per micro-batch, in the stage's mode
     receive_times: dict[str, float]  # seconds per micro-batch receiving activations and sending their gradients
     stage_times: dict[str, float]  # compute + receive
     memory_bytes: dict[str, int]  # weights, gradients, optimizer slots and in-flight activations
@@ -48,6 +138,9 @@ class Evaluation:
     step_time_s: float  # (M + K - 1) * bottleneck
     transfer_bytes: int  # bytes received by all stages per micro-batch
     stages: tuple[str, ...]  # used devices in pipeline order
+    recompute: tuple[bool, ...] = ()  # per stage: recomputed (True) or kept
+    stage_costs: tuple[ModeCost, ...] = ()  # per stage, in its mode
+    sent_bytes: dict[tuple[int, int], int] | None = None  # (sending stage, receiving stage) -> bytes per micro-batch
 
 
 class CostModel:
@@ -57,13 +150,21 @@ class CostModel:
         graph: a layer graph (see partitioner.graph).
         cluster: the devices, in pipeline order.
         num_microbatches: M, the number of micro-batches per step.
-        optimizer_slots: optimizer state per weight: 2 for Adam, 1 for momentum SGD, 0 for SGD.
+        optimizer_slots: optimizer state per trainable weight: 2 for Adam, 1 for momentum SGD, 0 for SGD.
         cost: "flops" (portable, the default) or "time" (measured ``time_s`` rescaled by speed).
         schedule: "gpipe" or "1f1b": how many micro-batches' activations a stage holds (in_flight).
+        recompute: "never", "always" or "auto": which stages recompute their forward in the backward.
 
     Raises:
-        InputError: for a nonsensical number of micro-batches or slots, or an unknown cost source or schedule.
+        InputError: for a nonsensical number of micro-batches or slots, or an unknown cost source,
+            schedule or recompute policy.
         GraphError: when the graph breaks the layer-graph contract.
+
+    Example:
+        >>> costs = CostModel(chain_graph([3e9, 3e9]), Cluster.uniform(2, memory="1GiB"), recompute="always")
+        ...                                                                               # doctest: +SKIP
+        >>> costs.evaluate({"layer_0": "/GPU:0", "layer_1": "/GPU:1"}).recompute         # doctest: +SKIP
+        (True, False)
     """
 
     def __init__(
@@ -75,6 +176,7 @@ class CostModel:
         optimizer_slots: int = 2,
         cost: str = "flops",
         schedule: str = "gpipe",
+        recompute: str = "never",
     ) -> None:
         validate_graph(graph)
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -86,23 +188,54 @@ class CostModel:
         if cost not in COST_SOURCES:
             raise InputError(f"cost must be one of {COST_SOURCES}. Received: {cost!r}.")
         check_schedule_name(schedule)
+        check_recompute(recompute)
         self.graph = graph
         self.cluster = cluster
         self.num_microbatches = num_microbatches
         self.optimizer_slots = optimizer_slots
         self.cost = cost
         self.schedule = schedule
+        self.recompute = recompute
         self.order = topological_order(graph)
         self.devices = cluster.names
         # What the planners budget per node: the most micro-batches any stage holds if every device is a stage.
         self.max_in_flight = max(
             in_flight(schedule, len(self.devices), num_microbatches, s) for s in range(len(self.devices))
         )
-        self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index]
-        self.memory = {v: self._node_memory(v) for v in self.order}
+        self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index], kept mode
+        shares = {v: forward_share(graph.nodes[v]) for v in self.order}
+        self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
+        self.backward_s = {v: [t * (1 - shares[v]) for t in self.compute_s[v]] for v in self.order}
+        self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
+        self._weights = {
+            v: int(graph.nodes[v]["param_bytes"]) + trainable_param_bytes(graph.nodes[v]) * (1 + optimizer_slots)
+            for v in self.order
+        }
         self.out_bytes = {
             u: max((int(b) for _, _, b in graph.out_edges(u, data="bytes")), default=0) for u in self.order
         }
+        # The modes a stage may take under ``recompute``, and each node's figures in them for the planners:
+        # seconds per device, and bytes budgeted with max_in_flight micro-batches (input_memory: a received
+        # tensor's bytes on a stage in that mode).
+        self.modes = ("kept",) if recompute == "never" else MODES
+        self.mode_compute_s: dict[str, dict[str, list[float]]] = {}
+        self.mode_memory: dict[str, dict[str, int]] = {}
+        self.input_memory: dict[str, dict[str, int]] = {}
+        for mode in self.modes:
+            node = {v: self.node_cost(v, mode) for v in self.order}
+            self.mode_compute_s[mode] = (
+                self.compute_s  # forward + backward, as measured
+                if mode == "kept"
+                else {
+                    v: [f + b for f, b in zip(self.forward_s[v], self._mode_backward(v, mode), strict=True)]
+                    for v in self.order
+                }
+            )
+            self.mode_memory[mode] = {v: node[v].memory_bytes(self.max_in_flight) for v in self.order}
+            self.input_memory[mode] = {
+                u: mode_cost(mode, input_bytes=self.out_bytes[u]).memory_bytes(self.max_in_flight) for u in self.order
+            }
+        self.memory = self.mode_memory["kept"]  # bytes per node with its activations kept
 
     def _compute_row(self, node: str) -> list[float]:
         data = self.graph.nodes[node]
@@ -117,13 +250,26 @@ class CostModel:
             return [float(time_s) * reference / d.flops_per_s for d in self.cluster.devices]
         return [float(data["flops"]) / d.flops_per_s for d in self.cluster.devices]
 
-    def _node_memory(self, node: str) -> int:
-        """Bytes ``node`` needs on any stage: its weights' and its activations' share of ``max_in_flight``."""
-        return self.weight_bytes(node) + self.max_in_flight * int(self.graph.nodes[node]["activation_bytes"])
+    def _mode_backward(self, node: str, mode: str) -> list[float]:
+        return [
+            mode_cost(mode, forward_s=f, backward_s=b).backward_s
+            for f, b in zip(self.forward_s[node], self.backward_s[node], strict=True)
+        ]
+
+    def node_cost(self, node: str, mode: str, device: int = 0) -> ModeCost:
+        """``node``'s costs in ``mode`` on the device of index ``device`` (as one node of a stage)."""
+        return mode_cost(
+            mode,
+            forward_s=self.forward_s[node][device],
+            backward_s=self.backward_s[node][device],
+            weight_bytes=self.weight_bytes(node),
+            activation_bytes=self.activation_bytes[node],
+        )
 
     def weight_bytes(self, node: str) -> int:
-        """Bytes of ``node``'s weights, their gradients and the optimizer's slots."""
-        return int(self.graph.nodes[node]["param_bytes"]) * (2 + self.optimizer_slots)
+        """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
+        param_bytes + trainable_param_bytes * (1 + optimizer_slots)."""
+        return self._weights[node]
 
     def receive_s(self, node: str, sender: int, receiver: int) -> float:
         """Seconds per micro-batch that ``node``'s output costs the link between ``sender`` and ``receiver``.
@@ -142,7 +288,7 @@ class CostModel:
         return self.num_microbatches * sum(self.compute_s[v][fastest] for v in self.order)
 
     def lower_bound_s(self) -> float:
-        """A bottleneck no placement can beat: the work spread perfectly, or the costliest node."""
+        """A bottleneck no placement can beat: the work spread perfectly, or the costliest node (kept)."""
         speed = [d.flops_per_s for d in self.cluster.devices]
         fastest = max(range(len(speed)), key=speed.__getitem__)
         total = sum(self.compute_s[v][fastest] for v in self.order) * speed[fastest] / sum(speed)
@@ -169,31 +315,68 @@ class CostModel:
             )
         return {v: index[assignment[v]] for v in self.order}
 
-    def evaluate(self, assignment: Mapping[str, str]) -> Evaluation:
-        """Scores a placement {node: device name} with the formulas in the module docstring."""
+    def evaluate(self, assignment: Mapping[str, str], recompute: str | Sequence[bool] | None = None) -> Evaluation:
+        """Scores a placement {node: device name} with the formulas in the module docstring.
+
+        Args:
+            assignment: {node: device name}.
+            recompute: the stages' modes: a policy ("never", "always", "auto") or one bool per stage
+                (True: recomputed); the cost model's own policy when None.
+
+        Raises:
+            PlanError: when the placement does not match the graph or cluster, or ``recompute`` is a
+                sequence of the wrong length or recomputes the last stage.
+        """
         where = self.check_assignment(assignment)
         k_total = len(self.devices)
-        compute = [0.0] * k_total
+        forward = [0.0] * k_total
+        backward = [0.0] * k_total
         receive = [0.0] * k_total
         weights = [0] * k_total
         activations = [0] * k_total
-        transfer = 0
+        inputs = [0] * k_total
+        sent: dict[tuple[int, int], int] = {}
+        successors = self.graph.succ
         for v in self.order:
             k = where[v]
-            compute[k] += self.compute_s[v][k]
-            weights[k] += self.weight_bytes(v)
-            activations[k] += int(self.graph.nodes[v]["activation_bytes"])
-            for receiver in sorted({where[s] for s in self.graph.successors(v)} - {k}):
+            forward[k] += self.forward_s[v][k]
+            backward[k] += self.backward_s[v][k]
+            weights[k] += self._weights[v]
+            activations[k] += self.activation_bytes[v]
+            receivers = {where[s] for s in successors[v]}
+            receivers.discard(k)
+            for receiver in sorted(receivers):
                 receive[receiver] += self.receive_s(v, k, receiver)
-                transfer += self.out_bytes[v]
+                inputs[receiver] += self.out_bytes[v]
+                sent[(k, receiver)] = sent.get((k, receiver), 0) + self.out_bytes[v]
         used = sorted(set(where.values()))
-        stage = [compute[k] + receive[k] for k in range(k_total)]
-        bottleneck = max(stage[k] for k in used)
         num_stages = len(used)
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
-        memory = [weights[k] + held[k] * activations[k] for k in range(k_total)]
+
+        def cost_of(k: int, mode: str) -> ModeCost:
+            return mode_cost(
+                mode,
+                forward_s=forward[k],
+                backward_s=backward[k],
+                weight_bytes=weights[k],
+                activation_bytes=activations[k],
+                input_bytes=inputs[k],
+            )
+
+        recomputed = self._stage_modes(
+            recompute, [(cost_of(k, "kept"), cost_of(k, "recomputed"), k) for k in used], held
+        )
+        stage_costs = tuple(cost_of(k, MODES[r]) for k, r in zip(used, recomputed, strict=True))
+        compute = [0.0] * k_total
+        memory = list(weights)  # an unused device holds nothing but what it is given (nothing)
+        for k, c in zip(used, stage_costs, strict=True):
+            compute[k] = c.compute_s
+            memory[k] = c.memory_bytes(held[k])
+        stage = [compute[k] + receive[k] for k in range(k_total)]
+        bottleneck = max(stage[k] for k in used)
+        position = {k: s for s, k in enumerate(used)}
         return Evaluation(
             compute_times=dict(zip(self.devices, compute, strict=False)),
             receive_times=dict(zip(self.devices, receive, strict=False)),
@@ -202,13 +385,61 @@ class CostModel:
             in_flight=dict(zip(self.devices, held, strict=False)),
             bottleneck_s=bottleneck,
             step_time_s=(self.num_microbatches + num_stages - 1) * bottleneck,
-            transfer_bytes=transfer,
+            transfer_bytes=sum(inputs),
             stages=tuple(self.devices[k] for k in used),
+            recompute=recomputed,
+            stage_costs=stage_costs,
+            sent_bytes={(position[a], position[b]): n for (a, b), n in sorted(sent.items())},
         )
+
+    def _stage_modes(
+        self,
+        recompute: str | Sequence[bool] | None,
+        stages: Sequence[tuple[ModeCost, ModeCost, int]],
+        held: Sequence[int],
+    ) -> tuple[bool, ...]:
+        """One bool per stage (True: recomputed) from a policy or a given sequence; never the last stage."""
+        if recompute is None:
+            recompute = self.recompute
+        last = len(stages) - 1
+        if isinstance(recompute, str):
+            check_recompute(recompute)
+            if recompute == "never":
+                return (False,) * len(stages)
+            if recompute == "always":
+                return tuple(s < last for s in range(len(stages)))
+            auto = []
+            for s, (kept, recomputed, k) in enumerate(stages):
+                need = kept.memory_bytes(held[k])
+                auto.append(
+                    s < last and need > self.cluster.devices[k].memory_bytes and recomputed.memory_bytes(held[k]) < need
+                )
+            return tuple(auto)
+        chosen = tuple(bool(r) for r in recompute)
+        if len(chosen) != len(stages):
+            raise PlanError(
+                f"recompute has {len(chosen)} entries but the placement has {len(stages)} stages; give one "
+                "bool per stage (True: recomputed), or a policy: 'never', 'always' or 'auto'."
+            )
+        if chosen and chosen[-1]:
+            raise PlanError(
+                "recompute marks the last stage as recomputed; the last stage is never recomputed (its backward "
+                "follows its forward at once, so its activations are kept). Set its entry to False."
+            )
+        return chosen
 
     def fits(self, evaluation: Evaluation) -> bool:
         """True iff every device's memory holds what the placement puts on it."""
         return all(evaluation.memory_bytes[d.name] <= d.memory_bytes for d in self.cluster.devices)
+
+
+def check_recompute(recompute: object) -> None:
+    """Raises InputError unless ``recompute`` is one of RECOMPUTE."""
+    if recompute not in RECOMPUTE:
+        raise InputError(
+            f"recompute must be one of {RECOMPUTE} ('auto' recomputes a stage only where its activations "
+            f"would not fit otherwise). Received: {recompute!r}."
+        )
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:

@@ -7,7 +7,10 @@ bottleneck that puts layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1
     f[k'][j] = min over k < k', i < j of  max(f[k][i], compute(k', i, j) + bytes(i - 1) / bw(k, k'))
                subject to memory(i, j) <= capacity(k')
 
-which is O(K^2 N^2) work, vectorised over j. This is the chain case of the dynamic programs of
+where a block's compute and memory are those of its mode (partitioner.cost.mode_cost): kept, or
+recomputed (forward twice, the received tensor held per micro-batch in flight and the block's
+activations once), the fastest that fits and the recompute policy allows (never the last block).
+This is O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
 """
@@ -15,6 +18,7 @@ placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -28,6 +32,15 @@ from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
 
 
+class _Mode(NamedTuple):
+    """One mode's figures along the chain (partitioner.cost.mode_cost), as the DP reads them."""
+
+    prefix: np.ndarray  # [i, k]: seconds of nodes [0, i) on device k in this mode
+    mem_prefix: np.ndarray  # [i]: bytes budgeted for nodes [0, i) in this mode
+    boundary: np.ndarray  # [i]: bytes a stage in this mode budgets for receiving node i's output
+    allowed: np.ndarray  # [j]: whether a stage ending just before node j may take this mode
+
+
 def exact_chain(
     graph: nx.DiGraph,
     cluster: Cluster,
@@ -36,11 +49,14 @@ def exact_chain(
     optimizer_slots: int = 2,
     cost: str = "flops",
     schedule: str = "gpipe",
+    recompute: str = "never",
 ) -> Plan:
     """Returns a plan with the minimum bottleneck for a chain graph (status "optimal").
 
     Memory is budgeted as in the CP-SAT model: each layer's activations ``CostModel.max_in_flight`` times
     (``schedule`` "gpipe": M; "1f1b": min(number of devices, M)); the plan reports each stage's own need.
+    ``recompute`` ("never", "always", "auto") chooses each block's mode: "always" recomputes every
+    block but the last, "auto" the fastest mode that fits (kept where it fits).
 
     Raises:
         InputError: when the graph is not a single chain or has colocation groups.
@@ -51,7 +67,13 @@ def exact_chain(
     """
     started = time.perf_counter()
     costs = CostModel(
-        graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost, schedule=schedule
+        graph,
+        cluster,
+        num_microbatches=num_microbatches,
+        optimizer_slots=optimizer_slots,
+        cost=cost,
+        schedule=schedule,
+        recompute=recompute,
     )
     if not is_chain(graph):
         raise InputError(
@@ -61,29 +83,10 @@ def exact_chain(
     if colocation_groups(graph):
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
-    order = costs.order
-    n, k_total = len(order), len(costs.devices)
-    compute = np.array([costs.compute_s[v] for v in order])  # [node, device]
-    prefix = np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)])  # prefix[i, k] = sum of [0, i)
-    mem_prefix = np.concatenate([[0], np.cumsum([costs.memory[v] for v in order])]).astype(np.float64)
-    capacity = [d.memory_bytes for d in cluster.devices]
-    out_bytes = np.array([costs.out_bytes[v] for v in order], dtype=np.float64)
-
-    bandwidth = [[cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
-    best, _ = _dynamic_program(prefix, mem_prefix, capacity, out_bytes, bandwidth)
-    optimum = float(best[:, n].min())
-    if not np.isfinite(optimum):
-        raise explain_infeasible(costs)
-    # Second pass: among splits whose every stage takes at most the optimum, the fewest bytes sent.
-    sent, parent = _dynamic_program(prefix, mem_prefix, capacity, out_bytes, bandwidth, limit=optimum * (1 + 1e-9))
-    k = int(np.argmin(sent[:, n]))
-    assignment: dict[str, str] = {}
-    j = n
-    while j > 0:
-        k_prev, i = (int(x) for x in parent[k, j])
-        for v in order[i:j]:
-            assignment[v] = costs.devices[k]
-        k, j = k_prev, i
+    found = _solve_chain(costs)
+    if found is None:
+        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+    assignment, optimum = found
     return Plan.from_assignment(
         assignment,
         costs,
@@ -94,9 +97,61 @@ def exact_chain(
     )
 
 
+def _solve_chain(costs: CostModel) -> tuple[dict[str, str], float] | None:
+    """The least-bottleneck split of ``costs.graph`` (a chain), fewest bytes among ties; None if none fits."""
+    order = costs.order
+    n, k_total = len(order), len(costs.devices)
+    last = np.arange(n + 1) == n  # a block ending at n is the last stage: never recomputed
+    modes = []
+    for mode in costs.modes:
+        compute = np.array([costs.mode_compute_s[mode][v] for v in order])  # [node, device]
+        memory = [costs.mode_memory[mode][v] for v in order]
+        modes.append(
+            _Mode(
+                prefix=np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)]),
+                mem_prefix=np.concatenate([[0], np.cumsum(memory)]).astype(np.float64),
+                boundary=np.array([costs.input_memory[mode][v] for v in order], dtype=np.float64),
+                allowed=~last if mode == "recomputed" else (last if costs.recompute == "always" else ~last | last),
+            )
+        )
+    capacity = [d.memory_bytes for d in costs.cluster.devices]
+    out_bytes = np.array([costs.out_bytes[v] for v in order], dtype=np.float64)
+    bandwidth = [[costs.cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
+    best, _ = _dynamic_program(modes, capacity, out_bytes, bandwidth)
+    optimum = float(best[:, n].min())
+    if not np.isfinite(optimum):
+        return None
+    # Second pass: among splits whose every stage takes at most the optimum, the fewest bytes sent.
+    sent, parent = _dynamic_program(modes, capacity, out_bytes, bandwidth, limit=optimum * (1 + 1e-9))
+    k = int(np.argmin(sent[:, n]))
+    assignment: dict[str, str] = {}
+    j = n
+    while j > 0:
+        k_prev, i = (int(x) for x in parent[k, j])
+        for v in order[i:j]:
+            assignment[v] = costs.devices[k]
+        k, j = k_prev, i
+    return assignment, optimum
+
+
+def _fits_with_recompute(costs: CostModel) -> bool:
+    """True iff some split fits when stages may recompute ("auto"), for a problem that fits no split without."""
+    if costs.recompute != "never":
+        return False
+    auto = CostModel(
+        costs.graph,
+        costs.cluster,
+        num_microbatches=costs.num_microbatches,
+        optimizer_slots=costs.optimizer_slots,
+        cost=costs.cost,
+        schedule=costs.schedule,
+        recompute="auto",
+    )
+    return _solve_chain(auto) is not None
+
+
 def _dynamic_program(
-    prefix: np.ndarray,
-    mem_prefix: np.ndarray,
+    modes: list[_Mode],
     capacity: list[int],
     out_bytes: np.ndarray,
     bandwidth: list[list[float]],
@@ -104,18 +159,20 @@ def _dynamic_program(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fills table[k, j] over layers [0, j) with layer j - 1 on device k, and the parents to rebuild it.
 
-    Without ``limit`` the table holds the least bottleneck (min-max); with it, the fewest bytes sent
-    (min-sum) over splits whose every stage takes at most ``limit`` seconds.
+    A block takes the fastest of ``modes`` that fits and is allowed for it. Without ``limit`` the table
+    holds the least bottleneck (min-max); with it, the fewest bytes sent (min-sum) over splits whose
+    every stage takes at most ``limit`` seconds.
     """
-    num_devices, n = prefix.shape[1], prefix.shape[0] - 1
+    num_devices, n = modes[0].prefix.shape[1], modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
     for k2 in range(num_devices):
-        fits = mem_prefix <= capacity[k2]
-        if limit is None:
-            first = np.where(fits, prefix[:, k2], np.inf)  # the first block starts the chain on k2
-        else:
-            first = np.where(fits & (prefix[:, k2] <= limit), 0.0, np.inf)
+        first = np.full(n + 1, np.inf)  # the first block starts the chain on k2: nothing received
+        for mode in modes:
+            fits = (mode.mem_prefix <= capacity[k2]) & mode.allowed
+            first = np.minimum(first, np.where(fits, mode.prefix[:, k2], np.inf))
+        if limit is not None:
+            first = np.where(first <= limit, 0.0, np.inf)
         first[0] = np.inf
         better = first < table[k2]
         table[k2][better] = first[better]
@@ -123,7 +180,7 @@ def _dynamic_program(
         for k in range(k2):
             receive = out_bytes / bandwidth[k][k2] + out_bytes / bandwidth[k2][k]  # as CostModel.receive_s
             byte_limit = None if limit is None else (out_bytes, limit)
-            _relax(table, parent, k, k2, prefix[:, k2], mem_prefix, capacity[k2], receive, byte_limit)
+            _relax(table, parent, k, k2, modes, capacity[k2], receive, byte_limit)
     return table, parent
 
 
@@ -132,8 +189,7 @@ def _relax(
     parent: np.ndarray,
     k: int,
     k2: int,
-    prefix: np.ndarray,
-    mem_prefix: np.ndarray,
+    modes: list[_Mode],
     capacity: int,
     receive: np.ndarray,
     byte_limit: tuple[np.ndarray, float] | None = None,
@@ -143,14 +199,20 @@ def _relax(
     Without ``byte_limit`` ``best`` holds bottlenecks (min-max). With ``byte_limit=(out_bytes, T)``
     it holds bytes sent (min-sum) over splits whose every stage takes at most T seconds.
     """
-    n = len(prefix) - 1
+    n = modes[0].prefix.shape[0] - 1
     starts = np.flatnonzero(np.isfinite(best[k, 1:n])) + 1  # i in [1, n) with a finite best[k, i]
     ends = np.arange(n + 1)
-    chunk = max(1, 2_000_000 // (n + 1))
+    chunk = max(1, 2_000_000 // ((n + 1) * len(modes)))
     for lo in range(0, len(starts), chunk):
         i = starts[lo : lo + chunk][:, None]
-        stage = prefix[None, :] - prefix[i] + receive[i - 1]
-        valid = (ends[None, :] > i) & (mem_prefix[None, :] - mem_prefix[i] <= capacity)
+        after = ends[None, :] > i
+        stage = np.full((len(i), n + 1), np.inf)
+        for mode in modes:
+            prefix = mode.prefix[:, k2]
+            held = mode.mem_prefix[None, :] - mode.mem_prefix[i] + mode.boundary[i - 1]
+            fits = after & (held <= capacity) & mode.allowed[None, :]
+            stage = np.minimum(stage, np.where(fits, prefix[None, :] - prefix[i] + receive[i - 1], np.inf))
+        valid = np.isfinite(stage)
         if byte_limit is None:
             cand = np.maximum(best[k, i], stage)
         else:

@@ -5,7 +5,11 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     node attribute      type    meaning
     ------------------  ------  -----------------------------------------------------------
     flops               float   forward + backward FLOPs for one micro-batch
-    param_bytes         int     bytes of the layer's weights (dtype-aware)
+    param_bytes         int     bytes of the layer's weights (dtype-aware), trainable or not
+    trainable_param_bytes int   bytes of its trainable weights, which get gradients and optimizer
+                                slots (optional; param_bytes when absent: every weight trainable)
+    forward_flops       float   the forward pass's FLOPs (optional; else the split rule of
+                                partitioner.cost.forward_share)
     activation_bytes    int     bytes kept alive for the backward pass, per micro-batch
     time_s              float   measured forward + backward seconds per micro-batch (optional)
     layer_type          str     the Keras class name (optional)
@@ -67,6 +71,24 @@ def validate_graph(graph: nx.DiGraph) -> None:
                 )
             if not math.isfinite(value) or value < 0:
                 raise GraphError(f"Node '{node}' has {key}={value!r}; expected a finite value >= 0.")
+        trainable = data.get("trainable_param_bytes")
+        if trainable is not None and (
+            isinstance(trainable, bool)
+            or not isinstance(trainable, (int, float))
+            or not 0 <= trainable <= data["param_bytes"]
+        ):
+            raise GraphError(
+                f"Node '{node}' has trainable_param_bytes={trainable!r}; expected bytes between 0 and its "
+                f"param_bytes ({data['param_bytes']!r}), or no value (all weights trainable)."
+            )
+        forward = data.get("forward_flops")
+        if forward is not None and (
+            isinstance(forward, bool) or not isinstance(forward, (int, float)) or not 0 <= forward <= data["flops"]
+        ):
+            raise GraphError(
+                f"Node '{node}' has forward_flops={forward!r}; expected FLOPs between 0 and its flops "
+                f"({data['flops']!r}), or no value."
+            )
         time_s = data.get("time_s")
         if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
             raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
@@ -80,6 +102,20 @@ def validate_graph(graph: nx.DiGraph) -> None:
             f"The layer graph has a cycle through {[u for u, _ in cycle]}; a pipeline needs a DAG. "
             "Recurrent loops must stay inside one layer."
         )
+
+
+def trainable_param_bytes(data: Any) -> int:
+    """Bytes of a node's trainable weights: ``trainable_param_bytes``, or ``param_bytes`` where the
+    profile does not say (every weight trainable, the conservative choice for memory).
+
+    Example:
+        >>> trainable_param_bytes({"param_bytes": 64})
+        64
+        >>> trainable_param_bytes({"param_bytes": 64, "trainable_param_bytes": 0})
+        0
+    """
+    value = data.get("trainable_param_bytes")
+    return int(data.get("param_bytes", 0) if value is None else value)
 
 
 def topological_order(graph: nx.DiGraph) -> list[str]:

@@ -10,28 +10,44 @@ from partitioner.graph import colocation_groups
 from partitioner.units import format_bytes
 
 
-def _advice(costs: CostModel) -> str:
+def _advice(costs: CostModel, fits_with_recompute: bool) -> str:
     fewer = costs.schedule == "gpipe" and len(costs.devices) < costs.num_microbatches
+    recompute = (
+        "Plan with recompute='auto': a split fits when stages run their forward again in the backward "
+        "instead of keeping its activations (more compute, far less memory). Or add"
+    )
     return (
-        "Add devices or devices with more memory, lower the batch size or the number of micro-batches, "
+        (recompute if fits_with_recompute else "Add")
+        + " devices or devices with more memory, lower the batch size or the number of micro-batches, "
         + ("plan for the 1f1b schedule (fewer micro-batches in flight), " if fewer else "")
         + "or use mixed precision."
     )
 
 
 def _what(costs: CostModel) -> str:
-    return (
-        f"weights, gradients and {costs.optimizer_slots} optimizer slot(s), activations of "
-        f"{costs.max_in_flight} micro-batch(es) in flight under {costs.schedule}"
+    held = (
+        f"activations of {costs.max_in_flight} micro-batch(es) in flight under {costs.schedule}"
+        if costs.recompute == "never"
+        else f"activations in the mode that needs least, recompute={costs.recompute!r}"
     )
+    return f"weights, gradients and {costs.optimizer_slots} optimizer slot(s) of trainable weights, {held}"
 
 
-def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) -> InfeasiblePlanError:
+def _need(costs: CostModel, node: str) -> int:
+    """The least bytes ``node`` can need in a stage: its figure in the mode that needs least (without
+    the received tensors a recomputed stage holds), so no plan needs less."""
+    return min(costs.mode_memory[mode][node] for mode in costs.modes)
+
+
+def explain_infeasible(
+    costs: CostModel, pins: Mapping[str, str] | None = None, *, fits_with_recompute: bool = False
+) -> InfeasiblePlanError:
     """Returns the most specific InfeasiblePlanError for a problem with no feasible plan.
 
     Checks, in order: a single layer (or shared-layer group) larger than any device that may hold
     it; more memory in total than the devices hold; then a generic message for splits that fail
-    only because stages must follow the graph's order.
+    only because stages must follow the graph's order. ``fits_with_recompute`` (the caller found a
+    plan that fits with recompute="auto") turns the advice to recomputation.
     """
     pins = dict(pins or {})
     capacity = {d.name: d.memory_bytes for d in costs.cluster.devices}
@@ -41,8 +57,9 @@ def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) 
     if grouped:
         in_group = {v for nodes in grouped.values() for v in nodes}
         units = [[v] for v in costs.order if v not in in_group] + list(grouped.values())
+    advice = _advice(costs, fits_with_recompute)
     for nodes in units:
-        need = sum(costs.memory[v] for v in nodes)
+        need = sum(_need(costs, v) for v in nodes)
         pinned = {pins[v] for v in nodes if v in pins}
         limit = capacity[next(iter(pinned))] if len(pinned) == 1 else largest
         where = f"its pinned device {next(iter(pinned))}" if len(pinned) == 1 else "the largest device"
@@ -50,14 +67,14 @@ def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) 
             label = f"layer '{nodes[0]}'" if len(nodes) == 1 else f"shared layer group {nodes}"
             return InfeasiblePlanError(
                 f"{label} alone needs {format_bytes(need)} ({_what(costs)}) but {where} holds "
-                f"{format_bytes(limit)}. Received: devices={costs.devices}. {_advice(costs)}"
+                f"{format_bytes(limit)}. Received: devices={costs.devices}. {advice}"
             )
-    total = sum(costs.memory.values())
+    total = sum(_need(costs, v) for v in costs.order)
     held = costs.cluster.total_memory_bytes
     if total > held:
         return InfeasiblePlanError(
             f"The model needs {format_bytes(total)} in total ({_what(costs)}), the {len(capacity)} devices "
-            f"hold {format_bytes(held)} ({format_bytes(total - held)} short). {_advice(costs)}"
+            f"hold {format_bytes(held)} ({format_bytes(total - held)} short). {advice}"
         )
     index = {d: k for k, d in enumerate(costs.devices)}
     for u, v in costs.graph.edges:
@@ -69,5 +86,5 @@ def explain_infeasible(costs: CostModel, pins: Mapping[str, str] | None = None) 
     return InfeasiblePlanError(
         f"The model needs {format_bytes(total)} of the {format_bytes(held)} the devices hold, but no split "
         "into stages that follow the graph's order fits every device (layers cannot be packed into the "
-        f"gaps left by their neighbours). Received: devices={costs.devices}, pins={pins or None}. {_advice(costs)}"
+        f"gaps left by their neighbours). Received: devices={costs.devices}, pins={pins or None}. {advice}"
     )

@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -20,7 +20,7 @@ from partitioner.errors import PlanError
 from partitioner.schedule import SCHEDULES
 from partitioner.simulate import simulate_assignment
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed)
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
@@ -53,6 +53,14 @@ class Plan:
     model_name: str | None = None
     fill_drain_step_s: float | None = None  # (M + K - 1) * bottleneck: the closed-form bound on the step
     schedule: str = "gpipe"  # the schedule planned for (memory) and simulated (step): "gpipe" or "1f1b"
+    # per stage (stage k runs on stages[k]): True iff its backward recomputes its forward from its saved
+    # inputs; the last stage never is. Empty when given: no stage recomputed.
+    recompute: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
+        recompute = tuple(self.recompute) if self.recompute else (False,) * self.num_stages
+        object.__setattr__(self, "recompute", recompute)
 
     @classmethod
     def from_assignment(
@@ -64,11 +72,13 @@ class Plan:
         status: str = "heuristic",
         lower_bound_s: float | None = None,
         solve_time_s: float = 0.0,
+        recompute: Sequence[bool] | None = None,
     ) -> Plan:
         """Scores ``assignment`` with ``costs`` and returns the plan.
 
         The plan is for ``costs.schedule``: its memory counts that schedule's micro-batches in flight and
-        its step time is that schedule simulated.
+        its step time is that schedule simulated. ``recompute`` gives each stage's mode (True:
+        recomputed); by default ``costs.recompute`` chooses them ("auto": where kept activations do not fit).
 
         Example:
             >>> costs = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")       # doctest: +SKIP
@@ -77,8 +87,8 @@ class Plan:
         """
         if status not in STATUSES:
             raise PlanError(f"status must be one of {STATUSES}. Received: {status!r}.")
-        ev = costs.evaluate(assignment)
-        simulated = simulate_assignment(costs, assignment, schedule=costs.schedule)
+        ev = costs.evaluate(assignment, recompute)
+        simulated = simulate_assignment(costs, assignment, schedule=costs.schedule, recompute=ev.recompute)
         if lower_bound_s is not None:
             lower_bound_s = min(lower_bound_s, ev.bottleneck_s)
         return cls(
@@ -103,6 +113,7 @@ class Plan:
             model_name=costs.graph.graph.get("model_name"),
             fill_drain_step_s=ev.step_time_s,
             schedule=costs.schedule,
+            recompute=ev.recompute,
         )
 
     # ----- derived views -------------------------------------------------------------------------
@@ -173,7 +184,7 @@ class Plan:
             )
         names = {f.name for f in fields(cls)}
         # Fields added after schema version 1 shipped: older files lack them and take the default.
-        optional = ("model_name", "fill_drain_step_s", "schedule")
+        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute")
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:
@@ -181,13 +192,24 @@ class Plan:
         values = {k: v for k, v in data.items() if k in names}
         try:
             values["devices"] = tuple(values["devices"])
+            if "recompute" in values:
+                values["recompute"] = tuple(values["recompute"])
             plan = cls(**values)
-        except TypeError as err:
+        except (TypeError, AttributeError) as err:
             raise PlanError(f"{source} is corrupt: {err}.") from err
         if plan.status not in STATUSES or not isinstance(plan.assignment, dict):
             raise PlanError(f"{source} is corrupt: bad status {plan.status!r} or assignment.")
         if plan.schedule not in SCHEDULES:
             raise PlanError(f"{source} is corrupt: schedule {plan.schedule!r} is not one of {SCHEDULES}.")
+        if (
+            len(plan.recompute) != plan.num_stages
+            or not all(isinstance(r, bool) for r in plan.recompute)
+            or plan.recompute[-1:] == (True,)
+        ):
+            raise PlanError(
+                f"{source} is corrupt: recompute {list(plan.recompute)} is not one bool per stage "
+                f"({plan.num_stages}) with the last stage kept."
+            )
         return plan
 
     @classmethod

@@ -6,8 +6,11 @@ pair of stages, one transfer at a time). A device runs one action at a time, in 
 schedule gives, each as soon as the device is free and its inputs have arrived. Transfers run on the
 links while the devices compute (copy engines), so a stage waits for its inputs but does not pay for
 sending them. Durations come from the cost model (docs/cost-model.md): a stage's compute time per
-micro-batch, split into forward and backward (one third forward for layers with weights, one half
-otherwise, unless a node says ``forward_flops``), and bytes / bandwidth per transfer.
+micro-batch in the stage's mode, split into forward and backward by ``partitioner.cost.forward_share``
+(one third forward for layers with trainable weights, one half otherwise, unless a node says
+``forward_flops``), and bytes / bandwidth per transfer. A recomputed stage's backward runs its forward
+again, and it holds its inputs per micro-batch in flight plus one micro-batch's activations during a
+backward (``Plan.recompute``).
 
 The order on each device is a :class:`partitioner.schedule.Schedule`, the one object the runtime follows
 too; ``schedule=`` takes one, or its name:
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError, PlanError
 from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 
@@ -98,6 +101,7 @@ def simulate(
     *,
     schedule: str | Schedule | None = None,
     num_microbatches: int | None = None,
+    recompute: str | Sequence[bool] | None = None,
 ) -> Simulation:
     """Simulates one training step of ``plan`` (see the module docstring).
 
@@ -108,10 +112,13 @@ def simulate(
         schedule: "gpipe", "1f1b", or a Schedule for the plan's K stages and M micro-batches; the
             schedule the plan was made for when None.
         num_microbatches: M; the plan's own M when None. Costs are per micro-batch as profiled.
+        recompute: one bool per stage (True: recomputed) or a policy ("never", "always", "auto");
+            the plan's own ``recompute`` when None.
 
     Raises:
-        InputError: for an unknown schedule name, a Schedule for another K or M, or a bad M.
-        PlanError: when the plan does not match the graph or cluster, or an edge goes backward.
+        InputError: for an unknown schedule name or recompute policy, a Schedule for another K or M, or a bad M.
+        PlanError: when the plan does not match the graph or cluster, an edge goes backward, or
+            ``recompute`` does not give one bool per stage or recomputes the last stage.
     """
     if tuple(cluster.names) != tuple(plan.devices):
         raise PlanError(
@@ -126,22 +133,29 @@ def simulate(
         cost=plan.cost,
         schedule=plan.schedule,
     )
-    return simulate_assignment(costs, plan.assignment, schedule=schedule)
+    return simulate_assignment(
+        costs, plan.assignment, schedule=schedule, recompute=plan.recompute if recompute is None else recompute
+    )
 
 
 def simulate_assignment(
-    costs: CostModel, assignment: Mapping[str, str], *, schedule: str | Schedule | None = None
+    costs: CostModel,
+    assignment: Mapping[str, str],
+    *,
+    schedule: str | Schedule | None = None,
+    recompute: str | Sequence[bool] | None = None,
 ) -> Simulation:
     """Simulates a placement {node: device} scored by ``costs`` (its M, optimizer slots and cost source).
 
     ``schedule`` is a name or a Schedule for the placement's stages and ``costs.num_microbatches``;
-    ``costs.schedule`` when None.
+    ``costs.schedule`` when None. ``recompute`` is one bool per stage or a policy; ``costs.recompute``
+    when None.
     """
     if schedule is None:
         schedule = costs.schedule
     if isinstance(schedule, str):
         check_schedule_name(schedule)  # before the placement's own checks
-    stages = _Stages(costs, assignment)
+    stages = _Stages(costs, assignment, recompute)
     return _run(stages, _schedule_for(schedule, len(stages.names), costs.num_microbatches))
 
 
@@ -162,54 +176,27 @@ def _schedule_for(schedule: str | Schedule, num_stages: int, num_microbatches: i
     return schedule
 
 
-def forward_share(data: Mapping[str, object]) -> float:
-    """The forward pass's share of a node's forward + backward work (docs/cost-model.md)."""
-    flops = data.get("flops")
-    forward = data.get("forward_flops")
-    if isinstance(forward, (int, float)) and isinstance(flops, (int, float)) and flops > 0:
-        return min(1.0, max(0.0, float(forward) / float(flops)))
-    param_bytes = data.get("param_bytes")
-    return 1 / 3 if isinstance(param_bytes, (int, float)) and param_bytes > 0 else 1 / 2
-
-
 class _Stages:
-    """Per-stage forward/backward seconds, weights, activations, and the bytes between stages."""
+    """Per-stage forward/backward seconds and memory (in each stage's mode), and the seconds between stages."""
 
-    def __init__(self, costs: CostModel, assignment: Mapping[str, str]) -> None:
+    def __init__(self, costs: CostModel, assignment: Mapping[str, str], recompute: str | Sequence[bool] | None) -> None:
         where = costs.check_assignment(assignment)
-        graph = costs.graph
-        for u, v in graph.edges:
+        for u, v in costs.graph.edges:
             if where[u] > where[v]:
                 raise PlanError(
                     f"Edge '{u}' -> '{v}' goes backward ('{u}' on {assignment[u]}, '{v}' on {assignment[v]}); "
                     "a pipeline schedule needs every edge to go forward in device order. Plan again."
                 )
-        used = sorted(set(where.values()))
-        position = {k: s for s, k in enumerate(used)}
-        self.names = tuple(costs.devices[k] for k in used)
-        count = len(used)
-        self.forward_s = [0.0] * count
-        self.backward_s = [0.0] * count
-        self.weight_bytes = [0] * count
-        self.activation_bytes = [0] * count
-        sent: dict[tuple[int, int], int] = {}
-        for v in costs.order:
-            k = where[v]
-            s = position[k]
-            data = graph.nodes[v]
-            seconds = costs.compute_s[v][k]
-            share = forward_share(data)
-            self.forward_s[s] += seconds * share
-            self.backward_s[s] += seconds * (1 - share)
-            self.weight_bytes[s] += int(data["param_bytes"]) * (2 + costs.optimizer_slots)
-            self.activation_bytes[s] += int(data["activation_bytes"])
-            for receiver in sorted({position[where[w]] for w in graph.successors(v)} - {s}):
-                sent[(s, receiver)] = sent.get((s, receiver), 0) + costs.out_bytes[v]
+        ev = costs.evaluate(assignment, recompute)
+        used = [costs.devices.index(name) for name in ev.stages]
+        self.names = ev.stages
+        self.costs = ev.stage_costs
+        self.forward_s = [c.forward_s for c in ev.stage_costs]
+        self.backward_s = [c.backward_s for c in ev.stage_costs]
+        sent = ev.sent_bytes or {}
         # seconds per micro-batch for each (sender, receiver) pair of stages; gradients go back over (receiver, sender)
-        self.activation_s = {
-            (a, b): n / costs.cluster.bandwidth(used[a], used[b]) for (a, b), n in sorted(sent.items())
-        }
-        self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sorted(sent.items())}
+        self.activation_s = {(a, b): n / costs.cluster.bandwidth(used[a], used[b]) for (a, b), n in sent.items()}
+        self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sent.items()}
 
 
 def _run(stages: _Stages, schedule: Schedule) -> Simulation:
@@ -292,10 +279,7 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
         busy_s=busy,
         idle_s=idle,
         bubble_fraction=sum(idle.values()) / (count * step) if step > 0 else 0.0,
-        peak_memory_bytes={
-            name: stages.weight_bytes[s] + in_flight[name] * stages.activation_bytes[s]
-            for s, name in enumerate(stages.names)
-        },
+        peak_memory_bytes={name: stages.costs[s].memory_bytes(in_flight[name]) for s, name in enumerate(stages.names)},
         peak_in_flight=in_flight,
         timeline=tuple(timeline),
     )

@@ -13,9 +13,15 @@ domain lo(U)..hi(U) (all devices, or its pinned one); outside it x is 0 and y is
     z[u, j, k] == 1 iff device k receives u's output from device j (only where bandwidth depends on j)
 
     edge U -> V:     y[V, k] <= y[U, k]  for every k              (stage(U) <= stage(V))
+    c[k] == 1      iff the stage on device k recomputes its forward  (only when recompute != "never")
+
     memory:          sum_U mem(U) x[U, k] <= capacity(k)      (activations counted max_in_flight times)
-    stage time:      T >= sum_U compute(U, k) x[U, k] + sum_u recv(u, k) r[u, k]
+                     in the mode c[k] gives: kept, or recomputed, which adds in(u) r[u, k] for received tensors
+    stage time:      T >= sum_U compute(U, k) x[U, k] + sum_u recv(u, k) r[u, k]   (compute in c[k]'s mode)
+    last stage:      c[k] => some unit on a device after k    ("always": <=>)
     objective:       minimise T * W + sum_{u, k} bytes(u) r[u, k]   (W > any byte term: lexicographic)
+
+The modes' compute and memory per unit come from the cost model (partitioner.cost.mode_cost).
 
 Times and bytes are scaled to integers (``time_resolution`` steps for the slowest device running
 everything; ``byte_resolution`` steps for all possible transfers), so "optimal" is exact up to that
@@ -102,6 +108,7 @@ class _Model:
     y: dict[tuple[int, int], cp_model.IntVar]  # only for lo(U) <= k < hi(U)
     r: dict[tuple[str, int], cp_model.IntVar]
     z: dict[tuple[str, int, int], cp_model.IntVar]
+    c: dict[int, cp_model.IntVar]  # only when stages may recompute
     bottleneck: cp_model.IntVar
     weight: int  # W: objective = bottleneck * W + byte term
     time_unit_s: float  # seconds per integer time step
@@ -119,6 +126,7 @@ def solve(
     cost: str = "flops",
     schedule: str = "gpipe",
     options: SolverOptions | None = None,
+    recompute: str = "never",
 ) -> Plan:
     """Places every node of ``graph`` on a device of ``cluster`` with CP-SAT.
 
@@ -134,6 +142,10 @@ def solve(
             in flight (the constraints budget every node for the fullest stage: M for GPipe, min(number
             of devices, M) for 1F1B) and its step time is that schedule simulated.
         options: search knobs (workers, seed, hints, resolution, coarsening).
+        recompute: "never" (every stage keeps its activations), "always" (every stage but the last
+            recomputes its forward in the backward: more compute, activations of one micro-batch plus
+            the stage's inputs per micro-batch in flight) or "auto" (the planner recomputes a stage
+            only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
 
     Returns:
         A Plan with status "optimal" (proven) or "feasible" and the proven ``lower_bound_s``.
@@ -156,7 +168,13 @@ def solve(
     if options.coarsen is not None and not isinstance(options.coarsen, bool):
         raise InputError(f"SolverOptions.coarsen must be True, False or None (auto). Received: {options.coarsen!r}.")
     costs = CostModel(
-        graph, cluster, num_microbatches=num_microbatches, optimizer_slots=optimizer_slots, cost=cost, schedule=schedule
+        graph,
+        cluster,
+        num_microbatches=num_microbatches,
+        optimizer_slots=optimizer_slots,
+        cost=cost,
+        schedule=schedule,
+        recompute=recompute,
     )
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
@@ -175,6 +193,7 @@ def solve(
             optimizer_slots=optimizer_slots,
             cost=cost,
             schedule=schedule,
+            recompute=recompute,
         )
         return _shortest_step(plan, costs, _legal_baselines(costs, pins), started) if options.shortest_step else plan
     # The baselines that fit serve twice: as the search's start, and as rivals of its answer on the simulated step.
@@ -234,7 +253,7 @@ def _solve_fine(
     left_s = max(started + time_limit_s - time.perf_counter(), 0.01)
     status, solver = _run(m, left_s, options, relative_gap=options.relative_gap)
     if status == cp_model.INFEASIBLE:
-        raise explain_infeasible(costs, pins)
+        raise explain_infeasible(costs, pins, fits_with_recompute=_fits_with_recompute(costs, pins))
     if status == cp_model.MODEL_INVALID:
         raise PartitionerError(f"Internal error: the CP-SAT model is invalid ({m.model.validate()}). Please report it.")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -352,12 +371,13 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
 
     try:
         plan = exact_chain(
-            chain_quotient(costs.graph, units),
+            chain_quotient(costs.graph, units, cost=costs.cost),
             costs.cluster,
             num_microbatches=costs.num_microbatches,
             optimizer_slots=costs.optimizer_slots,
             cost=costs.cost,
             schedule=costs.schedule,
+            recompute=costs.recompute,
         )
     except PartitionerError:
         return None
@@ -427,7 +447,8 @@ def build_model(
         else 0.0
     )
     max_receive_s = sum(costs.out_bytes[u] * per_byte_s for u in order)
-    horizon_s = max(sum(costs.compute_s[v][k] for v in order) for k in devices) + max_receive_s
+    slowest_mode = costs.modes[-1]  # recomputed when stages may recompute: never faster than kept
+    horizon_s = max(sum(costs.mode_compute_s[slowest_mode][v][k] for v in order) for k in devices) + max_receive_s
     time_unit_s = horizon_s / options.time_resolution if horizon_s > 0 else 1.0
     total_bytes = sum(costs.out_bytes[u] for u in order) * max(num_devices - 1, 1)
     byte_unit = max(total_bytes / options.byte_resolution, 1.0)
@@ -478,6 +499,9 @@ def build_model(
         if k in sender_matters
         for j in range(domains[home_of[u]][0], min(k, domains[home_of[u]][1] + 1))
     }
+    # c[k] == 1 iff the stage on device k recomputes its forward in the backward (stages may recompute)
+    recomputing = "recomputed" in costs.modes
+    c = {k: model.new_bool_var(f"c_{k}") for k in devices} if recomputing else {}
     horizon_steps = steps(horizon_s) + len(order) + 1
     bottleneck = model.new_int_var(0, horizon_steps, "bottleneck")
 
@@ -501,25 +525,50 @@ def build_model(
                     model.add(r[u, k] >= on(reader, k) - on(home, k))
     for u, j, k in z:
         model.add(z[u, j, k] >= on(home_of[u], j) + r[u, k] - 1)
-    # Memory, in KiB rounded conservatively.
+    # The last stage is never recomputed: c[k] needs a unit on a later device ("always": c[k] iff there is one).
+    for k, c_k in c.items():
+        later: list[Any] = []  # literals "unit i runs after device k"
+        for i, (lo, hi) in enumerate(domains):
+            if k < hi:
+                later.append(True if lo > k else y[i, k].Not())
+        if any(lit is True for lit in later):
+            if costs.recompute == "always":
+                model.add(c_k == 1)
+        elif not later:
+            model.add(c_k == 0)
+        else:
+            model.add_bool_or(later).only_enforce_if(c_k)
+            if costs.recompute == "always":
+                for lit in later:
+                    model.add_implication(lit, c_k)
+    # Memory, in KiB rounded conservatively, in the stage's mode.
+    received_on: dict[int, list[str]] = {k: [] for k in devices}
+    for u, k in r:
+        received_on[k].append(u)
     for k, device in enumerate(cluster.devices):
-        held = [
-            math.ceil(uc.memory[i] / 1024) * on(i, k)
-            for i, (lo, hi) in enumerate(domains)
-            if uc.memory[i] > 0 and lo <= k <= hi
-        ]
-        model.add(sum(held) <= device.memory_bytes // 1024)
+        capacity = device.memory_bytes // 1024
+        for mode in costs.modes:
+            memory = uc.mode_memory[mode]
+            held = [
+                math.ceil(memory[i] / 1024) * on(i, k)
+                for i, (lo, hi) in enumerate(domains)
+                if memory[i] > 0 and lo <= k <= hi
+            ]
+            held += [
+                math.ceil(costs.input_memory[mode][u] / 1024) * r[u, k]
+                for u in received_on[k]
+                if costs.input_memory[mode][u] > 0
+            ]
+            constraint = model.add(sum(held) <= capacity)
+            if c:
+                constraint.only_enforce_if(c[k] if mode == "recomputed" else c[k].Not())
     # Shared layers stay together (pins are in the domains).
     for group in uc.colocated:
         for i in group[1:]:
             for k in range(min(domains[j][0] for j in group), max(domains[j][1] for j in group) + 1):
                 _equal(model, on(i, k), on(group[0], k))
-    # The bottleneck bounds every stage's compute + receive time.
-    received_on: dict[int, list[str]] = {k: [] for k in devices}
-    for u, k in r:
-        received_on[k].append(u)
+    # The bottleneck bounds every stage's compute (in its mode) + receive time.
     for k in devices:
-        compute = [steps(uc.compute_s[i][k]) * on(i, k) for i, (lo, hi) in enumerate(domains) if lo <= k <= hi]
         receive = []
         for u in received_on[k]:
             if k in sender_matters:
@@ -527,13 +576,18 @@ def build_model(
                 receive += [steps(costs.receive_s(u, j, k)) * z[u, j, k] for j in range(lo, min(k, hi + 1))]
             else:
                 receive.append(steps(costs.receive_s(u, 0, k)) * r[u, k])
-        model.add(bottleneck >= sum(compute) + sum(receive))
+        for mode in costs.modes:
+            rows = uc.mode_compute_s[mode]
+            compute = [steps(rows[i][k]) * on(i, k) for i, (lo, hi) in enumerate(domains) if lo <= k <= hi]
+            constraint = model.add(bottleneck >= sum(compute) + sum(receive))
+            if c and mode == "recomputed":
+                constraint.only_enforce_if(c[k])
 
     # ----- objective: the bottleneck first, then the bytes sent ----------------------------------
     byte_terms = [round(costs.out_bytes[u] / byte_unit) * r[u, k] for (u, k) in r]
     weight = options.byte_resolution + len(r) + 1
     model.minimize(bottleneck * weight + sum(byte_terms))
-    return _Model(model, units, uc, x, y, r, z, bottleneck, weight, time_unit_s, sender_matters)
+    return _Model(model, units, uc, x, y, r, z, c, bottleneck, weight, time_unit_s, sender_matters)
 
 
 def _name(units: Coarsening, i: int) -> str:
@@ -605,9 +659,27 @@ def _exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
             optimizer_slots=costs.optimizer_slots,
             cost=costs.cost,
             schedule=costs.schedule,
+            recompute=costs.recompute,
         )
         return [plan] if all(plan.assignment[v] == d for v, d in pins.items()) else []
     return []
+
+
+def _fits_with_recompute(costs: CostModel, pins: Mapping[str, str]) -> bool:
+    """True iff a plan that fits exists when stages may recompute ("auto"), for a problem planned with
+    recompute="never" that has none: a legal baseline or the greedy fill fits (a quick check, not a search)."""
+    if costs.recompute != "never":
+        return False
+    auto = CostModel(
+        costs.graph,
+        costs.cluster,
+        num_microbatches=costs.num_microbatches,
+        optimizer_slots=costs.optimizer_slots,
+        cost=costs.cost,
+        schedule=costs.schedule,
+        recompute="auto",
+    )
+    return bool(_legal_baselines(auto, pins)) or _fill_start(auto, pins) is not None
 
 
 def _fill_start(costs: CostModel, pins: Mapping[str, str]) -> _Candidate | None:
@@ -638,7 +710,7 @@ def _fill_start(costs: CostModel, pins: Mapping[str, str]) -> _Candidate | None:
         k, load, held = 0, 0.0, 0
         assignment: dict[str, str] = {}
         for run in runs:
-            need = sum(costs.memory[v] for v in run)
+            need = sum(min(costs.mode_memory[mode][v] for mode in costs.modes) for v in run)
             while k < last and (
                 held + need > capacity[k] or (held > 0 and load + sum(costs.compute_s[v][k] for v in run) > target)
             ):
@@ -672,10 +744,17 @@ def _add_hint(m: _Model, costs: CostModel, assignment: Mapping[str, str]) -> Non
         m.model.add_hint(var, (u, k) in received)
     for (u, j, k), var in m.z.items():
         m.model.add_hint(var, (u, k) in received and where[home_of[u]] == j)
-    # The bottleneck as the model counts it: the costliest stage in integer steps.
+    # Each stage's mode as the plan would take it, and the bottleneck as the model counts it: the costliest
+    # stage in integer steps.
+    used = sorted(set(where))
+    modes = dict(zip(used, costs.evaluate(m.units.expand(where, costs.devices)).recompute, strict=True))
+    for k, var in m.c.items():
+        later = any(k2 > k for k2 in used)
+        m.model.add_hint(var, modes.get(k, False) or (costs.recompute == "always" and later and k not in modes))
     stage = [0] * len(costs.devices)
     for i, k in enumerate(where):
-        stage[k] += round(m.unit_costs.compute_s[i][k] / m.time_unit_s)
+        rows = m.unit_costs.mode_compute_s["recomputed" if modes.get(k, False) else "kept"]
+        stage[k] += round(rows[i][k] / m.time_unit_s)
     for u, k in received:
         sender = where[home_of[u]] if k in m.sender_matters else 0
         stage[k] += round(costs.receive_s(u, sender, k) / m.time_unit_s)

@@ -17,7 +17,8 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
 
     Checked: every node has a device and no unknown node or device appears; the plan was made for
     this cluster's devices; every edge goes forward in pipeline order (no backward traffic);
-    colocated nodes share a device; every device's memory holds what is put on it (unless
+    colocated nodes share a device; ``plan.recompute`` gives one mode per stage and keeps the last
+    stage; every device's memory (in each stage's mode) holds what is put on it (unless
     ``check_memory`` is False, e.g. when the graph was profiled at another batch size).
 
     Example:
@@ -38,6 +39,11 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
         schedule=plan.schedule,
     )
     where = costs.check_assignment(plan.assignment)
+    if len(plan.recompute) != plan.num_stages or plan.recompute[-1:] == (True,):
+        raise PlanError(
+            f"The plan's recompute {list(plan.recompute)} must give one bool per stage ({plan.num_stages} "
+            "stages, True: recomputed) and keep the last stage (never recomputed). Plan again."
+        )
     for u, v in graph.edges:
         if where[u] > where[v]:
             raise PlanError(
@@ -54,13 +60,20 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
             )
     if not check_memory:
         return
-    evaluation = costs.evaluate(plan.assignment)
+    evaluation = costs.evaluate(plan.assignment, plan.recompute)
     for device in cluster.devices:
         need = evaluation.memory_bytes[device.name]
         if need > device.memory_bytes:
             raise PlanError(
                 f"Device {device.name} needs {format_bytes(need)} but holds {format_bytes(device.memory_bytes)} "
                 f"(with {evaluation.in_flight[device.name]} micro-batches in flight under {plan.schedule}, "
-                f"M={plan.num_microbatches}, and {plan.optimizer_slots} optimizer slots). Plan again with the "
-                "memory constraint, use fewer micro-batches, or the 1f1b schedule."
+                f"M={plan.num_microbatches}, and {plan.optimizer_slots} optimizer slots"
+                + (", its forward recomputed" if _recomputed(plan, device.name) else "")
+                + "). Plan again with the memory constraint, use fewer micro-batches, the 1f1b schedule"
+                + ("." if _recomputed(plan, device.name) else ", or recompute='auto'.")
             )
+
+
+def _recomputed(plan: Plan, device: str) -> bool:
+    """True iff ``device`` runs a stage of ``plan`` that recomputes its forward."""
+    return device in plan.stages and plan.recompute[plan.stages.index(device)]
