@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[tf,test,bench]"
+	$(PY) -m pip install --quiet -e ".[cpu,test]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -84,7 +84,8 @@ def save_timeline(sim: Simulation, path: str | Path, *, title: str | None = None
         from matplotlib.patches import Patch
     except ImportError as err:
         raise InputError(
-            "Drawing a timeline needs matplotlib: pip install 'keras-partitioner[bench]' or pip install matplotlib."
+            "Drawing a timeline needs matplotlib, which keras-partitioner depends on but this environment lacks: "
+            "pip install 'matplotlib>=3.8', or write the timeline as text (--timeline -, text_timeline)."
         ) from err
     rows = [*sim.stages, *sim.links]
     scale, unit = _time_unit(sim.step_time_s)
