@@ -7,7 +7,9 @@
     partitioner plan ResNet50 --devices 4 --memory 2GiB --schedule 1f1b         # fewer activations held
     partitioner profile InceptionV3 --batch-size 64 --out profile.json
 
-Errors print one line on stderr and exit with status 2, never a traceback.
+Errors print one line on stderr, never a traceback: what happened, what was expected, how to fix it.
+The exit status is 2 for what the user can fix (arguments, files, a model that does not load or
+build), 1 for a failure inside this library or Keras (``--traceback`` shows where).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import networkx as nx
 from rich.console import Console
+from rich.markup import escape
 
 from partitioner import baselines as baseline_methods
 from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
@@ -35,6 +38,7 @@ from partitioner.timeline import save_timeline, text_timeline
 from partitioner.validate import validate_plan
 
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+INSTALL_HINT = "pip install 'keras-partitioner[cpu]' (or [gpu] on a machine with an NVIDIA GPU)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
     model_help = (
         "a .keras file (safe mode), a keras.applications name such as ResNet50 (weights=None), "
-        "module:function returning a model"
+        "module:function returning a model (the current directory is searched first)"
     )
     plan = commands.add_parser("plan", help="plan the split of a model and print the placement tables")
     plan.add_argument("model", help=model_help + ", or a profile .json written by 'partitioner profile'")
@@ -61,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         "--bandwidth", default=str(DEFAULT_BANDWIDTH), help="bytes/s of every link, e.g. 50GB/s (default: %(default)s)"
     )
     _add_profile_options(plan)
+    _add_traceback_option(plan)
     plan.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_SLOTS), default="adam", help="sets optimizer slots (default: adam)"
     )
@@ -91,10 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     placed.add_argument("--memory", default="4GiB", help="capacity per device where it reports none (default: 4GiB)")
     placed.add_argument("--plan", help="use this plan JSON instead of planning (its devices must exist here)")
     _add_profile_options(placed)
+    _add_traceback_option(placed)
 
     profile = commands.add_parser("profile", help="profile a model into a layer graph JSON")
     profile.add_argument("model", help=model_help)
     _add_profile_options(profile)
+    _add_traceback_option(profile)
     profile.add_argument("--no-time", action="store_true", help="skip measuring per-layer times (faster)")
     profile.add_argument("--out", help="write the layer graph JSON here (default: print a summary only)")
     return parser
@@ -106,8 +113,12 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
 
 
+def _add_traceback_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traceback", action="store_true", help="on an error, show the full Python traceback")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (0 ok, 2 on a user error)."""
+    """Runs the CLI; returns the exit status (0 ok, 2 on a user error, 1 on a failure inside the library)."""
     args = _parser().parse_args(argv)
     err = Console(stderr=True)
     try:
@@ -116,15 +127,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "placement":
             return _placement(args, err)
         return _profile(args, err)
-    except PartitionerError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        return 2
-    except (OSError, ImportError) as error:
-        err.print(f"[bold red]error:[/] {type(error).__name__}: {error}", highlight=False, soft_wrap=True)
-        return 2
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
+    except Exception as error:
+        if args.traceback:
+            raise
+        if isinstance(error, PartitionerError):
+            _print_error(err, str(error))
+            return 2
+        if isinstance(error, OSError):  # a file that cannot be read or written: the message names it
+            _print_error(err, f"{type(error).__name__}: {error}")
+            return 2
+        _print_error(
+            err,
+            f"'partitioner {args.command} {args.model}' failed inside keras-partitioner or Keras: "
+            f"{type(error).__name__}: {_one_line(error)}. This is a bug or a model this version does not support; "
+            "rerun with --traceback to see where, and report it with the model.",
+        )
+        return 1
+
+
+def _print_error(err: Console, message: str) -> None:
+    """Prints ``error: message``; the message is text, never rich markup (a hint such as '[cpu]' stays)."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception from Keras or user code as one line (Keras' messages span many)."""
+    return " ".join(str(error).split()).rstrip(".")
 
 
 def _stdout() -> Console:
@@ -146,17 +177,65 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return Cluster.uniform(args.devices, memory=args.memory, flops_per_s=args.flops_per_s, bandwidth=args.bandwidth)
 
 
+def _require_tensorflow(args: argparse.Namespace) -> None:
+    """Imports TensorFlow and Keras, or says how to install them (they are extras: the planner needs neither)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        import keras  # noqa: F401
+        import tensorflow  # noqa: F401
+    except ImportError as error:
+        raise InputError(
+            f"'partitioner {args.command} {args.model}' builds a Keras model, which needs TensorFlow and Keras 3, "
+            f"but they cannot be imported here ({error}). Install them with {INSTALL_HINT}, "
+            "or plan from a profile .json written by 'partitioner profile' on a machine that has them."
+        ) from error
+
+
+def _load_model(args: argparse.Namespace, err: Console) -> Any:
+    """Loads or builds the user's model; anything that goes wrong there is the user's to fix (status 2).
+
+    For ``module:function``, the current directory is searched first, as ``python -m`` does, so
+    ``partitioner plan mymodels:build`` finds ``./mymodels.py``.
+    """
+    import keras
+
+    from profiles.loader import load_model
+
+    spec = args.model
+    if ":" in spec and not spec.endswith(".keras") and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        with err.status(f"building {escape(spec)} ..."):
+            model = load_model(spec, input_size=args.input_size)
+    except PartitionerError:
+        raise
+    except Exception as error:
+        raise InputError(
+            f"Building the model '{spec}' raised {type(error).__name__}: {_one_line(error)}. Expected "
+            + (
+                f"'{spec}' to import and return a keras.Model"
+                if ":" in spec and not spec.endswith(".keras")
+                else "a model Keras can build with these arguments"
+            )
+            + "; fix it and try again (--traceback shows where it failed)."
+        ) from error
+    if not isinstance(model, keras.Model):
+        raise InputError(
+            f"'{spec}' returned {type(model).__name__}, not a Keras model. "
+            "Expected a function that returns a keras.Model (functional or Sequential); return the model itself."
+        )
+    return model
+
+
 def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.DiGraph:
     if args.model.endswith(".json"):
         return load_graph(args.model)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    _require_tensorflow(args)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from profiles import profile_model
-    from profiles.loader import load_model
 
-    with err.status(f"building {args.model} ..."):
-        model = load_model(args.model, input_size=args.input_size)
+    model = _load_model(args, err)
     columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task(model.name, total=None)
@@ -203,28 +282,26 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     out = _stdout()
     name = graph.graph.get("model_name", args.model)
     out.print(
-        f"[bold]{name}[/]: {graph.number_of_nodes()} layers on {cluster.name} ({cluster.num_devices} devices), "
-        f"{plan.schedule} schedule"
+        f"[bold]{escape(str(name))}[/]: {graph.number_of_nodes()} layers on {escape(cluster.name)} "
+        f"({cluster.num_devices} devices), {plan.schedule} schedule"
     )
     out.print(render(plan, graph, others, placement=not args.summary))
     if simulation is not None and args.timeline == "-":
         out.print(text_timeline(simulation, width=max(40, min(out.width - 30, 120))), highlight=False, markup=False)
     elif simulation is not None:
-        out.print(f"timeline written to {args.timeline}", highlight=False)
+        out.print(f"timeline written to {args.timeline}", highlight=False, markup=False)
     if args.out:
-        out.print(f"plan written to {args.out}")
+        out.print(f"plan written to {args.out}", highlight=False, markup=False)
     return 0
 
 
 def _placement(args: argparse.Namespace, err: Console) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    _require_tensorflow(args)
     from runtime import make_virtual_devices, placement_report, plan_and_wrap, wrap
 
     make_virtual_devices(args.devices)
-    from profiles.loader import load_model
-
-    with err.status(f"building and wrapping {args.model} ..."):
-        model = load_model(args.model, input_size=args.input_size)
+    model = _load_model(args, err)
+    with err.status(f"wrapping {escape(args.model)} on {args.devices} devices ..."):
         if args.plan:
             wrapped = wrap(model, Plan.from_json(Path(args.plan).read_text()))
         else:
@@ -239,7 +316,7 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
     out = _stdout()
     out.print(report.table())
     for line in report.misplaced:
-        out.print(f"[red]misplaced:[/] {line}")
+        out.print(f"[red]misplaced:[/] {escape(line)}")
     out.print(
         "every variable is on its planned device" if report.ok else "[bold red]placement differs from the plan[/]"
     )
@@ -255,13 +332,13 @@ def _profile(args: argparse.Namespace, err: Console) -> int:
     timed = [t for _, t in graph.nodes(data="time_s") if t is not None]
     out = _stdout()
     out.print(
-        f"{graph.graph.get('model_name', args.model)}: {graph.number_of_nodes()} layers, "
+        f"{escape(str(graph.graph.get('model_name', args.model)))}: {graph.number_of_nodes()} layers, "
         f"{graph.number_of_edges()} edges, {params / 2**20:.1f} MiB of weights, "
         f"{flops / 1e9:.2f} GFLOPs per micro-batch (forward + backward)"
         + (f", {sum(timed) * 1e3:.1f} ms measured per micro-batch" if timed else "")
     )
     if args.out:
-        out.print(f"layer graph written to {args.out}")
+        out.print(f"layer graph written to {args.out}", highlight=False, markup=False)
     return 0
 
 

@@ -6,18 +6,85 @@ from collections.abc import Iterable
 
 import networkx as nx
 from rich import box
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from partitioner.plan import Plan
 from partitioner.units import format_bytes, format_flops, format_seconds
 
 
-def placement_table(plan: Plan, graph: nx.DiGraph) -> Table:
-    """One row per node: layer, type, parameters, FLOPs, activation, stage and device."""
+class FittedTable:
+    """A table that leaves out its least important columns, rather than cutting names, when the console is narrow.
+
+    rich shrinks every column of a table that is too wide, so layer names end in '…' (or fold one letter
+    a line); this keeps the first column and ``keep`` whole, drops columns in ``drop_order`` until the
+    rest fits, and says in a caption what it left out.
+
+    Example:
+        >>> table = FittedTable("Placement", [("layer", "left"), ("stage", "right")], [["conv1", "0"]], ["stage"])
+        >>> Console(width=20).print(table)                       # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        title: str,
+        columns: list[tuple[str, str]],
+        rows: list[list[str]],
+        drop_order: list[str],
+        *,
+        keep: tuple[str, ...] = (),
+    ) -> None:
+        self.title, self.columns, self.rows, self.drop_order, self.keep = title, columns, rows, drop_order, keep
+
+    def table(self, left_out: Iterable[str] = ()) -> Table:
+        """The table without the columns in ``left_out``."""
+        dropped = set(left_out)
+        caption = f"left out to fit the terminal's width: {', '.join(left_out)}" if dropped else None
+        table = Table(
+            title=self.title, caption=caption, box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left"
+        )
+        shown = [k for k, (header, _) in enumerate(self.columns) if header not in dropped]
+        for k in shown:
+            header, justify = self.columns[k]
+            first = k == 0  # the name column folds only when it alone is wider than the console
+            table.add_column(
+                header,
+                justify=justify,  # type: ignore[arg-type]
+                no_wrap=not first and header in self.keep,
+                overflow="fold" if first else "ellipsis",
+            )
+        for row in self.rows:
+            table.add_row(*(row[k] for k in shown))
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        unbounded = options.update_width(1_000_000)  # the natural width, not clamped to the console's
+
+        def fits(left_out: list[str]) -> bool:
+            return Measurement.get(console, unbounded, self.table(left_out)).maximum <= options.max_width
+
+        left_out: list[str] = []
+        for header in self.drop_order:
+            if fits(left_out):
+                break
+            left_out.append(header)
+        for header in reversed(left_out[:-1]):  # a narrow column dropped early may fit beside the rest
+            if fits([h for h in left_out if h != header]):
+                left_out.remove(header)
+        yield self.table(left_out)
+
+
+def placement_table(plan: Plan, graph: nx.DiGraph) -> FittedTable:
+    """One row per node: layer, type, parameters, FLOPs, activation, stage and device.
+
+    Layer and device names are never cut: on a narrow terminal the stage (also in the device table),
+    type, FLOPs, activation and parameter columns are left out in that order until the table fits,
+    and a caption says so.
+    """
     stage_of = {d: k for k, d in enumerate(plan.stages)}
-    table = Table(title="Placement", box=box.SIMPLE_HEAD, title_justify="left")
-    for header, justify in [
+    columns = [
         ("layer", "left"),
         ("type", "left"),
         ("params", "right"),
@@ -25,20 +92,23 @@ def placement_table(plan: Plan, graph: nx.DiGraph) -> Table:
         ("activation", "right"),
         ("stage", "right"),
         ("device", "left"),
-    ]:
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    ]
+    rows = []
     for node, device in plan.assignment.items():
         data = graph.nodes[node]
-        table.add_row(
-            node,
-            str(data.get("layer_type", "")),
-            format_bytes(data["param_bytes"]) if data["param_bytes"] else "-",
-            format_flops(data["flops"]) if data["flops"] else "-",
-            format_bytes(data["activation_bytes"]) if data["activation_bytes"] else "-",
-            str(stage_of[device]),
-            device,
+        rows.append(
+            [
+                escape(str(node)),
+                escape(str(data.get("layer_type", ""))),
+                format_bytes(data["param_bytes"]) if data["param_bytes"] else "-",
+                format_flops(data["flops"]) if data["flops"] else "-",
+                format_bytes(data["activation_bytes"]) if data["activation_bytes"] else "-",
+                str(stage_of[device]),
+                escape(device),
+            ]
         )
-    return table
+    drop_order = ["stage", "type", "FLOPs", "activation", "params"]
+    return FittedTable("Placement", columns, rows, drop_order, keep=("device",))
 
 
 def device_table(plan: Plan) -> Table:
@@ -145,7 +215,7 @@ def comparison_table(plans: Iterable[Plan]) -> Table:
 
 def render(plan: Plan, graph: nx.DiGraph, baselines: Iterable[Plan] = (), *, placement: bool = True) -> Group:
     """Everything a person needs to judge a plan, as one rich renderable."""
-    parts: list[Table] = [placement_table(plan, graph)] if placement else []
+    parts: list[Table | FittedTable] = [placement_table(plan, graph)] if placement else []
     parts += [device_table(plan), transfer_table(plan, graph), summary_table(plan)]
     others = list(baselines)
     if others:

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+import textwrap
 
+import networkx as nx
 import pytest
+from rich.console import Console
 
 import partitioner as pt
+from partitioner import cli
 from partitioner.cli import main
 from partitioner.synthetic import random_dag
+
+# Names as long as keras.applications and keras-hub give them, and one that is longer than most.
+LONG_NAMES = [
+    "conv2_block1_1_conv",
+    "conv5_block3_preact_relu",
+    "block_16_depthwise_BN",
+    "transformer_layer_11_self_attention_output_dense",
+    "attention[bench]_scores",  # rich markup would swallow '[bench]'
+]
 
 
 @pytest.fixture
@@ -116,3 +131,130 @@ def test_cli_profile_writes_a_layer_graph(tmp_path, capsys, virtual_devices) -> 
     assert code == 0
     graph = pt.load_graph(out_file)
     assert graph.number_of_nodes() > 100 and "GFLOPs" in capsys.readouterr().out
+
+
+def _one_error_line(captured) -> str:
+    """The error output, checked to be one line and no traceback."""
+    assert captured.err.startswith("error:") and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+@pytest.fixture
+def model_module(tmp_path, monkeypatch):
+    """A module `cli_models.py` in a fresh current directory that is not on sys.path, as a user has it."""
+    (tmp_path / "cli_models.py").write_text(
+        textwrap.dedent(
+            """
+            import keras
+
+            def build():
+                inputs = keras.Input((8,))
+                return keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dense(4)(inputs)))
+
+            def broken():
+                raise ValueError("my layer sizes are wrong [see the paper]")
+
+            def not_a_model():
+                return [1, 2]
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    monkeypatch.delitem(sys.modules, "cli_models", raising=False)
+    yield "cli_models"
+    sys.modules.pop("cli_models", None)
+
+
+def test_cli_model_function_from_the_current_directory(model_module, capsys, virtual_devices) -> None:
+    assert main(["profile", f"{model_module}:build", "--no-time"]) == 0
+    assert "3 layers" in capsys.readouterr().out  # input, dense, head
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "{spec}", "--devices", "2", "--memory", "1GiB"],
+        ["profile", "{spec}"],
+        ["placement", "{spec}", "--devices", "2"],
+    ],
+    ids=["plan", "profile", "placement"],
+)
+def test_cli_model_that_fails_to_build_is_one_line(argv, model_module, capsys, virtual_devices) -> None:
+    assert main([a.format(spec=f"{model_module}:broken") for a in argv]) == 2
+    err = _one_error_line(capsys.readouterr())
+    assert "Building the model 'cli_models:broken' raised ValueError: my layer sizes are wrong [see the paper]" in err
+    assert "to import and return a keras.Model" in err and "--traceback" in err
+
+
+def test_cli_model_function_must_return_a_model(model_module, capsys, virtual_devices) -> None:
+    assert main(["profile", f"{model_module}:not_a_model"]) == 2
+    assert "'cli_models:not_a_model' returned list, not a Keras model" in _one_error_line(capsys.readouterr())
+
+
+def test_cli_keras_application_with_bad_arguments_is_one_line(capsys, virtual_devices) -> None:
+    assert main(["profile", "MobileNetV2", "--input-size", "8"]) == 2  # Keras wants at least 32x32
+    assert "Building the model 'MobileNetV2' raised ValueError" in _one_error_line(capsys.readouterr())
+
+
+def test_cli_without_tensorflow_says_how_to_install_it(model_module, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` now raises ImportError
+    assert main(["profile", f"{model_module}:build"]) == 2
+    err = _one_error_line(capsys.readouterr())
+    assert "needs TensorFlow and Keras 3" in err
+    assert "pip install 'keras-partitioner[cpu]' (or [gpu]" in err  # brackets survive rich's markup
+
+
+def test_cli_timeline_without_matplotlib_is_one_line(profile_file, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["plan", str(profile_file), "--devices", "2", "--memory", "16GiB", "--timeline", str(tmp_path / "t.png")]
+    assert main(argv) == 2
+    assert "Drawing a timeline needs matplotlib" in _one_error_line(capsys.readouterr())
+
+
+def test_cli_failure_inside_the_library_is_one_line_status_1(profile_file, capsys, monkeypatch) -> None:
+    def crash(*args, **kwargs):
+        raise AttributeError("'Multiply' object has no attribute 'weights'\nsecond line of detail")
+
+    monkeypatch.setattr(cli, "solve", crash)
+    argv = ["plan", str(profile_file), "--devices", "2", "--memory", "16GiB"]
+    assert main(argv) == 1
+    err = _one_error_line(capsys.readouterr())
+    assert f"'partitioner plan {profile_file}' failed inside keras-partitioner or Keras" in err
+    assert "AttributeError: 'Multiply' object has no attribute 'weights' second line of detail" in err
+    assert "rerun with --traceback" in err
+    with pytest.raises(AttributeError, match="no attribute 'weights'"):
+        main([*argv, "--traceback"])
+
+
+@pytest.fixture
+def long_named_profile(tmp_path):
+    graph = nx.relabel_nodes(random_dag(len(LONG_NAMES), seed=1), {f"n{i}": name for i, name in enumerate(LONG_NAMES)})
+    for node, kind in zip(graph, ["Conv2D", "Activation", "BatchNormalization", "EinsumDense", "Softmax"]):
+        graph.nodes[node]["layer_type"] = kind
+    path = tmp_path / "long.json"
+    pt.save_graph(graph, path)
+    return path
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_cli_placement_table_keeps_layer_names_whole(width, long_named_profile, monkeypatch) -> None:
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(cli, "_stdout", lambda: console)
+    assert main(["plan", str(long_named_profile), "--devices", "2", "--memory", "16GiB", "--no-compare"]) == 0
+    text = console.export_text()
+    console.file.close()
+    placement = text[text.index("Placement") : text.index("Devices")]
+    rows = placement.splitlines()
+    assert all(len(row) <= width for row in rows)
+    for name in LONG_NAMES:
+        assert any(name in row and "GPU:" in row for row in rows), name  # whole, beside its device
+    assert "…" not in placement
+    header = next(row for row in rows if "layer" in row and "device" in row)
+    if width == 200:
+        assert header.split() == ["layer", "type", "params", "FLOPs", "activation", "stage", "device"]
+        assert "left out" not in placement
+    else:
+        assert "type" not in header.split()  # the widest optional column goes first
+        assert "left out to fit the terminal's width: " in placement
