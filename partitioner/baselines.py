@@ -25,6 +25,7 @@ from partitioner.cost import CostModel
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups
 from partitioner.plan import Plan
+from partitioner.score import score_assignment
 
 __all__ = ["BASELINES", "by_params", "by_time", "split_balanced", "split_even", "split_with", "uniform"]
 
@@ -122,7 +123,7 @@ def _units(costs: CostModel) -> list[list[str]]:
 
 def _plan_from_blocks(costs: CostModel, labels: Sequence[int], method: str, started: float) -> Plan:
     assignment = {v: costs.devices[b] for v, b in zip(costs.order, labels, strict=False)}
-    return Plan.from_assignment(assignment, costs, method=method, solve_time_s=time.perf_counter() - started)
+    return score_assignment(assignment, costs, method=method, solve_time_s=time.perf_counter() - started)
 
 
 _WEIGHTS: dict[str, Callable[[CostModel, str], float] | None] = {

@@ -30,6 +30,7 @@ from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
+from partitioner.score import score_assignment
 
 
 class _Mode(NamedTuple):
@@ -87,7 +88,7 @@ def exact_chain(
     if found is None:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     assignment, optimum = found
-    return Plan.from_assignment(
+    return score_assignment(
         assignment,
         costs,
         method="exact_chain",

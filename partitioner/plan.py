@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from partitioner.cost import CostModel, bubble_fraction, relative_gap
+from partitioner.cost import bubble_fraction, relative_gap
 from partitioner.errors import PlanError
 from partitioner.schedule import SCHEDULES
-from partitioner.simulate import simulate_assignment
+
+if TYPE_CHECKING:
+    from partitioner.cost import CostModel
 
 PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed)
 STATUSES = ("optimal", "feasible", "heuristic")
@@ -74,46 +76,25 @@ class Plan:
         solve_time_s: float = 0.0,
         recompute: Sequence[bool] | None = None,
     ) -> Plan:
-        """Scores ``assignment`` with ``costs`` and returns the plan.
+        """Scores ``assignment`` with ``costs``: the same as ``partitioner.score.score_assignment``.
 
-        The plan is for ``costs.schedule``: its memory counts that schedule's micro-batches in flight and
-        its step time is that schedule simulated. ``recompute`` gives each stage's mode (True:
-        recomputed); by default ``costs.recompute`` chooses them ("auto": where kept activations do not fit).
+        Kept for callers that build plans this way; the record itself runs no cost model or simulation.
 
         Example:
             >>> costs = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")       # doctest: +SKIP
             >>> Plan.from_assignment(assignment, costs, method="manual").schedule           # doctest: +SKIP
             '1f1b'
         """
-        if status not in STATUSES:
-            raise PlanError(f"status must be one of {STATUSES}. Received: {status!r}.")
-        ev = costs.evaluate(assignment, recompute)
-        simulated = simulate_assignment(costs, assignment, schedule=costs.schedule, recompute=ev.recompute)
-        if lower_bound_s is not None:
-            lower_bound_s = min(lower_bound_s, ev.bottleneck_s)
-        return cls(
-            assignment={v: assignment[v] for v in costs.order},
-            devices=tuple(costs.devices),
+        from partitioner.score import score_assignment  # the scorer imports this module
+
+        return score_assignment(
+            assignment,
+            costs,
             method=method,
             status=status,
-            num_microbatches=costs.num_microbatches,
-            optimizer_slots=costs.optimizer_slots,
-            cost=costs.cost,
-            stage_times=ev.stage_times,
-            compute_times=ev.compute_times,
-            receive_times=ev.receive_times,
-            memory_bytes=ev.memory_bytes,
-            capacity_bytes={d.name: d.memory_bytes for d in costs.cluster.devices},
-            bottleneck_s=ev.bottleneck_s,
             lower_bound_s=lower_bound_s,
-            step_time_s=simulated.step_time_s,
-            serial_step_s=costs.serial_step_s(),
-            transfer_bytes=ev.transfer_bytes,
             solve_time_s=solve_time_s,
-            model_name=costs.graph.graph.get("model_name"),
-            fill_drain_step_s=ev.step_time_s,
-            schedule=costs.schedule,
-            recompute=ev.recompute,
+            recompute=recompute,
         )
 
     # ----- derived views -------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from partitioner.errors import InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
+from partitioner.score import score_assignment
 
 # TensorFlow loads its runtime with RTLD_GLOBAL. Imported before OR-Tools, its abseil and protobuf
 # symbols win over OR-Tools' own and CP-SAT crashes in Solve (google/or-tools#3230; here with
@@ -215,7 +216,7 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
     if best is None or best.step_time_s >= plan.step_time_s * (1 - 1e-9):
         return plan
     bound = plan.lower_bound_s
-    return Plan.from_assignment(
+    return score_assignment(
         best.assignment,
         costs,
         method=f"{best.method} (shorter step than {plan.method})",
@@ -261,7 +262,7 @@ def _solve_fine(
     assignment = decode(m, solver, costs)
     bound_steps = math.floor(solver.best_objective_bound / m.weight + 1e-9)
     lower_bound = max(bound_steps * m.time_unit_s, costs.lower_bound_s())
-    return Plan.from_assignment(
+    return score_assignment(
         assignment,
         costs,
         method="cp-sat",
@@ -339,7 +340,7 @@ def _solve_coarsened(
         best = better
     if best is None:
         return None
-    return Plan.from_assignment(
+    return score_assignment(
         best.assignment,
         costs,
         method="exact_chain+coarsen" if chain else "cp-sat+coarsen",

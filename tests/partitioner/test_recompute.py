@@ -403,3 +403,28 @@ def test_chain_quotient_keeps_the_forward_split_and_frozen_weights():
     costs, merged = CostModel(graph, _slow_cluster(1)), CostModel(q, _slow_cluster(1))
     assert merged.forward_s["l0"][0] == pytest.approx(costs.forward_s["l0"][0] + costs.forward_s["l1"][0])
     assert merged.weight_bytes("l0") == costs.weight_bytes("l0") + costs.weight_bytes("l1")
+
+
+def test_plan_module_imports_neither_the_simulator_nor_the_scorer():
+    """Plan is a plain record: plan.py builds nothing by simulating (score.py makes plans from placements)."""
+    import ast
+    from pathlib import Path
+
+    import partitioner.plan
+
+    tree = ast.parse(Path(partitioner.plan.__file__).read_text())
+    imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert "partitioner.simulate" not in imported
+    assert "partitioner.score" not in imported
+    assert imported >= {"partitioner.errors"}  # the check reads real imports
+
+
+def test_score_assignment_is_plan_from_assignment():
+    from partitioner.score import score_assignment
+
+    costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4, recompute="always")
+    plan = score_assignment(SPLIT, costs, method="manual")
+    assert plan == dataclasses.replace(Plan.from_assignment(SPLIT, costs, method="manual"), solve_time_s=0.0)
+    assert plan.recompute == (True, True, False)
+    with pytest.raises(PlanError, match=r"status must be one of"):
+        score_assignment(SPLIT, costs, method="manual", status="perfect")

@@ -1,0 +1,81 @@
+"""Scores a placement into a Plan: the cost model's figures and the step of its schedule simulated.
+
+:class:`partitioner.plan.Plan` is a plain record; this is where one is made from a placement, so that
+``plan.py`` needs neither the cost model nor the simulator (and the simulator can take plans).
+
+Example:
+    >>> costs = pt.CostModel(graph, cluster, num_microbatches=8, recompute="auto")    # doctest: +SKIP
+    >>> plan = score_assignment(assignment, costs, method="manual")                    # doctest: +SKIP
+    >>> plan.step_time_s == pt.simulate(plan, graph, cluster).step_time_s              # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from partitioner.cost import CostModel
+from partitioner.errors import PlanError
+from partitioner.plan import STATUSES, Plan
+from partitioner.simulate import simulate_assignment
+
+
+def score_assignment(
+    assignment: Mapping[str, str],
+    costs: CostModel,
+    *,
+    method: str,
+    status: str = "heuristic",
+    lower_bound_s: float | None = None,
+    solve_time_s: float = 0.0,
+    recompute: Sequence[bool] | None = None,
+) -> Plan:
+    """Scores ``assignment`` {node: device name} with ``costs`` and returns the plan.
+
+    The plan is for ``costs.schedule``: its memory counts that schedule's micro-batches in flight and
+    its step time is that schedule simulated. ``recompute`` gives each stage's mode (True:
+    recomputed); by default ``costs.recompute`` chooses them ("auto": where kept activations do not fit).
+
+    Args:
+        assignment: {node: device name} for every node of ``costs.graph``.
+        costs: the cost model (graph, cluster, M, optimizer slots, cost source, schedule, recompute).
+        method: the planner's name, recorded in the plan.
+        status: "optimal", "feasible" or "heuristic".
+        lower_bound_s: a proven lower bound on the bottleneck (capped at the plan's bottleneck).
+        solve_time_s: wall-clock seconds the planner took.
+        recompute: one bool per stage, or None for ``costs.recompute``'s choice.
+
+    Raises:
+        PlanError: for an unknown status, a placement that does not match the graph or cluster, an
+            edge that goes backward, or a ``recompute`` that does not give one bool per stage.
+    """
+    if status not in STATUSES:
+        raise PlanError(f"status must be one of {STATUSES}. Received: {status!r}.")
+    ev = costs.evaluate(assignment, recompute)
+    simulated = simulate_assignment(costs, assignment, schedule=costs.schedule, recompute=ev.recompute)
+    if lower_bound_s is not None:
+        lower_bound_s = min(lower_bound_s, ev.bottleneck_s)
+    return Plan(
+        assignment={v: assignment[v] for v in costs.order},
+        devices=tuple(costs.devices),
+        method=method,
+        status=status,
+        num_microbatches=costs.num_microbatches,
+        optimizer_slots=costs.optimizer_slots,
+        cost=costs.cost,
+        stage_times=ev.stage_times,
+        compute_times=ev.compute_times,
+        receive_times=ev.receive_times,
+        memory_bytes=ev.memory_bytes,
+        capacity_bytes={d.name: d.memory_bytes for d in costs.cluster.devices},
+        bottleneck_s=ev.bottleneck_s,
+        lower_bound_s=lower_bound_s,
+        step_time_s=simulated.step_time_s,
+        serial_step_s=costs.serial_step_s(),
+        transfer_bytes=ev.transfer_bytes,
+        solve_time_s=solve_time_s,
+        model_name=costs.graph.graph.get("model_name"),
+        fill_drain_step_s=ev.step_time_s,
+        schedule=costs.schedule,
+        recompute=ev.recompute,
+    )
