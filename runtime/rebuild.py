@@ -12,6 +12,7 @@ flat functional model plus a map from each cloned operation to its device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     device_of: dict[int, str] = {}
     node_of: dict[int, str] = {}
     origin: list[tuple[Any, Any]] = []
+    masks = _Masks(device_of, set(names.values()))
 
     for call in calls:
         device = assignment[call.name]
@@ -86,8 +88,12 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             with tf.device(device):
                 new = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, name=call.operation.name)
             produced.append([new])
+            masks.produced(new, device)
             continue
-        values = {id(t): produced[s.call][s.output] for t, s in zip(node.input_tensors, call.sources, strict=True)}
+        values = {
+            id(t): masks.carried(produced[s.call][s.output], device)
+            for t, s in zip(node.input_tensors, call.sources, strict=True)
+        }
         args, kwargs = node.arguments.fill_in(values)
         operation = call.operation
         clone = clones.get(id(operation))
@@ -102,6 +108,8 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         with tf.device(device):
             outputs = clone(*args, **kwargs)
         produced.append(keras.tree.flatten(outputs))
+        for new in produced[-1]:
+            masks.produced(new, device)
 
     def new_tensor(tensor: Any) -> Any:
         source = sources[id(tensor)]
@@ -113,6 +121,87 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     for operation, clone in origin:
         clone.set_weights(operation.get_weights())
     return Rebuilt(flat, device_of, origin, node_of)
+
+
+class _Masks:
+    """Places the ops that compute Keras masks, and puts masks back on tensors that cross devices.
+
+    Keras keeps a tensor's mask as an attribute of the tensor object (``_keras_mask``), computed
+    by op nodes a layer's ``compute_mask`` adds beside the graph. A layer that takes the mask as an
+    argument gets it as a tensor of the graph (Keras records it in the call), but some read the
+    attribute itself (MultiHeadAttention's query mask, the merge layers Add, Multiply, ...), and a
+    stage boundary passes values, not attributes. So each tensor that carries a mask gets, on each
+    other device that reads it, a ``MaskCarrier`` call that sets the attribute again from the mask
+    tensor, and the mask's ops run on the device of the layer whose output it masks.
+    """
+
+    def __init__(self, device_of: dict[int, str], taken: set[str]) -> None:
+        self.device_of = device_of  # filled in: id(mask op or carrier) -> device
+        self.taken = taken  # names in the flat model
+        self.known: set[int] = set()  # ids of tensors of the flat graph and of masks already placed
+        self.device: dict[int, str] = {}  # id(tensor) -> device of the call that produced it
+        self.carriers: dict[tuple[int, str], Any] = {}  # (id(tensor), device) -> the tensor with its mask
+
+    def produced(self, tensor: Any, device: str) -> None:
+        """Records a new tensor of the flat graph and places the ops of its mask on ``device``."""
+        self.known.add(id(tensor))
+        self.device[id(tensor)] = device
+        pending = [tensor._keras_mask] if getattr(tensor, "_keras_mask", None) is not None else []
+        while pending:
+            mask = pending.pop()
+            if id(mask) in self.known:
+                continue
+            self.known.add(id(mask))
+            history = getattr(mask, "_keras_history", None)
+            if history is None or history.operation is None:
+                continue
+            self.device_of.setdefault(id(history.operation), device)
+            pending.extend(history.operation._inbound_nodes[history.node_index].input_tensors)
+
+    def carried(self, tensor: Any, device: str) -> Any:
+        """``tensor`` as a call on ``device`` reads it: with its mask set again if it crosses devices."""
+        mask = getattr(tensor, "_keras_mask", None)
+        if mask is None or self.device.get(id(tensor), device) == device:
+            return tensor
+        key = (id(tensor), device)
+        if key not in self.carriers:
+            import tensorflow as tf
+
+            name = number = f"mask_carrier_{len(self.carriers)}"
+            while name in self.taken:
+                name = f"{number}_{len(self.taken)}"
+            self.taken.add(name)
+            with tf.device(device):
+                carrier = _mask_carrier_class()(name=name)
+                self.carriers[key] = carrier(tensor, mask)
+            self.device_of[id(carrier)] = device
+            self.device[id(self.carriers[key])] = device
+            self.known.add(id(self.carriers[key]))
+        return self.carriers[key]
+
+
+@functools.cache
+def _mask_carrier_class() -> type:
+    import keras
+
+    class MaskCarrier(keras.layers.Layer):  # type: ignore[misc]  # keras ships no type hints
+        """Returns its input with ``mask`` set as its Keras mask (the identity on values and gradients)."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(autocast=False, **kwargs)
+            self.supports_masking = True
+
+        def call(self, inputs: Any, mask: Any) -> Any:
+            from keras.src.backend import set_keras_mask  # what Keras' own layers call
+
+            outputs = keras.ops.copy(inputs)
+            set_keras_mask(outputs, mask)
+            return outputs
+
+        def compute_mask(self, inputs: Any, previous_mask: Any = None) -> Any:
+            return previous_mask
+
+    return MaskCarrier
 
 
 def _check_output_masks(functional: Any) -> None:

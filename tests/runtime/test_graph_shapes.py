@@ -120,12 +120,21 @@ def shared_across_levels():
     return keras.Model(x, layers.Dense(3)(inner(h))), _floats(4), SCCE
 
 
+def frozen_nested():
+    """A frozen nested model (transfer learning) called twice, a trainable head after it."""
+    base = keras.Sequential([keras.Input((4,)), layers.Dense(4, activation="tanh")], name="base")
+    base.trainable = False
+    a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+    return keras.Model([a, b], layers.Dense(3)(layers.Concatenate()([base(a), base(b)]))), _pair((4,)), "mse"
+
+
 def keras_ops():
     """Tensor arithmetic and keras.ops calls between layers (each one an op node of the graph)."""
     x = keras.Input((6,))
     h = layers.Dense(8)(x) * 2.0
     h = keras.ops.add(h, keras.ops.ones_like(h))
-    h = keras.ops.concatenate([h[:, :4], keras.ops.tanh(h[:, 4:])], axis=-1)
+    left, right = keras.ops.split(h, 2, axis=-1)  # one op node, two outputs
+    h = keras.ops.concatenate([h[:, :2] + right[:, 2:], keras.ops.tanh(left), h[:, 6:]], axis=-1)
     h = keras.ops.reshape(h, (-1, 2, 4))
     h = keras.ops.sum(keras.ops.transpose(h, (0, 2, 1)), axis=-1)
     return keras.Model(x, layers.Dense(3)(h - keras.ops.mean(h, axis=-1, keepdims=True))), _floats(6), SCCE
@@ -155,6 +164,23 @@ def embedding_mask_lstm():
     tokens = keras.Input((5,), dtype="int32")
     h = layers.Dense(4)(layers.Embedding(10, 4, mask_zero=True)(tokens))
     return keras.Model(tokens, layers.Dense(3)(layers.LSTM(3, name="reader")(h))), _tokens(5, 10), SCCE
+
+
+def attention_mask():
+    """MultiHeadAttention reads its query's mask from the tensor itself, not from an argument."""
+    tokens = keras.Input((5,), dtype="int32")
+    h = layers.Dense(4)(layers.Embedding(10, 4, mask_zero=True)(tokens))
+    h = layers.MultiHeadAttention(2, 2, name="reader")(h, h)
+    return keras.Model(tokens, layers.Dense(3)(layers.GlobalAveragePooling1D()(h))), _tokens(5, 10), SCCE
+
+
+def merge_mask():
+    """Merge layers (Multiply, Add) read their inputs' masks from the tensors and change values by them."""
+    tokens = keras.Input((5,), dtype="int32")
+    e = layers.Embedding(10, 4, mask_zero=True)(tokens)
+    h = layers.Multiply(name="reader")([layers.Dense(4)(e), layers.Dense(4, activation="tanh")(e)])
+    h = layers.Add()([h, e])
+    return keras.Model(tokens, layers.Dense(3)(keras.ops.mean(h, axis=1))), _tokens(5, 10), SCCE  # padding counts
 
 
 def masking():
@@ -219,10 +245,13 @@ SHAPES = {
         nested_two_consumers,
         multi_output_nested,
         shared_across_levels,
+        frozen_nested,
         keras_ops,
         position_embedding,
         embedding_mask,
         embedding_mask_lstm,
+        attention_mask,
+        merge_mask,
         masking,
         repeated_names,
         wrappers,
@@ -236,11 +265,22 @@ STEP = [
     "siamese",
     "nested_in_nested",
     "multi_output_nested",
+    "frozen_nested",
     "keras_ops",
     "embedding_mask",
+    "merge_mask",
     pytest.param("masking", marks=_SEEDS),
     pytest.param("wrappers", marks=_SEEDS),
 ]
+
+
+MASKED = ["embedding_mask", "embedding_mask_lstm", "attention_mask", "merge_mask", "masking"]
+
+
+def _assert_mask_crosses(wrapped) -> None:
+    """The mask is computed on stage 0 and read on stage 1: a bool boundary tensor."""
+    boundary = wrapped.executor.stages[1].inputs
+    assert any(t.dtype == "bool" for t in boundary), [t.dtype for t in boundary]
 
 
 def _split_before_reader(model: keras.Model, devices: list[str]) -> pt.Plan:
@@ -288,7 +328,7 @@ def test_graph_shape_step_matches_original(name: str, virtual_devices) -> None:
     keras.utils.set_random_seed(0)
     model, make_batch, loss = SHAPES[name]()
     x, y = make_batch(BATCH, 1)
-    masked = name in ("embedding_mask", "masking")
+    masked = name in MASKED
     plan = _split_before_reader(model, virtual_devices) if masked else _plan(model, virtual_devices, 2, 2)
     wrapped = wrap(model, plan, validate=False)
 
@@ -298,9 +338,8 @@ def test_graph_shape_step_matches_original(name: str, virtual_devices) -> None:
         keras.tree.map_structure(np.asarray, model(x, training=False)),
         wrapped.predict(x, batch_size=BATCH, verbose=0),
     )
-    if masked:  # the mask is computed on stage 0 and read on stage 1
-        boundary = wrapped.executor.stages[1].inputs
-        assert any(t.dtype == "bool" for t in boundary), [t.dtype for t in boundary]
+    if masked:
+        _assert_mask_crosses(wrapped)
 
     reference = _copy(model)
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
@@ -325,6 +364,19 @@ def test_graph_shape_step_matches_original(name: str, virtual_devices) -> None:
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, 2)
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_masks_cross_stages_in_predict(name: str, virtual_devices) -> None:
+    """predict runs each stage's function on its own: a mask made on stage 0 reaches stage 1's
+    readers, whether they take it as an argument (LSTM, GRU, pooling) or read it from the tensor
+    (MultiHeadAttention's query, Multiply, Add)."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, _ = SHAPES[name]()
+    x, _ = make_batch(BATCH, 1)
+    wrapped = wrap(model, _split_before_reader(model, virtual_devices), validate=False)
+    _assert_mask_crosses(wrapped)
+    assert_close(wrapped.predict(x, batch_size=BATCH, verbose=0), np.asarray(model(x, training=False)))
 
 
 def test_every_variable_lives_on_its_planned_device(virtual_devices) -> None:
