@@ -748,7 +748,8 @@ def _add_hint(m: _Model, costs: CostModel, assignment: Mapping[str, str]) -> Non
     # Each stage's mode as the plan would take it, and the bottleneck as the model counts it: the costliest
     # stage in integer steps.
     used = sorted(set(where))
-    modes = dict(zip(used, costs.evaluate(m.units.expand(where, costs.devices)).recompute, strict=True))
+    recomputed = costs.evaluate(m.units.expand(where, costs.devices)).recompute if m.c else (False,) * len(used)
+    modes = dict(zip(used, recomputed, strict=True))
     for k, var in m.c.items():
         later = any(k2 > k for k2 in used)
         m.model.add_hint(var, modes.get(k, False) or (costs.recompute == "always" and later and k not in modes))
