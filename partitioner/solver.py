@@ -204,7 +204,7 @@ def solve(
     if coarsen:
         found = _solve_coarsened(costs, pins, options, legal, chain=chain, started=started, deadline=deadline)
         if found is None and time.perf_counter() >= deadline:
-            raise _timeout_error(costs, time_limit_s)
+            raise _timeout_error(costs, time_limit_s, pins)
     plan = found or _solve_fine(costs, pins, options, legal, time_limit_s=time_limit_s, started=started)
     return _shortest_step(plan, costs, legal, started) if options.shortest_step else plan
 
@@ -258,7 +258,7 @@ def _solve_fine(
     if status == cp_model.MODEL_INVALID:
         raise PartitionerError(f"Internal error: the CP-SAT model is invalid ({m.model.validate()}). Please report it.")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise _timeout_error(costs, time_limit_s)
+        raise _timeout_error(costs, time_limit_s, pins)
     assignment = decode(m, solver, costs)
     bound_steps = math.floor(solver.best_objective_bound / m.weight + 1e-9)
     lower_bound = max(bound_steps * m.time_unit_s, costs.lower_bound_s())
@@ -272,11 +272,17 @@ def _solve_fine(
     )
 
 
-def _timeout_error(costs: CostModel, time_limit_s: float) -> SolverTimeoutError:
+def _timeout_error(costs: CostModel, time_limit_s: float, pins: Mapping[str, str]) -> SolverTimeoutError:
+    recompute = (
+        " A plan fits with recompute='auto' (stages run their forward again in the backward instead of "
+        "keeping activations): plan with it."
+        if _fits_with_recompute(costs, pins)
+        else ""
+    )
     return SolverTimeoutError(
         f"CP-SAT found no feasible plan within time_limit_s={time_limit_s} for {len(costs.order)} "
         f"nodes on {len(costs.devices)} devices. Raise time_limit_s, or loosen memory so a plan is easier "
-        "to find."
+        f"to find.{recompute}"
     )
 
 

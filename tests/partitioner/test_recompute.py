@@ -428,3 +428,14 @@ def test_score_assignment_is_plan_from_assignment():
     assert plan.recompute == (True, True, False)
     with pytest.raises(PlanError, match=r"status must be one of"):
         score_assignment(SPLIT, costs, method="manual", status="perfect")
+
+
+def test_solver_timeout_suggests_recompute_when_a_split_fits_with_it():
+    from partitioner import solver
+
+    graph = chain([3e9] * 4, param_bytes=[0] * 4, activation_bytes=[100_000] * 4, edge_bytes=[1000] * 3)
+    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 10**6])]
+    costs = CostModel(graph, pt.Cluster(devices, bandwidth=1e6), num_microbatches=4)
+    assert "recompute='auto'" in str(solver._timeout_error(costs, 1.0, {}))
+    tiny = CostModel(graph, _slow_cluster(3, memory=10**3), num_microbatches=4)  # fits neither way
+    assert "recompute" not in str(solver._timeout_error(tiny, 1.0, {}))
