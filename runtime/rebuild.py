@@ -167,9 +167,10 @@ class _Masks:
         if key not in self.carriers:
             import tensorflow as tf
 
-            name = number = f"mask_carrier_{len(self.carriers)}"
-            while name in self.taken:
-                name = f"{number}_{len(self.taken)}"
+            number = len(self.carriers)
+            while f"mask_carrier_{number}" in self.taken:
+                number += 1
+            name = f"mask_carrier_{number}"
             self.taken.add(name)
             with tf.device(device):
                 carrier = _mask_carrier_class()(name=name)
@@ -246,7 +247,8 @@ def _clone(operation: Any, name: str) -> Any:
     """A fresh copy of a layer or Keras op, named ``name``, made from its config (weights not copied).
 
     A Lambda layer gets the user's own function back rather than a deserialized one (its config
-    holds Python bytecode, which Keras loads only with unsafe deserialization).
+    holds Python bytecode, which Keras loads only with unsafe deserialization). A Keras op that has
+    no config (made with arguments Keras cannot serialize) is used as it is: ops hold no state.
     """
     import keras
 
@@ -266,6 +268,8 @@ def _clone(operation: Any, name: str) -> Any:
             config = {**config, "name": name}
         clone = operation.__class__.from_config(config)
     except Exception as err:
+        if not isinstance(operation, keras.layers.Layer) and operation.name == name:
+            return operation  # a Keras op holds no state: the same op, called once more in the flat graph
         raise ProfileError(
             f"Cannot copy '{operation.name}' ({type(operation).__name__}) onto its device: "
             f"from_config(get_config()) failed with {type(err).__name__}: {err}. Expected every layer to "

@@ -229,6 +229,27 @@ def wrappers():
     return keras.Model(x, layers.Dense(3)(Scale(4, name="scale")(h))), _floats(5, 3), SCCE
 
 
+class _Apply(keras.Operation):
+    """A user's own Keras op whose __init__ takes a function (Keras cannot put it in a config)."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def call(self, x):
+        return self.function(x)
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+def custom_op():
+    """A custom keras.Operation without a config between two layers: reused, not copied."""
+    x = keras.Input((4,))
+    h = _Apply(lambda t: t + 0.5)(layers.Dense(4)(x))
+    return keras.Model(x, layers.Dense(3)(h)), _floats(4), SCCE
+
+
 def lambda_layer():
     """A Lambda of a Python lambda (its config holds bytecode, which safe mode will not load)."""
     x = keras.Input((4,))
@@ -255,6 +276,7 @@ SHAPES = {
         masking,
         repeated_names,
         wrappers,
+        custom_op,
         lambda_layer,
     )
 }
@@ -393,6 +415,16 @@ def test_every_variable_lives_on_its_planned_device(virtual_devices) -> None:
     moved = [v for op in wrapped.staged._operations if op.name in pins for v in op.variables]
     assert len(moved) >= 3 * 2 + 1  # kernel, recurrent kernel and bias per direction, scale (+ seed states)
     assert all(canonical(v.value.device) != canonical(default) for v in moved)
+
+
+def test_op_without_config_is_reused(virtual_devices) -> None:
+    model, make_batch, _ = custom_op()
+    (op,) = [op for op in model._operations if isinstance(op, _Apply)]
+    with pytest.raises(NotImplementedError):
+        op.get_config()
+    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=BATCH)
+    assert op in wrapped.staged._operations
+    _assert_same_outputs(model, wrapped, make_batch(BATCH, 1)[0])
 
 
 def test_lambda_is_wrapped_without_deserializing_it(virtual_devices) -> None:
