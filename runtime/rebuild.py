@@ -70,7 +70,6 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     functional = functional_graph(model)
     calls, sources = flatten_calls(functional)
     check_plan_matches([c.name for c in calls], assignment)
-    _check_output_masks(functional)
     names = _clone_names(calls)
 
     produced: list[list[Any]] = []  # per call: its new symbolic outputs, flattened
@@ -117,6 +116,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
 
     inputs = keras.tree.map_structure(new_tensor, functional._inputs_struct)
     outputs = keras.tree.map_structure(new_tensor, functional._outputs_struct)
+    _check_output_masks(model.name, keras.tree.flatten(outputs))
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     for operation, clone in origin:
         clone.set_weights(operation.get_weights())
@@ -205,12 +205,16 @@ def _mask_carrier_class() -> type:
     return MaskCarrier
 
 
-def _check_output_masks(functional: Any) -> None:
-    """Raises ProfileError for a model output that carries a Keras mask (the loss would ignore it)."""
-    masked = [t._keras_history[0].name for t in functional.outputs if getattr(t, "_keras_mask", None) is not None]
+def _check_output_masks(model_name: str, outputs: list[Any]) -> None:
+    """Raises ProfileError for a model output that carries a Keras mask (the loss would ignore it).
+
+    Read on the flat graph: a nested model's output carries no mask symbolically, but at run time
+    it carries the mask of the layer that made it, and so does the flat graph's tensor.
+    """
+    masked = [t._keras_history[0].name for t in outputs if getattr(t, "_keras_mask", None) is not None]
     if masked:
         raise ProfileError(
-            f"Model '{functional.name}' returns the masked output(s) of {masked} (a mask from "
+            f"Model '{model_name}' returns the masked output(s) of {masked} (a mask from "
             "Embedding(mask_zero=True) or Masking reaches the output): Keras' loss skips masked steps, and "
             "the pipelined loss cannot see the mask yet, so it would differ from the original's. Expected "
             "outputs without a mask: drop it before the output (e.g. an LSTM with return_sequences=False or "

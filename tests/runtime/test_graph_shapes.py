@@ -166,6 +166,16 @@ def embedding_mask_lstm():
     return keras.Model(tokens, layers.Dense(3)(layers.LSTM(3, name="reader")(h))), _tokens(5, 10), SCCE
 
 
+def nested_mask():
+    """A nested encoder's output carries its Embedding's mask only at run time (not symbolically);
+    the pooling after it must still skip the padding."""
+    t = keras.Input((5,), dtype="int32")
+    encoder = keras.Model(t, layers.Dense(4)(layers.Embedding(10, 4, mask_zero=True)(t)), name="encoder")
+    tokens = keras.Input((5,), dtype="int32")
+    h = layers.GlobalAveragePooling1D(name="reader")(layers.Dense(4)(encoder(tokens)))
+    return keras.Model(tokens, layers.Dense(3)(h)), _tokens(5, 10), SCCE
+
+
 def attention_mask():
     """MultiHeadAttention reads its query's mask from the tensor itself, not from an argument."""
     tokens = keras.Input((5,), dtype="int32")
@@ -271,6 +281,7 @@ SHAPES = {
         position_embedding,
         embedding_mask,
         embedding_mask_lstm,
+        nested_mask,
         attention_mask,
         merge_mask,
         masking,
@@ -290,13 +301,14 @@ STEP = [
     "frozen_nested",
     "keras_ops",
     "embedding_mask",
+    "nested_mask",
     "merge_mask",
     pytest.param("masking", marks=_SEEDS),
     pytest.param("wrappers", marks=_SEEDS),
 ]
 
 
-MASKED = ["embedding_mask", "embedding_mask_lstm", "attention_mask", "merge_mask", "masking"]
+MASKED = ["embedding_mask", "embedding_mask_lstm", "nested_mask", "attention_mask", "merge_mask", "masking"]
 
 
 def _assert_mask_crosses(wrapped) -> None:
@@ -437,11 +449,18 @@ def test_lambda_is_wrapped_without_deserializing_it(virtual_devices) -> None:
     _assert_same_outputs(model, wrapped, x)
 
 
-def test_masked_output_is_refused(virtual_devices) -> None:
+@pytest.mark.parametrize("nested", [False, True])
+def test_masked_output_is_refused(nested: bool, virtual_devices) -> None:
+    """Keras' loss skips the masked steps of an output; the pipelined loss would not (measured: 1.1117
+    against 1.1055). A nested model's output has no mask symbolically but has one at run time."""
     tokens = keras.Input((5,), dtype="int32")
     outputs = layers.Dense(3, name="tagger")(layers.Embedding(10, 4, mask_zero=True)(tokens))
+    model = keras.Model(tokens, outputs, name="inner")
+    if nested:
+        outer = keras.Input((5,), dtype="int32")
+        model = keras.Model(outer, model(outer))
     with pytest.raises(ProfileError, match=r"masked output\(s\) of \['tagger'\].*sample_weight"):
-        plan_and_wrap(keras.Model(tokens, outputs), devices=virtual_devices[:2], batch_size=BATCH)
+        plan_and_wrap(model, devices=virtual_devices[:2], batch_size=BATCH)
 
 
 class _Opaque(layers.Layer):
