@@ -61,6 +61,16 @@ def _seed_variables(operations: Sequence[Any]) -> list[Any]:
     return list(found.values())
 
 
+def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The batch's row count B, as a value Grappler cannot fold into a constant.
+
+    With a batch of static size, every micro-batch's row mask, row count and share of the loss would
+    fold into constants, and TensorFlow's function optimizer would then specialise (copy and optimise
+    anew) a stage function for every call site that takes one: a first-step cost growing with M.
+    """
+    return tf.raw_ops.PlaceholderWithDefault(input=tf.shape(inputs[0])[0], shape=[])
+
+
 class StageProgram:
     """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
 
@@ -76,9 +86,17 @@ class StageProgram:
             if v.dtype != "string"
         ]
         self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
+        # only a stage with batch normalization takes the micro-batch's row mask (its statistics skip repeats)
+        self.takes_mask = any(isinstance(op, keras.layers.BatchNormalization) for op in stage.operations)
         self._functions: dict[str, Any] = {}
 
-    def _run(self, inputs: Sequence[tf.Tensor], valid: tf.Tensor, training: bool, stats: list[Any]) -> list[tf.Tensor]:
+    def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor) -> list[tf.Tensor]:
+        """The stage function's arguments for one micro-batch: its inputs, and its row mask if it takes one."""
+        return [*values, valid] if self.takes_mask else list(values)
+
+    def _run(
+        self, inputs: Sequence[tf.Tensor], valid: tf.Tensor | None, training: bool, stats: list[Any]
+    ) -> list[tf.Tensor]:
         """The stage's nodes in order. In training, batch normalizations (``runtime.batchnorm``) use
         the valid rows' statistics and append (layer, [mean, variance, count]) to ``stats`` instead of
         moving their own."""
@@ -108,9 +126,9 @@ class StageProgram:
 
     def _signature(self) -> list[tf.TensorSpec]:
         specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in self.stage.inputs]
-        return [*specs, tf.TensorSpec((None,), tf.bool)]
+        return [*specs, tf.TensorSpec((None,), tf.bool)] if self.takes_mask else specs
 
-    def _compile(self, name: str, body: Any, signature: list[Any]) -> Any:
+    def _compile(self, name: str, body: Any, signature: list[Any] | None) -> Any:
         """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name)."""
         if name not in self._functions:
             body.__name__ = f"stage{self.stage.index}_{name}"
@@ -128,10 +146,11 @@ class StageProgram:
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             stats: list[Any] = []
+            valid = flat[count] if self.takes_mask else None
             if not training:
-                return self._run(flat[:count], flat[count], False, stats)
+                return self._run(flat[:count], valid, False, stats)
             seeds = [v.read_value() for v in self.seed_variables]
-            outputs = self._run(flat[:count], flat[count], True, stats)
+            outputs = self._run(flat[:count], valid, True, stats)
             if self.batch_norm == "per_microbatch":
                 for layer, moments in stats:
                     update_moving_statistics(layer, [moments])
@@ -141,6 +160,15 @@ class StageProgram:
 
         return self._compile("forward" if training else "inference", body, self._signature())
 
+    def accumulate(self) -> Any:
+        """f(totals, gradients) -> [total + gradient]: a micro-batch's weight gradients added to the
+        stage's sums in one call (one op in the step's graph instead of one per weight)."""
+
+        def body(totals: list[tf.Tensor], gradients: list[tf.Tensor]) -> list[tf.Tensor]:
+            return [t + g for t, g in zip(totals, gradients)]
+
+        return self._compile("accumulate", body, None)
+
     def recompute(self) -> Any:
         """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
 
@@ -149,13 +177,15 @@ class StageProgram:
         the same masks and updates nothing twice.
         """
         count = len(self.stage.inputs)
+        num_arguments = count + int(self.takes_mask)
         seed_specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.seed_variables]
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             saved = [tf.identity(v.read_value()) for v in self.non_trainable]
-            for variable, seed in zip(self.seed_variables, flat[count + 1 :]):
+            for variable, seed in zip(self.seed_variables, flat[num_arguments:]):
                 variable.assign(seed)
-            outputs = self._run(flat[:count], flat[count], True, [])  # statistics are the first forward's
+            valid = flat[count] if self.takes_mask else None
+            outputs = self._run(flat[:count], valid, True, [])  # statistics are the first forward's
             with tf.control_dependencies(outputs):
                 restores = [v.assign(s) for v, s in zip(self.non_trainable, saved)]
             with tf.control_dependencies(restores):
@@ -203,6 +233,24 @@ class Executor:
         self.programs = [
             StageProgram(s, (*s.outputs, *(model.outputs if s.index == last else ())), options) for s in self.stages
         ]
+        self._loss_functions: dict[Any, Any] = {}
+
+    def loss_function(self, loss_fn: Any) -> Any:
+        """f(y, y_pred, sample_weight, rows, share) -> a micro-batch's loss as its share of the batch's:
+        ``loss_fn`` over the micro-batch's own first ``rows`` rows, summed (a micro-batch with no rows of
+        its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. One function,
+        traced once, called once per micro-batch."""
+        if loss_fn not in self._loss_functions:
+
+            def microbatch_loss(y: Any, y_pred: Any, sample_weight: Any, rows: tf.Tensor, share: tf.Tensor) -> Any:
+                own = [
+                    None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
+                    for part in (y, y_pred, sample_weight)
+                ]
+                return tf.reduce_sum(tf.cast(loss_fn(*own), tf.float32)) * share
+
+            self._loss_functions[loss_fn] = tf.function(microbatch_loss, experimental_attributes={"_noinline": True})
+        return self._loss_functions[loss_fn]
 
     @property
     def num_microbatches(self) -> int:
@@ -227,7 +275,7 @@ class Executor:
 
         def one(t: Any) -> list[tf.Tensor]:
             t = tf.convert_to_tensor(t)
-            parts = tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m)
+            parts = list(tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m))
             for part in parts:
                 part.set_shape([None, *t.shape[1:]])
             return parts
@@ -239,13 +287,13 @@ class Executor:
         """Per micro-batch, [ceil(B/M)] booleans: True for the batch's own rows, False for repeats."""
         m = self.num_microbatches
         size = (batch + m - 1) // m
-        return tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m)
+        return list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
 
     # ----- steps ---------------------------------------------------------------------------------
 
     def forward(self, inputs: Sequence[tf.Tensor], training: bool) -> tuple[list[Any], list[tf.Tensor]]:
         """Forward only (evaluation and prediction): per micro-batch the model outputs, and the valid rows."""
-        batch = tf.shape(inputs[0])[0]
+        batch = batch_size(inputs)
         micro_inputs = self.split(batch, list(inputs))
         valid = self.valid_rows(batch)
         values: dict[tuple[int, int], tf.Tensor] = {}
@@ -259,7 +307,7 @@ class Executor:
                 stage = program.stage
                 with tf.device(stage.device), tf.control_dependencies(last_op[stage.index] or []):
                     fn = program.forward(training)
-                    outputs = fn(*[values[(id(t), m)] for t in stage.inputs], valid[m])
+                    outputs = fn(*program.arguments([values[(id(t), m)] for t in stage.inputs], valid[m]))
                     outputs = outputs[: len(program.returns)]
                 for symbolic, value in zip(program.returns, outputs):
                     values[(id(symbolic), m)] = value
@@ -306,7 +354,7 @@ class _TrainStep:
         self.loss_fn = loss_fn
         self.scale_loss = scale_loss
         num = executor.num_microbatches
-        batch = tf.shape(inputs[0])[0]
+        batch = batch_size(inputs)
         size = (batch + num - 1) // num
         # the batch's own rows of micro-batch m are its first rows[m] (the rest repeat earlier rows)
         self.rows = [tf.clip_by_value(batch - m * size, 0, size) for m in range(num)]
@@ -346,13 +394,7 @@ class _TrainStep:
         stage = executor.stages[s]
         y_pred = keras.tree.pack_sequence_as(executor.model._outputs_struct, list(outputs[len(stage.outputs) :]))
         self.predictions[m] = y_pred
-        rows = self.rows[m]
-        own = [
-            None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
-            for part in (self.y[m], y_pred, self.weights[m])
-        ]
-        # reduce_sum: a micro-batch with no rows of its own (B < M) gives Keras an empty loss, summed to 0
-        loss = tf.reduce_sum(tf.cast(self.loss_fn(*own), tf.float32)) * self.share[m]
+        loss = executor.loss_function(self.loss_fn)(self.y[m], y_pred, self.weights[m], self.rows[m], self.share[m])
         self.losses[m] = loss
         return self.scale_loss(loss)
 
@@ -364,7 +406,7 @@ class _TrainStep:
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])
-            outputs, stats, seeds = program.split(program.forward(True)(*values, self.valid[m]))
+            outputs, stats, seeds = program.split(program.forward(True)(*program.arguments(values, self.valid[m])))
             loss = self._loss(s, m, outputs)
         for layer, moments in zip(program.deferred_layers, stats):
             self.statistics.setdefault((s, id(layer)), (layer, []))[1].append(moments)
@@ -381,7 +423,7 @@ class _TrainStep:
         if tape is None:  # recomputation: the stage's forward again, under a tape, on this device
             with tf.GradientTape() as tape:
                 tape.watch(watched)
-                outputs = program.recompute()(*values, self.valid[m], *seeds)
+                outputs = program.recompute()(*program.arguments(values, self.valid[m]), *seeds)
                 loss = self._loss(s, m, outputs)
         targets: list[tf.Tensor] = [] if loss is None else [loss]
         output_gradients: list[tf.Tensor] = [] if loss is None else [tf.ones_like(loss)]
@@ -397,12 +439,21 @@ class _TrainStep:
         for i, g in zip(watched_index, result[: len(watched)]):
             if g is not None:
                 self.pending.setdefault((id(stage.inputs[i]), m), []).append(g)
-        accumulated = self.gradients[s]
-        for i, g in enumerate(result[len(watched) :]):
-            if g is not None:
-                g = tf.convert_to_tensor(g)  # an embedding's IndexedSlices, made dense to be summed
-                accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
+        self._accumulate(s, result[len(watched) :])
         self.last_op[s] = [g for g in result if g is not None] or self.last_op[s]
+
+    def _accumulate(self, s: int, gradients: Sequence[Any]) -> None:
+        """Adds a micro-batch's weight gradients to stage s's sums (the first micro-batch's start them)."""
+        totals = self.gradients[s]
+        # an embedding's IndexedSlices are made dense to be summed
+        new = {i: tf.convert_to_tensor(g) for i, g in enumerate(gradients) if g is not None}
+        summed = [i for i in new if totals[i] is not None]
+        if summed:
+            sums = self.executor.programs[s].accumulate()([totals[i] for i in summed], [new[i] for i in summed])
+            for i, total in zip(summed, sums):
+                totals[i] = total
+        for i in new.keys() - set(summed):
+            totals[i] = new[i]
 
     def finish(self) -> tuple[tf.Tensor, list[Any], list[tf.Tensor], list[tf.Tensor]]:
         """After the last action, per stage on its device: the weights' regularization (once per step,
