@@ -39,6 +39,7 @@ import tensorflow as tf
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
 from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update_moving_statistics
+from runtime.rebuild import seed_states
 from runtime.stages import Stage
 
 RECOMPUTE = ("never", "always")
@@ -50,14 +51,13 @@ def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> Non
         kwargs["training"] = training
 
 
-def _seed_variables(operations: Sequence[Any]) -> list[Any]:
-    """The state variables of every seed generator (dropout and other random layers) of the operations."""
-    found: dict[int, Any] = {}
+def _seed_variables(operations: Sequence[Any]) -> list[tf.Variable]:
+    """The state variables (TensorFlow's) of every seed generator (dropout and other random layers) of
+    the operations."""
+    found: dict[int, tf.Variable] = {}
     for operation in operations:
-        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
-        for layer in layers:
-            for generator in getattr(layer, "_seed_generators", []):
-                found[id(generator.state)] = generator.state
+        for state in seed_states(operation):
+            found[id(state)] = state.value
     return list(found.values())
 
 
@@ -173,21 +173,23 @@ class StageProgram:
         """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
 
         The dropout seeds are set to those of the first forward, and every non-trainable variable
-        (batch-norm statistics, seed states) is put back afterwards, so the recomputed forward draws
-        the same masks and updates nothing twice.
+        (batch-norm statistics) and seed state is put back afterwards, so the recomputed forward draws
+        the same masks, updates nothing twice, and later forwards draw what they would have drawn.
         """
         count = len(self.stage.inputs)
         num_arguments = count + int(self.takes_mask)
         seed_specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.seed_variables]
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
-            saved = [tf.identity(v.read_value()) for v in self.non_trainable]
-            for variable, seed in zip(self.seed_variables, flat[num_arguments:]):
-                variable.assign(seed)
+            state = [*self.non_trainable, *self.seed_variables]
+            saved = [tf.identity(v.read_value()) for v in state]
+            with tf.control_dependencies(saved):
+                for variable, seed in zip(self.seed_variables, flat[num_arguments:]):
+                    variable.assign(seed)
             valid = flat[count] if self.takes_mask else None
             outputs = self._run(flat[:count], valid, True, [])  # statistics are the first forward's
             with tf.control_dependencies(outputs):
-                restores = [v.assign(s) for v, s in zip(self.non_trainable, saved)]
+                restores = [v.assign(s) for v, s in zip(state, saved)]
             with tf.control_dependencies(restores):
                 return [tf.identity(o) for o in outputs]
 

@@ -27,7 +27,7 @@ class Rebuilt:
 
     model: Any  # keras.Model (Functional) made of the clones
     device_of: dict[int, str]  # id(cloned operation) -> TensorFlow device name
-    origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights
+    origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights or seeds
     node_of: dict[int, str]  # id(cloned operation) -> the plan's node name (first call)
 
 
@@ -102,7 +102,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             clones[id(operation)] = clone
             device_of[id(clone)] = device
             node_of[id(clone)] = call.name
-            if getattr(operation, "weights", None):
+            if getattr(operation, "weights", None) or seed_states(operation):
                 origin.append((operation, clone))
         with tf.device(device):
             outputs = clone(*args, **kwargs)
@@ -118,8 +118,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     outputs = keras.tree.map_structure(new_tensor, functional._outputs_struct)
     _check_output_masks(model.name, keras.tree.flatten(outputs))
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
-    for operation, clone in origin:
-        clone.set_weights(operation.get_weights())
+    copy_weights(origin)
     return Rebuilt(flat, device_of, origin, node_of)
 
 
@@ -285,7 +284,18 @@ def _clone(operation: Any, name: str) -> Any:
     return clone
 
 
+def seed_states(operation: Any) -> list[Any]:
+    """The state variables of the seed generators (dropout and other random layers) in a layer, in order."""
+    layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+    return [generator.state for layer in layers for generator in getattr(layer, "_seed_generators", [])]
+
+
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
-    """Sets each destination's weights to its source's: [(source, destination), ...]."""
+    """Sets each destination's weights and random-seed states to its source's: [(source, destination), ...].
+
+    The seed states go along so that a copy draws the dropout masks its source would draw next.
+    """
     for source, destination in pairs:
         destination.set_weights(source.get_weights())
+        for state, copy in zip(seed_states(source), seed_states(destination)):
+            copy.assign(state.value)

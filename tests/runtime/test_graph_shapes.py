@@ -291,9 +291,6 @@ SHAPES = {
         lambda_layer,
     )
 }
-# The executor reads seed generator states with read_value(), which Keras variables lack
-# (runtime/executor.py, StageProgram.forward): layers with a seed generator (Dropout, LSTM, GRU) do not train yet.
-_SEEDS = pytest.mark.xfail(raises=AttributeError, strict=True, reason="executor: seed state read_value")
 STEP = [
     "siamese",
     "nested_in_nested",
@@ -303,8 +300,8 @@ STEP = [
     "embedding_mask",
     "nested_mask",
     "merge_mask",
-    pytest.param("masking", marks=_SEEDS),
-    pytest.param("wrappers", marks=_SEEDS),
+    "masking",
+    "wrappers",
 ]
 
 

@@ -22,6 +22,7 @@ from zoo import ZOO, has_batch_norm
 import partitioner as pt
 from profiles import profile_model
 from runtime import placement_report, wrap
+from runtime.rebuild import seed_states
 
 BATCH = 8
 
@@ -220,3 +221,66 @@ def test_batch_norm_remainder_batch_matches_microbatched_original(batch_norm: st
                 ref_loss += reference.compute_loss(x=x_m, y=y_m, y_pred=y_pred, training=True) * size / 13
                 start += size
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+def _dropout_model() -> keras.Model:
+    """Dropout on both sides of a 2-stage split: [input, d0, drop0 | d1, drop1, head]."""
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="relu", name="d0")(inputs)
+    h = keras.layers.Dropout(0.5, name="drop0")(h)
+    h = keras.layers.Dense(16, activation="relu", name="d1")(h)
+    h = keras.layers.Dropout(0.3, name="drop1")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def _seed_values(layers_of: object) -> list[np.ndarray]:
+    return [np.asarray(state.value) for state in seed_states(layers_of)]
+
+
+def _dropout_batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(BATCH, 6)).astype("float32"), rng.normal(size=(BATCH, 3)).astype("float32")
+
+
+def test_dropout_single_microbatch_matches_original(virtual_devices) -> None:
+    """M = 1: each dropout draws its mask once per step, as in the original, from the seed state the
+    copy took from the original: the same loss, weights and seed states after a step."""
+    keras.utils.set_random_seed(0)
+    model = _dropout_model()
+    x, y = _dropout_batch()
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference = _copy(model)
+    for state, copy in zip(seed_states(model), seed_states(reference)):
+        copy.assign(state.value)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with tf.GradientTape() as tape:
+        ref_loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True), training=True)
+    assert abs(float(ref_loss) - float(reference.compute_loss(x=x, y=y, y_pred=reference(x)))) > 1e-3  # masks drawn
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+    clones = [clone for _, clone in wrapped._state.rebuilt.origin]
+    for after, expected in zip([v for c in clones for v in _seed_values(c)], _seed_values(reference)):
+        np.testing.assert_array_equal(after, expected)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recompute_draws_the_same_dropout_masks(schedule: str, virtual_devices) -> None:
+    """M = 4: a recomputed stage's backward re-draws the masks its forward drew (same loss and
+    gradients as keeping the activations), and leaves every seed state where the kept run leaves
+    it, so the next step draws the same masks too."""
+    keras.utils.set_random_seed(0)
+    model = _dropout_model()
+    x, y = _dropout_batch()
+    plan = _plan(model, virtual_devices, 2, 4)
+    runs = {r: wrap(model, plan, validate=False, schedule=schedule, recompute=r) for r in ("never", "always")}
+    losses, gradients, seeds = {}, {}, {}
+    for recompute, wrapped in runs.items():
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        losses[recompute], gradients[recompute] = wrapped.loss_and_gradients(x, y)
+        losses[recompute] = [float(losses[recompute])] + [float(wrapped.train_on_batch(x, y)) for _ in range(2)]
+        seeds[recompute] = [v for _, clone in wrapped._state.rebuilt.origin for v in _seed_values(clone)]
+    assert_close(losses["always"], losses["never"])
+    for recomputed, kept in zip(gradients["always"], gradients["never"]):
+        assert_close(recomputed, kept)
+    for recomputed, kept in zip(seeds["always"], seeds["never"]):
+        np.testing.assert_array_equal(recomputed, kept)
