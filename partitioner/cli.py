@@ -5,6 +5,8 @@
     partitioner plan profile.json --devices 4 --memory 16GiB --json
     partitioner plan ResNet50 --cluster 4xA100-nvlink --timeline timeline.png   # or --timeline - for text
     partitioner plan ResNet50 --devices 4 --memory 2GiB --schedule 1f1b         # fewer activations held
+    partitioner plan ResNet50 --devices 4 --memory 1GiB --recompute auto        # recompute where it must
+    partitioner placement ResNet50 --devices 2 --input-size 64                  # where one step's ops ran
     partitioner profile InceptionV3 --batch-size 64 --out profile.json
 
 Errors print one line on stderr, never a traceback: what happened, what was expected, how to fix it.
@@ -27,6 +29,7 @@ from rich.markup import escape
 
 from partitioner import baselines as baseline_methods
 from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
+from partitioner.cost import RECOMPUTE
 from partitioner.errors import InputError, PartitionerError
 from partitioner.graph import load_graph, save_graph
 from partitioner.plan import Plan
@@ -86,15 +89,32 @@ def _parser() -> argparse.ArgumentParser:
         default="gpipe",
         help="pipeline schedule to plan for (activation memory), simulate and draw (default: gpipe)",
     )
+    plan.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="never",
+        help="re-run stage forwards in the backward instead of keeping activations: never, always (every stage "
+        "but the last) or auto (only where they would not fit) (default: never)",
+    )
 
     placed = commands.add_parser(
         "placement",
-        help="wrap a model on N local devices (virtual CPU devices if needed) and show where variables and ops are",
+        help="wrap a model on N local devices (virtual CPU devices if needed), run one training step on random "
+        "data and show where each stage's forward, backward and optimizer ops ran",
     )
     placed.add_argument("model", help=model_help)
     placed.add_argument("--devices", type=int, default=2, help="number of local devices (default: 2)")
     placed.add_argument("--memory", default="4GiB", help="capacity per device where it reports none (default: 4GiB)")
     placed.add_argument("--plan", help="use this plan JSON instead of planning (its devices must exist here)")
+    placed.add_argument(
+        "--schedule", choices=SCHEDULES, help="pipeline schedule (default: gpipe, or the plan's with --plan)"
+    )
+    placed.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="auto",
+        help="which stages re-run their forward in the backward (default: auto, or the plan's with --plan)",
+    )
     _add_profile_options(placed)
     _add_traceback_option(placed)
 
@@ -264,6 +284,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
         "cost": args.cost,
         "schedule": args.schedule,
+        "recompute": args.recompute,
     }
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         plan = solve(graph, cluster, time_limit_s=args.time_limit, **options)
@@ -284,6 +305,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     out.print(
         f"[bold]{escape(str(name))}[/]: {graph.number_of_nodes()} layers on {escape(cluster.name)} "
         f"({cluster.num_devices} devices), {plan.schedule} schedule"
+        + "".join(f"; stage {s} recomputes its forward" for s, again in enumerate(plan.recompute) if again)
     )
     out.print(render(plan, graph, others, placement=not args.summary))
     if simulation is not None and args.timeline == "-":
@@ -297,13 +319,27 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
 
 def _placement(args: argparse.Namespace, err: Console) -> int:
     _require_tensorflow(args)
-    from runtime import make_virtual_devices, placement_report, plan_and_wrap, wrap
+    from runtime import executed
+
+    executed.enable_collection()  # before TensorFlow places its first function
+    import keras
+
+    from runtime import (
+        executed_placement,
+        make_virtual_devices,
+        placement_report,
+        plan_and_wrap,
+        synthetic_batch,
+        wrap,
+    )
 
     make_virtual_devices(args.devices)
     model = _load_model(args, err)
     with err.status(f"wrapping {escape(args.model)} on {args.devices} devices ..."):
         if args.plan:
-            wrapped = wrap(model, Plan.from_json(Path(args.plan).read_text()))
+            plan = Plan.from_json(Path(args.plan).read_text())
+            recompute = None if args.recompute == "auto" else args.recompute
+            wrapped = wrap(model, plan, schedule=args.schedule, recompute=recompute)
         else:
             wrapped = plan_and_wrap(
                 model,
@@ -311,16 +347,33 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
                 batch_size=args.batch_size,
                 num_microbatches=args.micro_batches,
                 memory=args.memory,
+                schedule=args.schedule or "gpipe",
+                recompute=args.recompute,
             )
         report = placement_report(wrapped)
+    batch = max(args.batch_size, wrapped.num_microbatches)
+    with err.status(f"running one training step on {batch} random rows ..."):
+        wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+        ran = executed_placement(wrapped, *synthetic_batch(model, batch))
     out = _stdout()
     out.print(report.table())
     for line in report.misplaced:
         out.print(f"[red]misplaced:[/] {escape(line)}")
+    out.print(ran.table())
+    for line in ran.off_device:
+        out.print(f"[red]off its device:[/] {escape(line)}")
+    again = [str(s) for s, flag in enumerate(wrapped.options.recompute) if flag]
     out.print(
-        "every variable is on its planned device" if report.ok else "[bold red]placement differs from the plan[/]"
+        f"{wrapped.options.schedule} schedule, M = {wrapped.num_microbatches}"
+        + (f", stages {', '.join(again)} recompute their forward" if again else "")
+        + ": "
+        + (
+            "every variable and every stage's forward, backward and optimizer op is on its planned device"
+            if report.ok and ran.ok
+            else "[bold red]placement differs from the plan[/]"
+        )
     )
-    return 0 if report.ok else 1
+    return 0 if report.ok and ran.ok else 1
 
 
 def _profile(args: argparse.Namespace, err: Console) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from runtime.devices import make_virtual_devices, resolve_devices
 from runtime.pipeline import PipelinedModel
-from runtime.placement import executed_placement, placement_report
+from runtime.placement import executed_placement, placement_report, synthetic_batch
 from runtime.wrap import plan_and_wrap, wrap
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "placement_report",
     "plan_and_wrap",
     "resolve_devices",
+    "synthetic_batch",
     "wrap",
 ]

@@ -42,7 +42,6 @@ from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update
 from runtime.rebuild import seed_states
 from runtime.stages import Stage
 
-RECOMPUTE = ("never", "always")
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -202,15 +201,24 @@ class ExecutionOptions:
 
     num_microbatches: int  # M
     schedule: str = "gpipe"  # "gpipe" or "1f1b"
-    recompute: str = "never"  # "never" keeps activations until the backward; "always" re-runs each stage forward
+    # per stage: True re-runs the stage's forward in its backward from the kept inputs (the last stage
+    # never: its backward follows at once); empty: no stage recomputes
+    recompute: tuple[bool, ...] = ()
     batch_norm: str = "deferred"  # "deferred": one moving-statistics update per step; "per_microbatch": M updates
     jit_compile: bool = False  # compile each stage's functions with XLA on its device
 
     def __post_init__(self) -> None:
-        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("batch_norm", BATCH_NORM)):
+        for name, allowed in (("schedule", SCHEDULES), ("batch_norm", BATCH_NORM)):
             value = getattr(self, name)
             if value not in allowed:
                 raise InputError(f"{name} must be one of {allowed}. Received: {name}={value!r}.")
+        if not all(isinstance(flag, bool) for flag in self.recompute):
+            raise InputError(f"recompute must be one bool per stage. Received: recompute={self.recompute!r}.")
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+
+    def recomputes(self, stage: int) -> bool:
+        """True iff ``stage``'s backward runs its forward again (the last stage's never does)."""
+        return stage < len(self.recompute) - 1 and self.recompute[stage]
 
 
 class Executor:
@@ -230,6 +238,10 @@ class Executor:
         self.model = model
         self.stages = tuple(stages)
         self.options = options
+        if options.recompute and len(options.recompute) != len(self.stages):
+            raise InputError(
+                f"recompute has {len(options.recompute)} entries for {len(self.stages)} stages: give one per stage."
+            )
         self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
         last = len(self.stages) - 1
         self.programs = [
@@ -403,8 +415,7 @@ class _TrainStep:
     def forward(self, s: int, m: int) -> None:
         program = self.executor.programs[s]
         values, watched = self._inputs(s, m)
-        last = s == len(self.executor.stages) - 1  # the last stage's backward follows at once: never recomputed
-        tape = tf.GradientTape() if self.executor.options.recompute == "never" or last else None
+        tape = None if self.executor.options.recomputes(s) else tf.GradientTape()
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])

@@ -130,6 +130,33 @@ class ExecutedPlacement:
         return table
 
 
+def synthetic_batch(model: Any, batch_size: int, seed: int = 0) -> tuple[Any, Any]:
+    """Random data shaped like ``model``'s inputs and outputs, for one step that shows placement.
+
+    Float inputs and targets are standard normal; integer inputs (token ids, class ids) are 0 or 1,
+    which every embedding and lookup accepts. Pair it with a loss that takes float targets of the
+    output's shape, such as "mse".
+
+    Example:
+        >>> x, y = synthetic_batch(model, 8)         # doctest: +SKIP
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def like(tensor: Any) -> Any:
+        shape = (batch_size, *(d if d is not None else 1 for d in tuple(tensor.shape)[1:]))
+        dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
+        if "int" in dtype or "bool" in dtype:
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.normal(size=shape).astype(dtype)
+
+    def pack(tensors: list[Any]) -> Any:
+        return [like(t) for t in tensors] if len(tensors) > 1 else like(tensors[0])
+
+    return pack(list(model.inputs)), pack(list(model.outputs))
+
+
 def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> ExecutedPlacement:
     """Runs ONE training step of ``model`` (it updates the weights) and reports where its ops ran.
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from partitioner.cluster import Cluster, Device
+from partitioner.cost import check_recompute
 from partitioner.errors import InputError, PlanError
 from partitioner.plan import Plan
 from partitioner.solver import solve
@@ -25,6 +27,16 @@ def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
             f"num_microbatches={num_microbatches} is larger than batch_size={batch_size}: some micro-batches "
             f"would be empty. Use num_microbatches <= {batch_size} or a larger batch."
         )
+
+
+def stage_recompute(plan: Plan, recompute: str | None) -> tuple[bool, ...]:
+    """Which stages of ``plan`` recompute their forward: the plan's choice (None or "auto"), none
+    ("never") or all but the last ("always")."""
+    if recompute is None or recompute == "auto":
+        return tuple(plan.recompute)
+    check_recompute(recompute)
+    last = plan.num_stages - 1
+    return tuple(recompute == "always" and s < last for s in range(plan.num_stages))
 
 
 def plan_and_wrap(
@@ -58,7 +70,8 @@ def plan_and_wrap(
             backward: at most K - s in flight on stage s, the same bubble).
         recompute: "never" keeps each micro-batch's activations until its backward; "always" keeps
             only each stage's inputs and runs its forward again in the backward (about a third more
-            compute for far less activation memory).
+            compute for far less activation memory); "auto" lets the planner recompute a stage only
+            where its kept activations would not fit (``plan.recompute`` says which).
         batch_norm: "deferred" (each micro-batch normalised by its own statistics, the moving
             statistics moved once per step towards the whole batch's, as the original model does) or
             "per_microbatch" (Keras' layer as is: M moving updates per step).
@@ -76,7 +89,8 @@ def plan_and_wrap(
     from profiles import profile_model
 
     _check_microbatches(num_microbatches, batch_size)
-    options = ExecutionOptions(num_microbatches, schedule=schedule, recompute=recompute, batch_norm=batch_norm)
+    check_recompute(recompute)
+    options = ExecutionOptions(num_microbatches, schedule=schedule, batch_norm=batch_norm)
     cluster = resolve_devices(devices, memory=memory)
     graph = profile_model(model, batch_size=batch_size, num_microbatches=num_microbatches, measure_time=False)
     plan = solve(
@@ -87,9 +101,10 @@ def plan_and_wrap(
         time_limit_s=time_limit_s,
         pins={k: canonical(v) for k, v in (pins or {}).items()} or None,
         schedule=schedule,
+        recompute=recompute,
     )
     validate_plan(plan, graph, cluster)
-    return _wrap(model, plan, options)
+    return _wrap(model, plan, replace(options, recompute=tuple(plan.recompute)))
 
 
 def wrap(
@@ -99,7 +114,7 @@ def wrap(
     num_microbatches: int | None = None,
     validate: bool = True,
     schedule: str | None = None,
-    recompute: str = "never",
+    recompute: str | None = None,
     batch_norm: str = "deferred",
 ) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
@@ -110,7 +125,8 @@ def wrap(
         num_microbatches: M; defaults to the plan's.
         validate: profile the model and run ``validate_plan`` first (recommended).
         schedule: "gpipe" or "1f1b"; defaults to the schedule the plan was made for.
-        recompute: "never" or "always" (see ``plan_and_wrap``).
+        recompute: "never", "always", or None / "auto": the stages the plan recomputes (see
+            ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
 
     Raises:
@@ -121,7 +137,9 @@ def wrap(
     num_microbatches = plan.num_microbatches if num_microbatches is None else num_microbatches
     _check_microbatches(num_microbatches, None)
     schedule = plan.schedule if schedule is None else schedule
-    options = ExecutionOptions(num_microbatches, schedule=schedule, recompute=recompute, batch_norm=batch_norm)
+    options = ExecutionOptions(
+        num_microbatches, schedule=schedule, recompute=stage_recompute(plan, recompute), batch_norm=batch_norm
+    )
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
     if validate:
         from profiles import profile_model

@@ -24,7 +24,12 @@ results has 2 cores and no GPU), with one intra-op thread (each op uses one core
 5. peak memory: an MLP of narrow layers at a large batch (activations dominate) on 2 devices,
    M = 16: GPipe, 1F1B and recomputation, each configuration in its own processes, measured with
    TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info``: the logical CPU
-   devices share one allocator, so it is the sum over devices), beside the simulator's prediction.
+   devices share one allocator, so it is the sum over devices), beside the simulator's prediction
+   (which prices recomputation: a recomputed stage holds its inputs, plus one micro-batch's activations).
+6. placement: the transformer on 2 devices, M = 4, for GPipe, 1F1B, GPipe with recomputation and 1F1B
+   with XLA per stage: one training step, and per stage the share of its forward, backward and
+   optimizer-update ops that ran on the planned device, read from the graphs TensorFlow executed
+   (``runtime.executed_placement``).
 
 TensorFlow's thread counts are fixed when it initialises, so every configuration runs in a child
 process of this script. A background thread notes whether a pytest run shared the machine. Writes
@@ -54,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("overhead", "overlap", "trace", "handplaced", "memory")
+SECTIONS = ("overhead", "overlap", "trace", "handplaced", "memory", "placement")
 
 # The balanced MLP (overhead, overlap, hand placement).
 WIDTH, DEPTH, BATCH = 1024, 8, 256
@@ -70,6 +75,10 @@ MEMORY_WIDTH, MEMORY_DEPTH, MEMORY_BATCH, MEMORY_MICROBATCHES = 256, 8, 8192, 16
 MEMORY_CONFIGS = ("plain", "gpipe", "1f1b", "gpipe+recompute", "1f1b+recompute")
 
 HANDPLACED_MICROBATCHES = (1, 2, 4, 8)
+
+# Executed placement (transformer, 2 devices).
+PLACEMENT_MICROBATCHES = 4
+PLACEMENT_CONFIGS = ("gpipe", "1f1b", "gpipe+recompute", "1f1b+xla")
 
 
 # ----- models and data ----------------------------------------------------------------------------
@@ -155,9 +164,14 @@ def transformer_data() -> tuple[Any, Any]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def start_tensorflow(num_devices: int, inter_op: int) -> list[str]:
-    """Fixes the thread counts (1 intra-op thread) and makes the logical CPU devices; returns their names."""
+def start_tensorflow(num_devices: int, inter_op: int, collect: bool = False) -> list[str]:
+    """Fixes the thread counts (1 intra-op thread) and makes the logical CPU devices; returns their names.
+    ``collect`` switches on TensorFlow's graph dumps first (``runtime.executed``)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if collect:
+        from runtime import executed
+
+        executed.enable_collection()
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -395,19 +409,24 @@ def child_memory(config: str, steps: int, num_microbatches: int = MEMORY_MICROBA
     if config == "plain":  # one device, the whole batch at once: the simulator's M = 1 on one device
         plan, graph, cluster = uniform_plan(model, devices[:1], MEMORY_BATCH, 1, optimizer_slots=0)
         runner = model
-    else:
+    else:  # the plan records which stages recompute (all but the last); wrap runs the plan's choice
         plan, graph, cluster = uniform_plan(
-            model, devices, MEMORY_BATCH, num_microbatches, optimizer_slots=0, schedule=schedule
+            model,
+            devices,
+            MEMORY_BATCH,
+            num_microbatches,
+            optimizer_slots=0,
+            schedule=schedule,
+            recompute="always" if recompute else "never",
         )
-        runner = wrap(model, plan, schedule=schedule, recompute="always" if recompute else "never", validate=False)
-    predicted = None
-    if not recompute:  # the simulator does not model recomputation
-        sim = pt.simulate(plan, graph, cluster, schedule=schedule if schedule != "plain" else "gpipe")
-        predicted = {
-            "peak_bytes": dict(sim.peak_memory_bytes),
-            "in_flight": dict(sim.peak_in_flight),
-            "sum_bytes": sum(sim.peak_memory_bytes.values()),
-        }
+        runner = wrap(model, plan, validate=False)
+    sim = pt.simulate(plan, graph, cluster)  # the plan's schedule and stage modes
+    predicted = {
+        "peak_bytes": dict(sim.peak_memory_bytes),
+        "in_flight": dict(sim.peak_in_flight),
+        "sum_bytes": sum(sim.peak_memory_bytes.values()),
+        "recompute": list(plan.recompute),
+    }
     compile_for(runner, "mlp")
     for _ in range(2):
         runner.train_on_batch(*data)
@@ -429,12 +448,51 @@ def child_memory(config: str, steps: int, num_microbatches: int = MEMORY_MICROBA
     }
 
 
+def child_placement(config: str) -> dict[str, Any]:
+    """Section 6: one training step of the transformer; per stage, forward, backward and optimizer ops on
+    the planned device, from the executed graphs."""
+    devices = start_tensorflow(2, 2, collect=True)
+    import keras
+
+    from runtime import executed_placement, wrap
+
+    keras.utils.set_random_seed(0)
+    model = transformer()
+    schedule, _, extra = config.partition("+")
+    plan, _, _ = uniform_plan(
+        model,
+        devices,
+        TRANSFORMER_BATCH,
+        PLACEMENT_MICROBATCHES,
+        schedule=schedule,
+        recompute="always" if extra == "recompute" else "never",
+    )
+    runner = wrap(model, plan, validate=False)
+    runner.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=extra == "xla",
+    )
+    report = executed_placement(runner, *transformer_data())
+    return {
+        "stages": list(report.stages),
+        "recompute": list(plan.recompute),
+        **{
+            kind: [[share.on_device, share.total] for share in getattr(report, kind)]
+            for kind in ("forward", "backward", "optimizer")
+        },
+        "off_device": list(report.off_device),
+        "ok": report.ok,
+    }
+
+
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "overlap": child_overlap,
     "overhead": child_overhead,
     "trace": child_trace,
     "handplaced": child_handplaced,
     "memory": child_memory,
+    "placement": child_placement,
 }
 
 
@@ -594,6 +652,23 @@ def section_memory(quick: bool) -> dict[str, Any]:
     return {"repeats": repeats, "steps": steps, "rows": rows}
 
 
+def section_placement(quick: bool) -> dict[str, Any]:
+    rows = []
+    for config in PLACEMENT_CONFIGS:
+        result = {"config": config, **run_child("placement", config)}
+        rows.append(result)
+        shares = ", ".join(
+            f"stage {s} "
+            + " ".join(
+                f"{kind[0].upper()} {result[kind][s][0]}/{result[kind][s][1]}"
+                for kind in ("forward", "backward", "optimizer")
+            )
+            for s in range(len(result["stages"]))
+        )
+        print(f"placement {config}: {shares}; {'all on their devices' if result['ok'] else 'OFF DEVICE'}", flush=True)
+    return {"microbatches": PLACEMENT_MICROBATCHES, "rows": rows}
+
+
 # ----- tables ---------------------------------------------------------------------------------------
 
 
@@ -710,7 +785,9 @@ def tables(results: dict[str, Any]) -> list[str]:
         f"**Peak memory** ({r['models']['memory']}; 2 devices, 2 inter-op threads, M = {MEMORY_MICROBATCHES}, "
         f"uniform plan, SGD; each configuration in {memory['repeats']} process(es) of {memory['steps']} timed steps; "
         "measured = TensorFlow's CPU allocator, all devices together: the highest and the lowest step peak; "
-        "simulator = weights, gradients and the activations of the micro-batches in flight, per device):",
+        "simulator = weights, gradients and the activations of the micro-batches in flight, per device; with "
+        "recomputation stage 0 holds only its inputs per micro-batch in flight, plus one micro-batch's "
+        "activations):",
         "",
         "| configuration | measured peak (MiB) | lowest step peak (MiB) | between steps (MiB) "
         "| step peak above between steps (MiB) | simulated peak, sum (MiB) | simulated per device (MiB) "
@@ -736,6 +813,29 @@ def tables(results: dict[str, Any]) -> list[str]:
         f"the whole batch {mib(MEMORY_BATCH * MEMORY_WIDTH * 4)} MiB, all weights "
         f"{mib(memory['rows'][0]['weight_bytes'])} MiB.",
     ]
+    if "placement" in r:
+        lines += [
+            "",
+            f"**Executed placement** ({r['models']['transformer']}; 2 devices, uniform plan, M = "
+            f"{r['placement']['microbatches']}, one training step; ops on the planned device / ops counted, read "
+            "from the graphs TensorFlow executed; with XLA a stage function is one compiled cluster, so only its "
+            "calls are counted):",
+            "",
+            "| configuration | stage | device | forward | backward | optimizer updates |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in r["placement"]["rows"]:
+            for s, device in enumerate(row["stages"]):
+                cells = " | ".join(
+                    f"{on}/{total} ({on / total if total else 1:.0%})"
+                    for on, total in (row[kind][s] for kind in ("forward", "backward", "optimizer"))
+                )
+                lines.append(f"| {row['config']} | {s} | {device.split('device:')[-1]} | {cells} |")
+        everywhere = all(row["ok"] for row in r["placement"]["rows"])
+        lines += [
+            "",
+            f"Every counted op on its planned device in every configuration: {'yes' if everywhere else 'no'}.",
+        ]
     return lines
 
 
@@ -813,6 +913,7 @@ def main() -> None:
         "trace": lambda: section_trace(quick),
         "handplaced": lambda: section_handplaced(quick),
         "memory": lambda: section_memory(quick),
+        "placement": lambda: section_placement(quick),
     }
     shared: dict[str, float] = {}
     for section in sections:

@@ -73,6 +73,15 @@ def test_cli_schedule_reaches_the_solver_and_the_report(profile_file, capsys) ->
     assert "predicted step time (1f1b, simulated)" in out
 
 
+def test_cli_recompute_reaches_the_solver_and_the_report(profile_file, capsys) -> None:
+    argv = ["plan", str(profile_file), "--devices", "3", "--memory", "16GiB", "--recompute", "always"]
+    assert main([*argv, "--json"]) == 0
+    assert pt.Plan.from_json(capsys.readouterr().out).recompute == (True, True, False)
+    assert main([*argv, "--summary", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0 recomputes its forward; stage 1 recomputes its forward" in out
+
+
 def test_cli_timeline_picture(profile_file, tmp_path, capsys) -> None:
     picture = tmp_path / "timeline.png"
     argv = ["plan", str(profile_file), "--devices", "2", "--memory", "16GiB", "--summary", "--timeline", str(picture)]
@@ -149,8 +158,9 @@ def model_module(tmp_path, monkeypatch):
             import keras
 
             def build():
-                inputs = keras.Input((8,))
-                return keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dense(4)(inputs)))
+                inputs = keras.Input((8,), name="x")
+                hidden = keras.layers.Dense(4, name="hidden")(inputs)
+                return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
 
             def broken():
                 raise ValueError("my layer sizes are wrong [see the paper]")
@@ -186,6 +196,45 @@ def test_cli_model_that_fails_to_build_is_one_line(argv, model_module, capsys, v
     err = _one_error_line(capsys.readouterr())
     assert "Building the model 'cli_models:broken' raised ValueError: my layer sizes are wrong [see the paper]" in err
     assert "to import and return a keras.Model" in err and "--traceback" in err
+
+
+def _executed_rows(out: str) -> list[list[str]]:
+    """The rows of the 'Executed placement' table: stage, device, then forward/backward/optimizer shares."""
+    table = out[out.index("Executed placement (one training step)") :]
+    return [line.split() for line in table.splitlines() if line.split()[:1] in (["0"], ["1"])]
+
+
+def test_cli_placement_runs_a_step_and_reports_where_ops_ran(model_module, capsys, virtual_devices) -> None:
+    argv = ["placement", f"{model_module}:build", "--devices", "2", "--batch-size", "8", "--micro-batches", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gpipe schedule, M = 2: every variable and every stage's forward, backward and optimizer op" in out
+    rows = _executed_rows(out)
+    assert rows and all(row[-1] == "(100%)" and not row[2].startswith("0/") for row in rows)
+
+
+def test_cli_placement_of_a_plan_with_recompute(model_module, tmp_path, capsys, virtual_devices) -> None:
+    """A two-stage plan written earlier, run with 1F1B and recomputation: both stages' work on their devices."""
+    import importlib.util
+
+    from profiles import profile_model
+
+    spec = importlib.util.spec_from_file_location("built_here", tmp_path / f"{model_module}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build()
+    graph = profile_model(model, batch_size=8, num_microbatches=2, measure_time=False)
+    cluster = pt.Cluster([pt.Device(d, memory="1GiB") for d in virtual_devices[:2]])
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(pt.baselines.uniform(graph, cluster, num_microbatches=2).to_json())
+    argv = ["placement", f"{model_module}:build", "--plan", str(plan_file), "--schedule", "1f1b"]
+    assert main([*argv, "--recompute", "always", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b schedule, M = 2, stages 0 recompute their forward: every variable" in out
+    rows = _executed_rows(out)
+    assert [row[1] for row in rows] == virtual_devices[:2]
+    assert all(cell == "(100%)" for row in rows for cell in row[3::2])
+    assert all(not row[2].startswith("0/") and not row[4].startswith("0/") for row in rows)
 
 
 def test_cli_model_function_must_return_a_model(model_module, capsys, virtual_devices) -> None:

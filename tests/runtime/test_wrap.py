@@ -196,7 +196,7 @@ def test_jit_compile_compiles_each_stage_and_trains(virtual_devices) -> None:
         ({"schedule": "zigzag"}, r"schedule must be one of \('gpipe', '1f1b'\)\. Received: schedule='zigzag'"),
         (
             {"recompute": "sometimes"},
-            r"recompute must be one of \('never', 'always'\)\. Received: recompute='sometimes'",
+            r"recompute must be one of \('never', 'always', 'auto'\) .*Received: 'sometimes'",
         ),
     ],
 )
@@ -204,6 +204,41 @@ def test_bad_schedule_or_recompute_is_refused(option, message, virtual_devices) 
     model, _, _, _ = _model_and_data()
     with pytest.raises(pt.InputError, match=message):
         wrap(model, _uniform_plan(model, virtual_devices), validate=False, **option)
+
+
+def _deep_mlp() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    h = inputs
+    for i in range(6):
+        h = keras.layers.Dense(64, activation="relu", name=f"d{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+
+
+def test_auto_recompute_runs_the_stages_the_plan_recomputes(virtual_devices) -> None:
+    """Activations that do not fit kept: 'never' is refused with a pointer to 'auto'; 'auto' plans
+    recomputation where needed, and the wrapped model recomputes exactly those stages (same loss
+    and gradients as keeping every activation)."""
+    model = _deep_mlp()
+    settings = {"devices": virtual_devices[:2], "batch_size": 256, "num_microbatches": 4, "memory": "250KiB"}
+    with pytest.raises(pt.InfeasiblePlanError, match="recompute='auto'"):
+        plan_and_wrap(model, optimizer_slots=0, recompute="never", **settings)
+    wrapped = plan_and_wrap(model, optimizer_slots=0, recompute="auto", **settings)
+    assert any(wrapped.plan.recompute) and not wrapped.plan.recompute[-1]
+    assert wrapped.options.recompute == wrapped.plan.recompute
+    kept = wrap(model, wrapped.plan, validate=False, recompute="never")
+    assert not any(kept.options.recompute)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 64)).astype("float32"), rng.normal(size=(256, 1)).astype("float32")
+    for runner in (wrapped, kept):
+        runner.compile(optimizer="sgd", loss="mse")
+    loss, gradients = wrapped.loss_and_gradients(x, y)
+    kept_loss, kept_gradients = kept.loss_and_gradients(x, y)
+    np.testing.assert_allclose(float(loss), float(kept_loss), rtol=1e-6)
+    for a, b in zip(gradients, kept_gradients):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    traced = [bool(p._functions.get("recompute")) for p in wrapped.executor.programs]
+    assert traced == list(wrapped.plan.recompute)
 
 
 def test_tensorboard_callback_writes_logs(tmp_path, virtual_devices) -> None:
