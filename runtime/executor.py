@@ -10,7 +10,7 @@ the schedule's:
 - ``F`` (stage s, micro-batch m): calls the stage function on the micro-batch's boundary tensors,
   recorded on a tape of its own (or, with recomputation, unrecorded: only the inputs are kept; the
   last stage, whose backward comes next, always records). The last stage computes the micro-batch's
-  loss on its device.
+  loss on its device, with the gradients of the loss for the model's outputs (where its B starts).
 - ``B`` (stage s, micro-batch m): asks that tape for the gradients of the stage's inputs and weights,
   with the gradients of its outputs from the stages that read them; every gradient op is created
   under the stage's device. Weight gradients accumulate per stage on its device. With
@@ -249,22 +249,39 @@ class Executor:
         ]
         self._loss_functions: dict[Any, Any] = {}
 
-    def loss_function(self, loss_fn: Any) -> Any:
-        """f(y, y_pred, sample_weight, rows, share) -> a micro-batch's loss as its share of the batch's:
-        ``loss_fn`` over the micro-batch's own first ``rows`` rows, summed (a micro-batch with no rows of
-        its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. One function,
-        traced once, called once per micro-batch."""
-        if loss_fn not in self._loss_functions:
+    def loss_function(self, loss_fn: Any, scale_loss: Any) -> Any:
+        """f(y, flat_predictions, sample_weight, rows, share) -> (a micro-batch's loss as its share of the
+        batch's, the gradient of its scaled loss for each floating prediction).
 
-            def microbatch_loss(y: Any, y_pred: Any, sample_weight: Any, rows: tf.Tensor, share: tf.Tensor) -> Any:
-                own = [
-                    None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
-                    for part in (y, y_pred, sample_weight)
-                ]
-                return tf.reduce_sum(tf.cast(loss_fn(*own), tf.float32)) * share
+        The loss is ``loss_fn`` over the micro-batch's own first ``rows`` rows, summed (a micro-batch with
+        no rows of its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. The
+        gradient of ``scale_loss(loss)`` (the optimizer's loss scaling) is taken inside, so the last
+        stage's backward starts from it and the step graph holds no backward of this function: one
+        function, traced once, called once per micro-batch. (Differentiated from outside, its backward
+        had unused outputs, the gradients of the targets and shares, and Grappler specialised a copy of it
+        for every micro-batch.)"""
+        key = (loss_fn, scale_loss)
+        if key not in self._loss_functions:
+            structure = self.model._outputs_struct
 
-            self._loss_functions[loss_fn] = tf.function(microbatch_loss, experimental_attributes={"_noinline": True})
-        return self._loss_functions[loss_fn]
+            def microbatch_loss(
+                y: Any, flat: list[tf.Tensor], sample_weight: Any, rows: tf.Tensor, share: tf.Tensor
+            ) -> Any:
+                floating = [t for t in flat if t.dtype.is_floating]
+                with tf.GradientTape() as tape:
+                    tape.watch(floating)
+                    y_pred = keras.tree.pack_sequence_as(structure, flat)
+                    own = [
+                        None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
+                        for part in (y, y_pred, sample_weight)
+                    ]
+                    loss = tf.reduce_sum(tf.cast(loss_fn(*own), tf.float32)) * share
+                    scaled = scale_loss(loss)
+                gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                return loss, gradients
+
+            self._loss_functions[key] = tf.function(microbatch_loss, experimental_attributes={"_noinline": True})
+        return self._loss_functions[key]
 
     @property
     def num_microbatches(self) -> int:
@@ -382,7 +399,8 @@ class _TrainStep:
             for t, x in zip(executor.model.inputs, parts):
                 self.values[(id(t), m)] = x
         self.pending: dict[tuple[int, int], list[tf.Tensor]] = {}  # (id(tensor), m) -> gradients from its readers
-        self.kept: dict[tuple[int, int], Any] = {}  # (s, m) -> (tape or None, outputs, seeds, loss or None)
+        # (s, m) -> (tape or None, outputs, seeds, the loss's gradients for the model outputs (last stage) or None)
+        self.kept: dict[tuple[int, int], Any] = {}
         self.losses: list[Any] = [None] * num  # unscaled loss of each micro-batch, its share of the batch
         self.predictions: list[Any] = [None] * num
         self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
@@ -399,18 +417,20 @@ class _TrainStep:
         ]
         return values, watched
 
-    def _loss(self, s: int, m: int, outputs: Sequence[tf.Tensor]) -> tf.Tensor | None:
-        """The last stage's loss of micro-batch m as its share of the batch's loss, scaled by the optimizer
-        for the gradient (None on other stages); the unscaled value goes to ``losses``."""
+    def _loss(self, s: int, m: int, outputs: Sequence[tf.Tensor]) -> list[tf.Tensor] | None:
+        """On the last stage, micro-batch m's loss (as its share of the batch's, kept in ``losses``) and
+        the gradients of the scaled loss for the model's floating outputs, where the stage's backward
+        starts; None on other stages."""
         executor = self.executor
         if s != len(executor.stages) - 1:
             return None
         stage = executor.stages[s]
-        y_pred = keras.tree.pack_sequence_as(executor.model._outputs_struct, list(outputs[len(stage.outputs) :]))
-        self.predictions[m] = y_pred
-        loss = executor.loss_function(self.loss_fn)(self.y[m], y_pred, self.weights[m], self.rows[m], self.share[m])
+        flat = list(outputs[len(stage.outputs) :])
+        self.predictions[m] = keras.tree.pack_sequence_as(executor.model._outputs_struct, flat)
+        loss_fn = executor.loss_function(self.loss_fn, self.scale_loss)
+        loss, gradients = loss_fn(self.y[m], flat, self.weights[m], self.rows[m], self.share[m])
         self.losses[m] = loss
-        return self.scale_loss(loss)
+        return list(gradients)
 
     def forward(self, s: int, m: int) -> None:
         program = self.executor.programs[s]
@@ -420,26 +440,29 @@ class _TrainStep:
             if tape is not None:
                 tape.watch([values[i] for i in watched])
             outputs, stats, seeds = program.split(program.forward(True)(*program.arguments(values, self.valid[m])))
-            loss = self._loss(s, m, outputs)
+        loss_gradients = self._loss(s, m, outputs)  # outside the tape: the backward starts from its gradients
         for layer, moments in zip(program.deferred_layers, stats):
             self.statistics.setdefault((s, id(layer)), (layer, []))[1].append(moments)
         for symbolic, value in zip(program.returns, outputs):
             self.values[(id(symbolic), m)] = value
-        self.kept[(s, m)] = (tape, outputs, seeds, loss)
-        self.last_op[s] = [*outputs, *([loss] if loss is not None else [])]
+        self.kept[(s, m)] = (tape, outputs, seeds, loss_gradients)
+        self.last_op[s] = [*outputs, *(loss_gradients or [])]
 
     def backward(self, s: int, m: int) -> None:
         program, stage = self.executor.programs[s], self.executor.stages[s]
         values, watched_index = self._inputs(s, m)
         watched = [values[i] for i in watched_index]
-        tape, outputs, seeds, loss = self.kept.pop((s, m))
-        if tape is None:  # recomputation: the stage's forward again, under a tape, on this device
+        tape, outputs, seeds, loss_gradients = self.kept.pop((s, m))
+        if tape is None:  # recomputation (never the last stage): the stage's forward again, under a tape, here
             with tf.GradientTape() as tape:
                 tape.watch(watched)
                 outputs = program.recompute()(*program.arguments(values, self.valid[m]), *seeds)
-                loss = self._loss(s, m, outputs)
-        targets: list[tf.Tensor] = [] if loss is None else [loss]
-        output_gradients: list[tf.Tensor] = [] if loss is None else [tf.ones_like(loss)]
+        targets: list[tf.Tensor] = []
+        output_gradients: list[tf.Tensor] = []
+        if loss_gradients is not None:  # the last stage: from the loss's gradients for the model's outputs
+            predictions = [t for t in outputs[len(stage.outputs) :] if t.dtype.is_floating]
+            targets += predictions
+            output_gradients += loss_gradients
         for symbolic, value in zip(stage.outputs, outputs):
             grads = self.pending.pop((id(symbolic), m), None)
             if grads:

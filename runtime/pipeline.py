@@ -135,7 +135,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> loss, grads = wrapped.loss_and_gradients(x, y)                        # doctest: +SKIP
         """
         loss, _, _, gradients = self._state.executor.train(
-            self._flat_inputs(x), y, sample_weight, self._micro_loss, lambda t: t
+            self._flat_inputs(x), y, sample_weight, self._micro_loss, _unscaled
         )
         return loss, gradients
 
@@ -177,7 +177,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
         executor = self._state.executor
-        scale = self.optimizer.scale_loss if self.optimizer is not None else (lambda t: t)
+        scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         loss, predictions, _, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
@@ -233,6 +233,11 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def sync_original(self) -> None:
         """Copies the current weights back into the model that was wrapped."""
         copy_weights([(clone, orig) for orig, clone in self._state.rebuilt.origin])
+
+
+def _unscaled(loss: tf.Tensor) -> tf.Tensor:
+    """The loss as it is (no optimizer's loss scaling); one function, so the traced loss function is reused."""
+    return loss
 
 
 def _layer_pairs(original: Any, copy: Any) -> dict[int, Any]:
