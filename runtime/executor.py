@@ -19,7 +19,7 @@ the schedule's:
 - After the last action each stage's optimizer update runs on its device: the optimizer's per-variable
   update (moments, bias correction, the assign) is issued under the variable's device.
 
-Micro-batches have one shape, so each stage function is traced once: a batch of B rows is split
+Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
 left out of the loss (each micro-batch's loss is Keras' compiled loss over its own rows, weighted by
 their share of the batch, so the step's loss and gradients are the original model's on the whole
@@ -123,17 +123,18 @@ class StageProgram:
             list(results[count + num_stats :]),
         )
 
-    def _signature(self) -> list[tf.TensorSpec]:
-        specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in self.stage.inputs]
-        return [*specs, tf.TensorSpec((None,), tf.bool)] if self.takes_mask else specs
+    def _compile(self, name: str, body: Any) -> Any:
+        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name).
 
-    def _compile(self, name: str, body: Any, signature: list[Any] | None) -> Any:
-        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name)."""
+        It is traced for the micro-batch's static shape (Grappler then folds the shape arithmetic of
+        the forward and of its gradient, as in the plain Keras step), and once more, for any batch
+        size, at the first micro-batch of another size (a remainder batch): ``reduce_retracing``.
+        """
         if name not in self._functions:
             body.__name__ = f"stage{self.stage.index}_{name}"
             self._functions[name] = tf.function(
                 body,
-                input_signature=signature,
+                reduce_retracing=True,
                 jit_compile=self.jit_compile,
                 experimental_attributes={"_noinline": True},
             )
@@ -157,7 +158,7 @@ class StageProgram:
             self.deferred_layers = [layer for layer, _ in stats]
             return outputs + [t for _, moments in stats for t in moments] + seeds
 
-        return self._compile("forward" if training else "inference", body, self._signature())
+        return self._compile("forward" if training else "inference", body)
 
     def accumulate(self) -> Any:
         """f(totals, gradients) -> [total + gradient]: a micro-batch's weight gradients added to the
@@ -166,7 +167,7 @@ class StageProgram:
         def body(totals: list[tf.Tensor], gradients: list[tf.Tensor]) -> list[tf.Tensor]:
             return [t + g for t, g in zip(totals, gradients)]
 
-        return self._compile("accumulate", body, None)
+        return self._compile("accumulate", body)
 
     def recompute(self) -> Any:
         """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
@@ -177,7 +178,6 @@ class StageProgram:
         """
         count = len(self.stage.inputs)
         num_arguments = count + int(self.takes_mask)
-        seed_specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.seed_variables]
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             state = [*self.non_trainable, *self.seed_variables]
@@ -192,7 +192,7 @@ class StageProgram:
             with tf.control_dependencies(restores):
                 return [tf.identity(o) for o in outputs]
 
-        return self._compile("recompute", body, [*self._signature(), *seed_specs])
+        return self._compile("recompute", body)
 
 
 @dataclass(frozen=True)
@@ -298,27 +298,36 @@ class Executor:
 
     # ----- splitting a batch ---------------------------------------------------------------------
 
+    def microbatch_rows(self, structure: Any) -> int | None:
+        """ceil(B / M) where the batch's size B is static (the shape the stage functions are traced for)."""
+        sizes = [tf.convert_to_tensor(t).shape[0] for t in keras.tree.flatten(structure)]
+        return -(-sizes[0] // self.num_microbatches) if sizes and sizes[0] is not None else None
+
     def split(self, batch: tf.Tensor, structure: Any) -> list[Any]:
         """Each leaf [B, ...] -> M micro-batches [ceil(B/M), ...]; rows past B repeat real rows."""
         m = self.num_microbatches
         size = (batch + m - 1) // m
         rows = tf.range(size * m) % batch
+        static_size = self.microbatch_rows(structure)
 
         def one(t: Any) -> list[tf.Tensor]:
             t = tf.convert_to_tensor(t)
             parts = list(tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m))
             for part in parts:
-                part.set_shape([None, *t.shape[1:]])
+                part.set_shape([static_size, *t.shape[1:]])
             return parts
 
         flat = [one(t) for t in keras.tree.flatten(structure)]
         return [keras.tree.pack_sequence_as(structure, [parts[i] for parts in flat]) for i in range(m)]
 
-    def valid_rows(self, batch: tf.Tensor) -> list[tf.Tensor]:
+    def valid_rows(self, batch: tf.Tensor, static_size: int | None = None) -> list[tf.Tensor]:
         """Per micro-batch, [ceil(B/M)] booleans: True for the batch's own rows, False for repeats."""
         m = self.num_microbatches
         size = (batch + m - 1) // m
-        return list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
+        masks = list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
+        for mask in masks:
+            mask.set_shape([static_size])
+        return masks
 
     # ----- steps ---------------------------------------------------------------------------------
 
@@ -326,7 +335,7 @@ class Executor:
         """Forward only (evaluation and prediction): per micro-batch the model outputs, and the valid rows."""
         batch = batch_size(inputs)
         micro_inputs = self.split(batch, list(inputs))
-        valid = self.valid_rows(batch)
+        valid = self.valid_rows(batch, self.microbatch_rows(list(inputs)))
         values: dict[tuple[int, int], tf.Tensor] = {}
         last_op: list[Any] = [None] * len(self.stages)
         for m in range(self.num_microbatches):
@@ -390,7 +399,7 @@ class _TrainStep:
         # the batch's own rows of micro-batch m are its first rows[m] (the rest repeat earlier rows)
         self.rows = [tf.clip_by_value(batch - m * size, 0, size) for m in range(num)]
         self.share = [tf.cast(n, tf.float32) / tf.cast(batch, tf.float32) for n in self.rows]
-        self.valid = executor.valid_rows(batch)
+        self.valid = executor.valid_rows(batch, executor.microbatch_rows(list(inputs)))
         self.y = executor.split(batch, y) if y is not None else [None] * num
         self.weights = executor.split(batch, sample_weight) if sample_weight is not None else [None] * num
         self.model_inputs = {id(t) for t in executor.model.inputs}
