@@ -118,8 +118,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
         if self._compile_loss is None:
             raise InputError(
-                "PipelinedModel needs a loss to train: compile(loss=...). Losses added with add_loss inside "
-                "layers are not supported by the pipelined step."
+                "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
+                "activity regularizers) are added to it; they cannot stand in for it."
             )
         return self._compile_loss(y, y_pred, sample_weight)
 
@@ -190,18 +190,20 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _ = self._state.executor.forward(inputs, training=False)
+        predictions, _, layer_loss = self._state.executor.forward(inputs, training=False, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _concat(predictions, batch)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            if layer_loss is not None:  # add_loss and activity regularizers, as Keras' compute_loss adds them
+                loss = loss + tf.cast(layer_loss, loss.dtype)
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _ = self._state.executor.forward(inputs, training=False)
+        predictions, _, _ = self._state.executor.forward(inputs, training=False)
         with tf.device(self._state.stages[-1]):
             return _concat(predictions, tf.shape(inputs[0])[0])
 
