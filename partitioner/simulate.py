@@ -42,6 +42,7 @@ import networkx as nx
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError, PlanError
+from partitioner.order import same_devices
 from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ def simulate(
         PlanError: when the plan does not match the graph or cluster, an edge goes backward, or
             ``recompute`` does not give one bool per stage or recomputes the last stage.
     """
+    cluster = same_devices(cluster, plan.devices)  # a plan lists the devices in the pipeline order it chose
     if tuple(cluster.names) != tuple(plan.devices):
         raise PlanError(
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "

@@ -8,6 +8,7 @@ from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.graph import colocation_groups
+from partitioner.order import same_devices
 from partitioner.plan import Plan
 from partitioner.units import format_bytes
 
@@ -26,6 +27,7 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"Expected a partitioner.Plan. Received: {type(plan).__name__}.")
+    cluster = same_devices(cluster, plan.devices)  # a plan lists the devices in the pipeline order it chose
     if tuple(cluster.names) != tuple(plan.devices):
         raise PlanError(
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "

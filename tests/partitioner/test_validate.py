@@ -68,7 +68,6 @@ def test_validate_plan_unknown_device():
         _cluster(2),
         _cluster(4),
         pt.Cluster([pt.Device(f"/CPU:{i}", memory="1GiB") for i in range(3)]),
-        pt.Cluster([pt.Device(name, memory="1GiB") for name in (G1, G0, G2)]),  # same names, another order
     ],
 )
 def test_validate_plan_made_for_another_cluster(other):
@@ -76,6 +75,18 @@ def test_validate_plan_made_for_another_cluster(other):
     plan = pt.solve(graph, _cluster(), time_limit_s=10)
     with pytest.raises(PlanError, match=r"made for devices \['/GPU:0', '/GPU:1', '/GPU:2'\] but the cluster has"):
         pt.validate_plan(plan, graph, other)
+
+
+def test_validate_plan_takes_the_cluster_listed_in_another_order():
+    # A plan lists its devices in the pipeline order it chose; the same devices listed otherwise are its cluster.
+    graph = diamond()
+    plan = pt.solve(graph, pt.Cluster([pt.Device(name, memory="1GiB") for name in (G1, G0, G2)]), time_limit_s=10)
+    assert plan.devices == (G1, G0, G2)
+    pt.validate_plan(plan, graph, _cluster())
+    # G1 runs stage 0 in this plan: a on G0 (stage 1) would feed b on G1 backward.
+    backward = dataclasses.replace(plan, assignment={"a": G0, "b": G1, "c": G1, "d": G1}, recompute=(False, False))
+    with pytest.raises(PlanError, match="goes backward"):
+        pt.validate_plan(backward, graph, _cluster())
 
 
 def test_validate_plan_backward_edge():
