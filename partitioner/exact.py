@@ -24,6 +24,7 @@ gives a shorter step than the plan, and ties go the same way every run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -125,24 +126,18 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
     best: Plan | None = None
     bound = np.inf
     for order in candidate_orders(cluster):
-        permuted = (
-            costs if list(order) == list(range(cluster.num_devices)) else _costs_on(costs, reorder(cluster, order))
-        )
-        plans, order_bound = _prefix_plans(permuted, started)
+        identity = list(order) == list(range(cluster.num_devices))
+        permuted = costs if identity else _costs_on(costs, reorder(cluster, order))
+        best, order_bound = _prefix_plans(permuted, best)
         bound = min(bound, order_bound)
-        for plan in plans:
-            if best is None or _shorter(plan, best):
-                best = plan
     if best is None:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     proven = every_order_searched(cluster)
     lower_bound = float(bound) if proven else costs.lower_bound_s()
-    return score_assignment(
-        best.assignment,
-        _costs_on(costs, reorder(cluster, list(best.devices))),
-        method="exact_chain",
+    return dataclasses.replace(
+        best,
         status="optimal" if proven and best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
-        lower_bound_s=lower_bound,
+        lower_bound_s=min(lower_bound, best.bottleneck_s),
         solve_time_s=time.perf_counter() - started,
     )
 
@@ -160,42 +155,45 @@ def _costs_on(costs: CostModel, cluster: Cluster) -> CostModel:
     )
 
 
-def _prefix_plans(costs: CostModel, started: float) -> tuple[list[Plan], float]:
-    """The least-bottleneck plan (fewest bytes among ties) on each prefix of ``costs.cluster``'s order that
-    beats every shorter prefix, scored on the whole order; and the least bottleneck of any prefix.
+def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, float]:
+    """``best``, or the least-bottleneck plan (fewest bytes among ties) on a prefix of ``costs.cluster``'s
+    order whose simulated step is shorter, scored on the whole order; and the least bottleneck of any prefix.
 
     One table serves every prefix whose stages budget the same micro-batches in flight (all of them for
     GPipe; 1F1B holds min(K, M)): table[k, n] is the best split ending on device k, so the least over
-    k < s is the best on the first s devices.
+    k < s is the best on the first s devices. Prefixes go longest first, and one is skipped when no
+    plan on it can step faster than ``best``: a step lasts at least M times the busiest stage's compute
+    (at least the average, W / s, with W the work on the fastest device of the prefix for each node) and,
+    under GPipe, (M - 1) times it plus every stage's compute (a micro-batch passes every stage there and back).
     """
     num_devices, n = len(costs.devices), len(costs.order)
+    m = costs.num_microbatches
+    kept = np.array([costs.compute_s[v] for v in costs.order]).reshape(n, num_devices)
+    least_work = np.minimum.accumulate(kept, axis=1).sum(axis=0)  # [s - 1]: W on the first s devices
     sizes_by_budget: dict[int, list[int]] = {}
-    for s in range(1, num_devices + 1):
-        budget = max(in_flight(costs.schedule, s, costs.num_microbatches, stage) for stage in range(s))
+    for s in range(num_devices, 0, -1):
+        budget = max(in_flight(costs.schedule, s, m, stage) for stage in range(s))
         sizes_by_budget.setdefault(budget, []).append(s)
-    plans: list[Plan] = []
     least = np.inf
     for sizes in sizes_by_budget.values():
-        top = sizes[-1]
+        top = sizes[0]
         prefix = costs if top == num_devices else _costs_on(costs, costs.cluster.take(top))
         tables = _tables(prefix)
-        best, _ = _dynamic_program(*tables)
+        table, _ = _dynamic_program(*tables)
         for s in sizes:
-            bottleneck = float(best[:s, n].min())
-            if not bottleneck < least * (1 - 1e-12):
-                continue  # a shorter prefix does as well: its plan is already a candidate
-            least = bottleneck
+            bottleneck = float(table[:s, n].min())
+            least = min(least, bottleneck)
+            if not np.isfinite(bottleneck):
+                continue
+            work = float(least_work[s - 1])
+            floor = max(m * work / s, work) if costs.schedule != "gpipe" else (m - 1) * work / s + work
+            if best is not None and floor >= best.step_time_s:
+                continue
             assignment = _rebuild(prefix, _prefix_tables(tables, s), bottleneck)
-            plans.append(
-                score_assignment(
-                    assignment,
-                    costs,
-                    method="exact_chain",
-                    status="feasible",
-                    solve_time_s=time.perf_counter() - started,
-                )
-            )
-    return plans, float(least)
+            plan = score_assignment(assignment, costs, method="exact_chain", status="feasible")
+            if best is None or _shorter(plan, best):
+                best = plan
+    return best, float(least)
 
 
 def _shorter(plan: Plan, than: Plan) -> bool:

@@ -67,7 +67,7 @@ from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
-from partitioner.order import by_speed, check_device_order, device_classes, distinct, fastest_on_heaviest, reorder
+from partitioner.order import by_speed, check_device_order, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
 
@@ -90,14 +90,24 @@ AUTO_COARSEN_CHAIN = 8_000
 # Runs per device in the coarse model: CP-SAT (a sketch for the refinement) and the chain DP (exact).
 COARSE_UNITS_PER_DEVICE = 16
 COARSE_UNITS_PER_DEVICE_DP = 32
+# Deterministic time (CP-SAT's count of work) per second of a time limit, with SolverOptions.deterministic.
+# Measured on the 2-core development machine under load: InceptionV3 on 8 devices, one worker, about 0.5
+# deterministic units per wall-clock second; with 0.4 the wall-clock limit rarely ends the search first.
+DETERMINISTIC_TIME_PER_S = 0.4
 
 
 @dataclass(frozen=True)
 class SolverOptions:
     """Knobs of the CP-SAT search that most users leave alone."""
 
-    num_workers: int = 8  # parallel search workers: a fixed number, so that runs repeat on any machine
+    num_workers: int = 8  # parallel search workers (with deterministic=False); 0 = CP-SAT's default here
     seed: int = 0  # random seed, for reproducible runs
+    # True: one CP-SAT worker that stops on a deterministic time budget (CP-SAT's own count of work,
+    # DETERMINISTIC_TIME_PER_S per second of the limit), so the same input gives the same plan; the wall-clock
+    # limit still holds and, on a machine so loaded that it ends the search first, runs can differ. Parallel
+    # workers never repeat (whichever finds a solution first wins), and CP-SAT's deterministic interleaved
+    # search spends its whole budget even on tiny models. False: num_workers in parallel, more search per second.
+    deterministic: bool = True
     # "search": the planner chooses which device runs which stage (partitioner.order; Plan.devices is the
     # order chosen); "given": stages follow the cluster's order, for pipelines wired by hand.
     device_order: str = "search"
@@ -214,9 +224,9 @@ def solve(
             device_order=options.device_order,
         )
         return _shortest_step(plan, costs, _legal_baselines(costs, pins), started) if options.shortest_step else plan
-    if options.device_order == "search" and len(device_classes(cluster)) > 1:
+    if options.device_order == "search":
         return _search_orders(
-            costs, pins, options, chain=chain, coarsen=coarsen, started=started, deadline=started + float(time_limit_s)
+            costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
         )
     return _solve_in_order(
         costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
@@ -256,13 +266,14 @@ def _search_orders(
     chain: bool,
     coarsen: bool,
     started: float,
-    deadline: float,
+    time_limit_s: float,
 ) -> Plan:
     """The shortest simulated step over a few candidate pipeline orders (:func:`_candidate_orders`),
     each solved in its turn with an equal share of the time left; ties go to the earlier order.
 
     Raises the first order's error when no order gives a plan.
     """
+    deadline = started + float(time_limit_s)
     candidates = _candidate_orders(costs, pins)
     best: Plan | None = None
     first_error: PartitionerError | None = None
@@ -283,7 +294,10 @@ def _search_orders(
                 time_limit_s=share,
                 starts=[start] if start is not None else [],
             )
-        except (InfeasiblePlanError, SolverTimeoutError) as err:
+        except SolverTimeoutError:
+            first_error = first_error or _timeout_error(costs, time_limit_s, pins)  # the whole call's limit
+            continue
+        except InfeasiblePlanError as err:
             first_error = first_error or err
             continue
         if best is None or _shorter(plan, best):
@@ -311,10 +325,11 @@ def _shorter(plan: Plan, than: Plan) -> bool:
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
     """At most four pipeline orders for CP-SAT, each with a legal plan in that order to start from, or None.
 
-    In this order, without repeats (partitioner.order.distinct): the cluster's own; the order (and
+    In this order, orders alike in every cost (partitioner.order.signature) once: the cluster's own; the order (and
     devices used) of the exact chain DP on the graph read as a chain of runs of its topological order
     (the bytes crossing each cut on the edges), whose plan is the start; the devices fastest first;
-    and Metis' heaviest stage on the fastest device, for the stages of the best legal baseline.
+    and Metis' heaviest stage on the fastest device, for the stages of the best legal baseline (where
+    the devices' speeds differ).
     """
     cluster = costs.cluster
     num_devices = len(costs.devices)
@@ -327,11 +342,17 @@ def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[t
         starts[order] = coarse
     orders.append(by_speed(cluster))
     legal = _legal_baselines(costs, pins)
-    if legal:
+    if legal and len({d.flops_per_s for d in cluster.devices}) > 1:  # equal speeds: no device is the fastest
         base = min(legal, key=lambda p: (p.step_time_s, p.bottleneck_s))
         work = [sum(float(costs.graph.nodes[v]["flops"]) for v in base.nodes_on(d)) for d in base.stages]
         orders.append(fastest_on_heaviest(cluster, work))
-    return [(order, starts.get(order)) for order in distinct(cluster, orders)[:4]]
+    # Orders alike in every cost are one; the chain DP's plan goes with the first of them.
+    chosen: dict[tuple[object, ...], tuple[tuple[int, ...], Plan | None]] = {}
+    for order in orders:
+        key = signature(cluster, order)
+        if key not in chosen or (order in starts and chosen[key][1] is None):
+            chosen[key] = (order, starts.get(order))
+    return list(chosen.values())[:4]
 
 
 def _coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
@@ -588,7 +609,11 @@ def _run(
     """Solves ``m`` within ``time_limit_s``; returns CP-SAT's status and the solver holding the answer."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = options.num_workers or min(8, max(1, os.cpu_count() or 1) * 4)
+    if options.deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s) * DETERMINISTIC_TIME_PER_S
+    solver.parameters.num_workers = (
+        1 if options.deterministic else options.num_workers or min(8, (os.cpu_count() or 1) * 4)
+    )
     solver.parameters.random_seed = options.seed
     solver.parameters.log_search_progress = options.log
     solver.parameters.relative_gap_limit = relative_gap
