@@ -109,7 +109,7 @@ def simulate(
     Args:
         plan: a plan for ``graph`` on ``cluster``.
         graph: the layer graph the plan was made for.
-        cluster: the cluster the plan was made for.
+        cluster: the cluster the plan was made for (its devices listed in any order: the plan has its own).
         schedule: "gpipe", "1f1b", or a Schedule for the plan's K stages and M micro-batches; the
             schedule the plan was made for when None.
         num_microbatches: M; the plan's own M when None. Costs are per micro-batch as profiled.
