@@ -7,9 +7,9 @@ two of them changes no cost), so the search enumerates orders of *device classes
 - :func:`device_classes` groups the interchangeable devices (first-listed first, members in listed order).
 - :func:`candidate_orders` lists orders as sequences of classes: every distinct arrangement when there
   are at most ``max_orders`` of them (1 fast + 3 slow devices: 4 orders, the fast one anywhere in the
-  chain), else each class kept in one contiguous run with the runs permuted, cheapest links first (2 nodes
-  x 8 GPUs: each crossing the slow inter-node link once). Orders alike in every cost (:func:`signature`)
-  are listed once.
+  chain), else each class kept in one contiguous run: the fastest runs first, then the runs permuted,
+  cheapest links first (2 nodes x 8 GPUs: each crossing the slow inter-node link once). Orders alike
+  in every cost (:func:`signature`) are listed once.
 - A planner that may leave devices idle (the chain DP) reads every prefix of an order as a subset of
   1..K devices, so the subsets are enumerated by class too.
 
@@ -39,6 +39,7 @@ from partitioner.errors import ClusterError, InputError
 
 DEVICE_ORDERS = ("search", "given")
 MAX_ORDERS = 24  # candidate orders at most: every class arrangement up to this many, else contiguous runs
+MAX_PERMUTED_CLASSES = 7  # contiguous runs of up to this many classes are permuted (5040 orders ranked by links)
 
 
 def check_device_order(device_order: object) -> None:
@@ -119,8 +120,9 @@ def candidate_orders(cluster: Cluster, max_orders: int = MAX_ORDERS) -> list[tup
     """Pipeline orders (tuples of device indices) worth planning on, the cluster's own order first.
 
     Every distinct arrangement of the device classes when there are at most ``max_orders``; else each
-    class as one contiguous run, the runs permuted, cheapest links first (:func:`link_cost`), at most
-    ``max_orders`` of them. The k-th device of a class in an order is the k-th in the cluster's order,
+    class as one contiguous run: the fastest runs first, then the runs permuted (as listed and fastest
+    first only, above MAX_PERMUTED_CLASSES classes), cheapest links first (:func:`link_cost`), at most
+    ``max_orders`` in all. The k-th device of a class in an order is the k-th in the cluster's order,
     so the list is deterministic and a uniform cluster has exactly one order: its own.
 
     Raises:
@@ -139,10 +141,15 @@ def candidate_orders(cluster: Cluster, max_orders: int = MAX_ORDERS) -> list[tup
     if _arrangements(counts) <= max_orders:
         sequences = _label_sequences(counts)
     else:
-        runs = [tuple(c for c in p for _ in classes[c]) for p in itertools.permutations(range(len(classes)))]
-        if len(runs) > 5040:  # more than 7 classes: contiguous runs in the listed order and by speed only
-            runs = runs[:1]
-        sequences = sorted(runs, key=lambda s: (round(link_cost(cluster, _devices(classes, s)), 15), s))
+        rank = {c: by_speed(cluster).index(members[0]) for c, members in enumerate(classes)}
+        fastest_first = tuple(sorted(range(len(classes)), key=rank.__getitem__))
+        if len(classes) <= MAX_PERMUTED_CLASSES:
+            permutations = list(itertools.permutations(range(len(classes))))
+        else:  # too many to permute: the runs as listed, and fastest first
+            permutations = [tuple(range(len(classes))), fastest_first]
+        runs = [tuple(c for c in p for _ in classes[c]) for p in permutations]
+        ranked = sorted(runs, key=lambda s: (round(link_cost(cluster, _devices(classes, s)), 15), s))
+        sequences = [tuple(c for c in fastest_first for _ in classes[c]), *ranked]
     return distinct(cluster, [_devices(classes, s) for s in [given, *sequences]])[:max_orders]
 
 

@@ -270,3 +270,12 @@ def test_solve_gives_the_same_plan_twice():
     ]
     assert plans[0] == plans[1]
     pt.validate_plan(plans[0], graph, cluster)
+
+
+def test_candidate_orders_of_many_classes_stay_few():
+    # 12 devices, each its own class (all speeds differ): the runs as listed and fastest first, no more.
+    devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=(i + 1) * 1e12) for i in range(12)]
+    cluster = pt.Cluster(devices)
+    assert len(device_classes(cluster)) == 12
+    assert candidate_orders(cluster) == [tuple(range(12)), tuple(range(11, -1, -1))]
+    assert not every_order_searched(cluster)
