@@ -32,11 +32,12 @@ from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster,
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InputError, PartitionerError
 from partitioner.graph import load_graph, save_graph
+from partitioner.order import DEVICE_ORDERS
 from partitioner.plan import Plan
 from partitioner.report import render
 from partitioner.schedule import SCHEDULES
 from partitioner.simulate import simulate
-from partitioner.solver import solve
+from partitioner.solver import SolverOptions, solve
 from partitioner.timeline import save_timeline, text_timeline
 from partitioner.validate import validate_plan
 
@@ -88,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=SCHEDULES,
         default="gpipe",
         help="pipeline schedule to plan for (activation memory), simulate and draw (default: gpipe)",
+    )
+    plan.add_argument(
+        "--device-order",
+        choices=DEVICE_ORDERS,
+        default="search",
+        help="search: the planner chooses which device runs which stage (and which stay idle); given: stages "
+        "follow the cluster's order, for pipelines wired by hand (default: search)",
     )
     plan.add_argument(
         "--recompute",
@@ -287,7 +295,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         "recompute": args.recompute,
     }
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
-        plan = solve(graph, cluster, time_limit_s=args.time_limit, **options)
+        search = SolverOptions(device_order=args.device_order)
+        plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
     validate_plan(plan, graph, cluster)
     if args.out:
         Path(args.out).write_text(plan.to_json())

@@ -52,6 +52,24 @@ def test_cli_plan_json_round_trips(profile_file, tmp_path, capsys) -> None:
     pt.validate_plan(plan, pt.load_graph(profile_file), pt.Cluster.from_json("4xT4-pcie"))
 
 
+def test_cli_plan_device_order(profile_file, tmp_path, capsys) -> None:
+    # 1 fast device listed last and 3 slow ones: "given" keeps the listed order, the default searches.
+    devices = [pt.Device(f"/GPU:{i}", memory="16GiB", flops_per_s=50e12) for i in range(3)]
+    cluster = pt.Cluster([*devices, pt.Device("/GPU:3", memory="32GiB", flops_per_s=200e12)], bandwidth="10GB/s")
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(cluster.to_json())
+    argv = ["plan", str(profile_file), "--cluster", str(cluster_file), "--micro-batches", "4", "--json"]
+    assert main([*argv, "--device-order", "given"]) == 0
+    given = pt.Plan.from_json(capsys.readouterr().out)
+    assert main(argv) == 0
+    searched = pt.Plan.from_json(capsys.readouterr().out)
+    assert given.devices == tuple(cluster.names)
+    assert searched.step_time_s <= given.step_time_s * (1 + 1e-9)
+    pt.validate_plan(searched, pt.load_graph(profile_file), cluster)
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        main([*argv, "--device-order", "fastest"])
+
+
 def test_cli_timeline_as_text(profile_file, capsys) -> None:
     argv = ["plan", str(profile_file), "--devices", "3", "--memory", "16GiB", "--summary", "--timeline", "-"]
     assert main([*argv, "--schedule", "1f1b"]) == 0
