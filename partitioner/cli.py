@@ -277,7 +277,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
 
     model = _load_model(args, err)
     columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task(model.name, total=None)
 
         def update(done: int, total: int, name: str) -> None:

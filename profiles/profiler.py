@@ -181,7 +181,7 @@ def _micro_shape(shape: Shape, micro_batch: int, owner: str) -> list[int]:
             "the inputs' sizes: pass them as input_shapes= or sequence_length= (CLI: --input-shape, "
             "--sequence-length), or build the model with fixed sizes, e.g. keras.Input(shape=(128, 64))."
         )
-    return [int(dim) for dim in dims]
+    return [int(dim) for dim in dims if dim is not None]  # unknown sizes raised above
 
 
 def _itemsize(dtype: Any) -> int:
