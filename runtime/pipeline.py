@@ -245,13 +245,18 @@ def _copy_architecture(model: Any) -> Any:
 
     A functional model of a class of its own (a keras-hub ``GPT2CausalLM`` or ``BertBackbone``) is
     made again from its config, so the user gets their class back, with its methods; a plain
-    Functional or Sequential model is cloned with ``keras.models.clone_model``.
+    Functional or Sequential model, and a class that cannot be made from its config (a subclass
+    without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
+    ``keras.models.clone_model``: a functional model of the same layers.
     """
     from keras.src.models.functional import Functional
 
-    if type(model) in (keras.Model, Functional, keras.Sequential):
-        return keras.models.clone_model(model)
-    return type(model).from_config(model.get_config())
+    if type(model) not in (keras.Model, Functional, keras.Sequential):
+        try:
+            return type(model).from_config(model.get_config())
+        except (TypeError, ValueError, KeyError, NotImplementedError):
+            pass
+    return keras.models.clone_model(model)
 
 
 def _layer_pairs(original: Any, copy: Any) -> dict[int, Any]:

@@ -114,3 +114,42 @@ def test_plan_and_wrap_planned_at_one_length_runs_any_length(virtual_devices) ->
         assert np.isfinite(wrapped.fit(x, y, batch_size=4, verbose=0).history["loss"][0])
     wrapped.sync_original()
     np.testing.assert_allclose(wrapped(batches[1][0]), model(batches[1][0]), atol=1e-6)
+
+
+def test_wrap_validates_at_the_shapes_given(virtual_devices) -> None:
+    from runtime import plan_and_wrap, wrap
+
+    model = _tokens_model()
+    pins = {"embed": virtual_devices[0], "head": virtual_devices[1]}
+    wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=4, num_microbatches=2, pins=pins, sequence_length=8)
+    plan = wrapped.plan
+    assert wrap(model, plan, input_shapes={"token_ids": 8, "features": (8, 3)}).plan == plan
+    with pytest.raises(ProfileError, match="sequence_length=128"):
+        wrap(model, plan)
+    assert wrap(model, plan, validate=False).plan == plan  # nothing to size without validation
+
+
+def test_unwrap_of_a_functional_subclass(virtual_devices) -> None:
+    """A functional model of a class of its own comes back as that class; one without get_config as a
+    functional model of the same layers (Keras cannot make it from a config either)."""
+    from runtime import plan_and_wrap
+
+    class Classifier(keras.Model):
+        def __init__(self, units: int, **kwargs) -> None:
+            inputs = keras.Input((None,), dtype="int32", name="token_ids")
+            pooled = layers.GlobalAveragePooling1D(name="pool")(layers.Embedding(20, units, name="embed")(inputs))
+            super().__init__(inputs, layers.Dense(2, name="head")(pooled), **kwargs)
+            self.units = units
+
+        def get_config(self) -> dict:
+            return {"units": self.units, "name": self.name}
+
+    class NoConfig(Classifier):
+        get_config = keras.Model.get_config
+
+    x = np.arange(12).reshape(3, 4) % 20
+    for cls, same_class in ((Classifier, True), (NoConfig, False)):
+        model = cls(units=4)
+        plain = plan_and_wrap(model, virtual_devices[:2], batch_size=4, num_microbatches=2, sequence_length=4).unwrap()
+        assert (type(plain) is cls) is same_class and isinstance(plain, keras.Model)
+        np.testing.assert_allclose(plain(x), model(x), atol=1e-6)
