@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from test_transparency import _assert_step_matches, assert_close
 
-from partitioner.errors import ProfileError
+from partitioner.errors import InfeasiblePlanError, ProfileError
 from runtime import placement_report, plan_and_wrap
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -141,3 +141,18 @@ def test_keras_hub_task_with_a_preprocessor_is_refused(virtual_devices) -> None:
     )
     with pytest.raises(ProfileError, match=message):
         plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, sequence_length=LENGTH)
+
+
+def test_keras_hub_tied_embedding_cannot_be_split_by_pins(virtual_devices) -> None:
+    """GPT2CausalLM's logits reuse the token embedding: pins that split it are refused with the reason."""
+    model, _, _ = gpt2_causal_lm()
+    pins = {"token_embedding": virtual_devices[0], "layer_norm": virtual_devices[1]}
+    message = (
+        r"Pins split shared layer 'token_embedding': its calls \['token_embedding', 'token_embedding:1'\] share "
+        r"weights.*'token_embedding' is pinned to /device:CPU:0 and 'layer_norm' to /device:CPU:1"
+    )
+    with pytest.raises(InfeasiblePlanError, match=message):
+        plan_and_wrap(
+            model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB", pins=pins,
+            sequence_length=LENGTH,
+        )  # fmt: skip
