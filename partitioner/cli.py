@@ -139,6 +139,26 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size (default: 32)")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step, M (default: 8)")
     parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="NAME=SIZE[xSIZE...]",
+        help="the shape to plan for of an input whose size the model leaves open, without the batch axis, "
+        "e.g. token_ids=128 (repeat for each input)",
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        help="the size to plan for of every unknown non-batch dimension of every input (keras-hub models)",
+    )
+
+
+def _shape_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The input_shapes= and sequence_length= arguments of profile_model and plan_and_wrap, from the flags."""
+    from profiles.shapes import parse_input_shape
+
+    shapes = dict(parse_input_shape(text) for text in args.input_shape or [])
+    return {"input_shapes": shapes or None, "sequence_length": args.sequence_length}
 
 
 def _add_traceback_option(parser: argparse.ArgumentParser) -> None:
@@ -265,7 +285,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
 
     model = _load_model(args, err)
     columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task(model.name, total=None)
 
         def update(done: int, total: int, name: str) -> None:
@@ -277,6 +297,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
             num_microbatches=args.micro_batches,
             measure_time=measure_time,
             progress=update,
+            **_shape_options(args),
         )
 
 
@@ -344,11 +365,12 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
 
     make_virtual_devices(args.devices)
     model = _load_model(args, err)
+    shapes = _shape_options(args)
     with err.status(f"wrapping {escape(args.model)} on {args.devices} devices ..."):
         if args.plan:
             plan = Plan.from_json(Path(args.plan).read_text())
             recompute = None if args.recompute == "auto" else args.recompute
-            wrapped = wrap(model, plan, schedule=args.schedule, recompute=recompute)
+            wrapped = wrap(model, plan, schedule=args.schedule, recompute=recompute, **shapes)
         else:
             wrapped = plan_and_wrap(
                 model,
@@ -358,12 +380,13 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
                 memory=args.memory,
                 schedule=args.schedule or "gpipe",
                 recompute=args.recompute,
+                **shapes,
             )
         report = placement_report(wrapped)
     batch = max(args.batch_size, wrapped.num_microbatches)
     with err.status(f"running one training step on {batch} random rows ..."):
         wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-        ran = executed_placement(wrapped, *synthetic_batch(model, batch))
+        ran = executed_placement(wrapped, *synthetic_batch(model, batch, **shapes))
     out = _stdout()
     out.print(report.table())
     for line in report.misplaced:

@@ -21,7 +21,9 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
-size; every other dimension must be known. Each layer call is traced once with ``tf.function``
+size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
+``sequence_length=`` fix them and every tensor's shape is computed for those inputs
+(``profiles.shapes``). Each layer call is traced once with ``tf.function``
 on ``tf.TensorSpec`` inputs of those shapes, in training mode; no per-layer models are built and
 the model's weights and layers come back unchanged.
 
@@ -52,6 +54,8 @@ import networkx as nx
 
 from partitioner.errors import InputError, ProfileError
 from partitioner.graph import load_graph, save_graph, validate_graph
+from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
+from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, flatten_calls
 
 ProgressCallback = Callable[[int, int, str], None]  # (done, total, layer name)
@@ -72,6 +76,8 @@ def profile_model(
     repeats: int = 5,
     warmup: int = 2,
     progress: ProgressCallback | None = None,
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
 ) -> nx.DiGraph:
     """Profiles a Functional or Sequential Keras model into a layer graph (see the module docstring).
 
@@ -86,6 +92,10 @@ def profile_model(
         repeats: timed runs per layer call (the median is kept).
         warmup: untimed runs per layer call before timing.
         progress: called as ``progress(done, total, node_name)`` after each node.
+        input_shapes: the shapes to plan for, without the batch axis, where the model leaves
+            dimensions open: ``{"token_ids": (128,)}`` or a list in the order of ``model.inputs``
+            (``profiles.shapes``).
+        sequence_length: the size for every unknown non-batch dimension of every input.
 
     Returns:
         A ``networkx.DiGraph`` that passes ``partitioner.graph.validate_graph``, nodes in
@@ -93,8 +103,10 @@ def profile_model(
 
     Raises:
         ProfileError: when the model is not a Keras model, has no functional graph (subclassed),
-            is not built, or has unknown non-batch dimensions.
-        InputError: for batch_size < 1, num_microbatches < 1 or > batch_size, repeats < 1,
+            is not built, or has unknown non-batch dimensions that input_shapes and
+            sequence_length leave open.
+        InputError: for input_shapes that do not fit the model's inputs, batch_size < 1,
+            num_microbatches < 1 or > batch_size, repeats < 1,
             warmup < 0, or an unknown device.
 
     Example:
@@ -104,6 +116,11 @@ def profile_model(
     """
     _check_numbers(batch_size, num_microbatches, repeats, warmup)
     calls, _ = flatten_calls(model)
+    planned = resolve_input_shapes(model, input_shapes, sequence_length)
+    if needs_shapes(model, planned):
+        shapes = call_shapes(calls, planned)
+    else:  # the Keras graph's own shapes: no layer is asked again
+        shapes = [[tuple(t.shape) for t in call.node.output_tensors] for call in calls]
     micro_batch = math.ceil(batch_size / num_microbatches)
 
     import tensorflow as tf  # lazy: the planner side stays free of TensorFlow
@@ -116,11 +133,11 @@ def profile_model(
         timing_device = _resolve_device(tf, device)
         graph.graph["profiled_device"] = timing_device
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
-    profiler = _CallProfiler(tf, micro_batch, timing_device, repeats, warmup)
+    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup)
     counted: set[int] = set()  # ids of weights already given to a node
     for done, call in enumerate(calls, start=1):
-        graph.add_node(call.name, **profiler.attributes(call, counted))
-        for source, num_bytes in _input_edges(call, micro_batch).items():
+        graph.add_node(call.name, **profiler.attributes(done - 1, call, counted))
+        for source, num_bytes in _input_edges(call, shapes, micro_batch).items():
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
@@ -152,18 +169,19 @@ def load_profile(path: str | Path) -> nx.DiGraph:
 # --- sizes -----------------------------------------------------------------------------------
 
 
-def _micro_shape(tensor: Any, micro_batch: int, owner: str) -> list[int]:
-    """The tensor's shape with axis 0 set to the micro-batch size; raises for other unknown dims."""
-    shape = list(tensor.shape)
-    if shape:
-        shape[0] = micro_batch
-    if any(dim is None for dim in shape):
+def _micro_shape(shape: Shape, micro_batch: int, owner: str) -> list[int]:
+    """The shape with axis 0 set to the micro-batch size; raises for other unknown dims."""
+    dims = list(shape)
+    if dims:
+        dims[0] = micro_batch
+    if any(dim is None for dim in dims):
         raise ProfileError(
-            f"Tensor '{tensor.name}' of '{owner}' has shape {tuple(tensor.shape)} with unknown dimensions "
-            "beyond the batch axis; profiling needs static shapes. Build the model with fixed sizes, "
-            "e.g. keras.Input(shape=(128, 64)) instead of keras.Input(shape=(None, 64))."
+            f"A tensor of '{owner}' has shape {tuple(shape)} with unknown dimensions beyond the batch axis "
+            "for the planned input shapes; profiling needs static shapes. Expected every size to follow from "
+            "the inputs' sizes: pass them as input_shapes= or sequence_length= (CLI: --input-shape, "
+            "--sequence-length), or build the model with fixed sizes, e.g. keras.Input(shape=(128, 64))."
         )
-    return [int(dim) for dim in shape]
+    return [int(dim) for dim in dims if dim is not None]  # unknown sizes raised above
 
 
 def _itemsize(dtype: Any) -> int:
@@ -175,11 +193,11 @@ def _itemsize(dtype: Any) -> int:
         return 0
 
 
-def _tensor_bytes(tensor: Any, micro_batch: int, owner: str) -> int:
-    return math.prod(_micro_shape(tensor, micro_batch, owner)) * _itemsize(tensor.dtype)
+def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int:
+    return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
 
 
-def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
+def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:
     """{producer call index: bytes} of the distinct tensors this call reads."""
     edges: dict[int, int] = {}
     read: set[tuple[int, int]] = set()
@@ -187,7 +205,9 @@ def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
         if (source.call, source.output) in read:  # the same tensor twice (a nested model's: twice, two calls)
             continue
         read.add((source.call, source.output))
-        edges[source.call] = edges.get(source.call, 0) + _tensor_bytes(source.tensor, micro_batch, call.operation.name)
+        shape = shapes[source.call][source.output]
+        num_bytes = _tensor_bytes(shape, source.tensor.dtype, micro_batch, call.operation.name)
+        edges[source.call] = edges.get(source.call, 0) + num_bytes
     return edges
 
 
@@ -197,16 +217,19 @@ def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
 class _CallProfiler:
     """Traces (and optionally times) each call, memoising calls of one layer on equal inputs."""
 
-    def __init__(self, tf: Any, micro_batch: int, device: str | None, repeats: int, warmup: int) -> None:
+    def __init__(
+        self, tf: Any, micro_batch: int, shapes: list[list[Shape]], device: str | None, repeats: int, warmup: int
+    ) -> None:
         self._tf = tf
         self._micro_batch = micro_batch
+        self._shapes = shapes  # per call: the shapes of its outputs, batch axis None
         self._device = device
         self._repeats = repeats
         self._warmup = warmup
         self._memo: dict[tuple[int, str], tuple[float, int, float | None]] = {}
 
-    def attributes(self, call: LayerCall, counted: set[int]) -> dict[str, Any]:
-        """The node attributes of one call; ``counted`` holds ids of weights already counted."""
+    def attributes(self, index: int, call: LayerCall, counted: set[int]) -> dict[str, Any]:
+        """The node attributes of call ``index``; ``counted`` holds ids of weights already counted."""
         attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__}
         if call.colocation_group is not None:
             attrs["colocation_group"] = call.colocation_group
@@ -220,9 +243,10 @@ class _CallProfiler:
             if id(weight) not in counted:
                 counted.add(id(weight))
                 param_bytes += math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+        name = call.operation.name
         specs = [
-            self._tf.TensorSpec(_micro_shape(t, self._micro_batch, call.operation.name), t.dtype)
-            for t in call.node.input_tensors
+            self._tf.TensorSpec(_micro_shape(self._shapes[s.call][s.output], self._micro_batch, name), t.dtype)
+            for t, s in zip(call.node.input_tensors, call.sources, strict=True)
         ]
         key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
         if key not in self._memo:
@@ -233,7 +257,8 @@ class _CallProfiler:
             activation_bytes = traced_bytes
         else:
             activation_bytes = sum(
-                _tensor_bytes(t, self._micro_batch, call.operation.name) for t in call.node.output_tensors
+                _tensor_bytes(shape, t.dtype, self._micro_batch, name)
+                for t, shape in zip(call.node.output_tensors, self._shapes[index], strict=True)
             )
         attrs.update(
             flops=float(forward * (1.0 + backward)),

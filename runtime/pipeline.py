@@ -220,7 +220,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> plain.save("trained.keras")     # doctest: +SKIP
         """
         original = self._state.original
-        plain = keras.models.clone_model(original)
+        plain = _copy_architecture(original)
         places = _layer_pairs(original, plain)
         layers = [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
         copy_weights(layers)
@@ -240,6 +240,25 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 def _unscaled(loss: tf.Tensor) -> tf.Tensor:
     """The loss as it is (no optimizer's loss scaling); one function, so the traced loss function is reused."""
     return loss
+
+
+def _copy_architecture(model: Any) -> Any:
+    """A new model of ``model``'s own class and architecture (weights not copied).
+
+    A functional model of a class of its own (a keras-hub ``GPT2CausalLM`` or ``BertBackbone``) is
+    made again from its config, so the user gets their class back, with its methods; a plain
+    Functional or Sequential model, and a class that cannot be made from its config (a subclass
+    without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
+    ``keras.models.clone_model``: a functional model of the same layers.
+    """
+    from keras.src.models.functional import Functional
+
+    if type(model) not in (keras.Model, Functional, keras.Sequential):
+        try:
+            return type(model).from_config(model.get_config())
+        except (TypeError, ValueError, KeyError, NotImplementedError):
+            pass
+    return keras.models.clone_model(model)
 
 
 def _layer_pairs(original: Any, copy: Any) -> dict[int, Any]:

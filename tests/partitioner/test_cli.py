@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import textwrap
 
@@ -180,6 +181,12 @@ def model_module(tmp_path, monkeypatch):
                 hidden = keras.layers.Dense(4, name="hidden")(inputs)
                 return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
 
+            def tokens():
+                ids = keras.Input((None,), dtype="int32", name="token_ids")
+                hidden = keras.layers.Dense(8, name="mix")(keras.layers.Embedding(50, 8, name="embed")(ids))
+                pooled = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+                return keras.Model(ids, keras.layers.Dense(2, name="head")(pooled))
+
             def broken():
                 raise ValueError("my layer sizes are wrong [see the paper]")
 
@@ -253,6 +260,28 @@ def test_cli_placement_of_a_plan_with_recompute(model_module, tmp_path, capsys, 
     assert [row[1] for row in rows] == virtual_devices[:2]
     assert all(cell == "(100%)" for row in rows for cell in row[3::2])
     assert all(not row[2].startswith("0/") and not row[4].startswith("0/") for row in rows)
+
+
+@pytest.mark.parametrize("flag", [["--sequence-length", "16"], ["--input-shape", "token_ids=16"]])
+def test_cli_shape_flags_plan_a_model_of_open_length(flag, model_module, capsys, virtual_devices) -> None:
+    assert main(["profile", f"{model_module}:tokens", "--no-time", *flag]) == 0
+    assert "5 layers" in capsys.readouterr().out
+    argv = ["placement", f"{model_module}:tokens", "--devices", "2", "--batch-size", "8", "--micro-batches", "2"]
+    assert main([*argv, *flag]) == 0
+    assert "every variable and every stage's forward, backward and optimizer op" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ([], r"Input 'token_ids' .* \(None, None\).*CLI: --sequence-length 128 or --input-shape token_ids=128"),
+        (["--input-shape", "token_ids"], r"--input-shape takes NAME=SIZE .* Received: 'token_ids'"),
+        (["--input-shape", "tokens=16"], r"input_shapes names \['tokens'\], which are not inputs"),
+    ],
+)
+def test_cli_shape_errors_are_one_line(flag, message, model_module, capsys, virtual_devices) -> None:
+    assert main(["plan", f"{model_module}:tokens", "--devices", "2", "--memory", "1GiB", *flag]) == 2
+    assert re.search(message, _one_error_line(capsys.readouterr()))
 
 
 def test_cli_model_function_must_return_a_model(model_module, capsys, virtual_devices) -> None:

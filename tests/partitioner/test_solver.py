@@ -352,6 +352,18 @@ def test_solve_pins_contradicting_the_order():
         pt.solve(graph, _cluster(2), pins={"l0": G1, "l1": G0}, time_limit_s=10)
 
 
+def test_solve_pins_splitting_a_shared_layer_group():
+    graph = shared_layer_graph()  # input -> dense_call0 -> mid_0 -> mid_1 -> dense_call1 -> head
+    message = (
+        r"Pins split shared layer 'dense': its calls \['dense_call0', 'dense_call1'\] share weights, .* the 4 "
+        r"layers from its first call to its last run there too; but 'dense_call0' is pinned to /GPU:0 and "
+        r"'mid_1' to /GPU:1"
+    )
+    with pytest.raises(InfeasiblePlanError, match=message):
+        pt.solve(graph, _cluster(2), pins={"dense_call0": G0, "mid_1": G1}, time_limit_s=10)
+    pt.solve(graph, _cluster(2), pins={"dense_call0": G0, "head": G1}, time_limit_s=10)  # after the group: fine
+
+
 def test_solve_pinned_layer_too_big_for_its_device():
     graph = chain([1e12] * 2, param_bytes=[2 * KIB, KIB])  # l0 needs 8 KiB
     cluster = pt.Cluster([pt.Device(G0, memory=4 * KIB), pt.Device(G1, memory=16 * KIB)])
