@@ -442,7 +442,8 @@ def _profile(args: argparse.Namespace, err: Console) -> int:
     out.print(
         f"{escape(str(graph.graph.get('model_name', args.model)))}: {graph.number_of_nodes()} layers, "
         f"{graph.number_of_edges()} edges, {params / 2**20:.1f} MiB of weights, "
-        f"{flops / 1e9:.2f} GFLOPs per micro-batch (forward + backward)"
+        f"{flops / 1e9:.2f} GFLOPs per micro-batch of {micro_batch_size(graph)} samples (forward + backward), "
+        f"computed in {graph.graph.get('compute_dtype', 'float32')}"
         + (f", {sum(timed) * 1e3:.1f} ms measured per micro-batch" if timed else "")
     )
     if args.out:

@@ -191,7 +191,14 @@ def test_cli_profile_writes_a_layer_graph(tmp_path, capsys, virtual_devices) -> 
     code = main(["profile", "MobileNetV2", "--input-size", "32", "--no-time", "--out", str(out_file)])
     assert code == 0
     graph = pt.load_graph(out_file)
-    assert graph.number_of_nodes() > 100 and "GFLOPs" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert graph.number_of_nodes() > 100 and "GFLOPs per micro-batch of 4 samples" in out  # 32 in 8
+    assert "computed in float32" in out
+    assert (graph.graph["batch_size"], graph.graph["micro_batch_size"], graph.graph["compute_dtype"]) == (
+        32,
+        4,
+        "float32",
+    )
 
 
 def _one_error_line(captured) -> str:
