@@ -40,9 +40,9 @@ class Device:
     Example:
         >>> Device(name="/GPU:0", memory="80GiB", flops_per_s=989e12).memory_bytes
         85899345920
-        >>> h100 = Device("/GPU:0", memory="80GiB", peak_flops_per_s={"bfloat16": 989e12}, efficiency=0.4)
-        >>> h100.flops_per_s_for("bfloat16")
-        395600000000000.0
+        >>> peaks = {"float32": 67e12, "bfloat16": 1e15}
+        >>> Device("/GPU:0", memory="80GiB", peak_flops_per_s=peaks, efficiency=0.4).flops_per_s_for("bfloat16")
+        400000000000000.0
     """
 
     name: str  # TensorFlow device name, e.g. "/GPU:0"
@@ -62,7 +62,7 @@ class Device:
         memory_bytes: int | None = None,
         peak_flops_per_s: Mapping[str, float] | None = None,
         efficiency: float = 1.0,
-        dtype: str = "float32",
+        dtype: str = "float32",  # with peaks and no flops_per_s: the dtype whose speed flops_per_s is
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ClusterError(f"A device needs a non-empty name such as '/GPU:0'. Received: {name!r}.")
@@ -86,8 +86,16 @@ class Device:
         object.__setattr__(self, "hardware", hardware)
         object.__setattr__(self, "peak_flops_per_s", peaks)
         object.__setattr__(self, "efficiency", float(efficiency))
-        if flops_per_s is None:
-            flops_per_s = self.flops_per_s_for(dtype) if peaks else DEFAULT_FLOPS_PER_S
+        if flops_per_s is None and peaks:
+            try:
+                flops_per_s = self.flops_per_s_for(dtype)
+            except ClusterError:
+                raise ClusterError(
+                    f"Device '{name}' has no {dtype} peak for its default speed (flops_per_s); its peaks are for "
+                    f"{[key for key, _ in peaks]}. Pass dtype= one of them, add a '{dtype}' peak, or pass flops_per_s."
+                ) from None
+        elif flops_per_s is None:
+            flops_per_s = DEFAULT_FLOPS_PER_S
         object.__setattr__(
             self,
             "flops_per_s",

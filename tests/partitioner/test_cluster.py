@@ -277,3 +277,9 @@ def test_cluster_explicit_json_keeps_peaks_and_efficiency():
     again = Cluster.from_json(Cluster([device]).to_json())
     assert again.devices == (device,)
     assert again.devices[0].flops_per_s_for("float32") == pytest.approx(78e12)
+
+
+def test_device_default_speed_needs_a_peak_for_its_dtype():
+    with pytest.raises(ClusterError, match=r"'/GPU:0' has no float32 peak for its default speed .* Pass dtype="):
+        Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15})
+    assert Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15}, dtype="bfloat16").flops_per_s == 1e15
