@@ -8,7 +8,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from partitioner.cost import forward_share  # noqa: E402
+from partitioner.cluster import Cluster  # noqa: E402
+from partitioner.cost import CostModel, forward_share  # noqa: E402
 from partitioner.errors import InputError, ProfileError  # noqa: E402
 from partitioner.graph import topological_order, validate_graph  # noqa: E402
 from profiles import load_profile, profile_model, save_profile  # noqa: E402
@@ -257,6 +258,14 @@ def test_profile_model_frozen_layer_has_no_trainable_bytes_and_costs_twice_forwa
     # The cost model splits forward and backward by the profiler's own figures.
     assert forward_share(frozen) == pytest.approx(1 / 2)
     assert forward_share(trained) == pytest.approx(1 / 3)
+
+
+def test_profile_model_frozen_layer_is_charged_its_weights_only():
+    model = mlp()
+    model.get_layer("hidden").trainable = False
+    costs = CostModel(_profile(model, batch_size=4, num_microbatches=1), Cluster.uniform(1, memory="1GiB"))
+    assert costs.weight_bytes("hidden") == (16 * 32 + 32) * 4  # no gradients, no Adam slots
+    assert costs.weight_bytes("logits") == (32 * 8 + 8) * 4 * (1 + 1 + 2)  # weights, gradients, two Adam slots
 
 
 def test_profile_model_batch_norm_statistics_are_not_trainable():
