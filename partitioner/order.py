@@ -34,7 +34,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, Device
 from partitioner.errors import ClusterError, InputError
 
 DEVICE_ORDERS = ("search", "given")
@@ -63,7 +63,7 @@ def interchangeable(cluster: Cluster, a: int, b: int) -> bool:
         (True, False)
     """
     da, db = cluster.devices[a], cluster.devices[b]
-    if (da.flops_per_s, da.memory_bytes) != (db.flops_per_s, db.memory_bytes):
+    if _speeds(da) != _speeds(db) or da.memory_bytes != db.memory_bytes:
         return False
     if a != b and cluster.bandwidth(a, b) != cluster.bandwidth(b, a):
         return False
@@ -153,12 +153,18 @@ def candidate_orders(cluster: Cluster, max_orders: int = MAX_ORDERS) -> list[tup
     return distinct(cluster, [_devices(classes, s) for s in [given, *sequences]])[:max_orders]
 
 
+def _speeds(device: Device) -> tuple[object, ...]:
+    """Every speed a device may run a model at: its rate, and its peaks per dtype times its efficiency
+    (two devices equal here are equally fast for a model of any compute dtype)."""
+    return (device.flops_per_s, device.peak_flops_per_s, device.efficiency)
+
+
 def signature(cluster: Cluster, order: Sequence[int]) -> tuple[object, ...]:
     """What every cost depends on in a pipeline order: each position's speed and memory, and the link
     between every two positions. Two orders with one signature give the same plans."""
     devices = cluster.devices
     return (
-        tuple((devices[k].flops_per_s, devices[k].memory_bytes) for k in order),
+        tuple((_speeds(devices[k]), devices[k].memory_bytes) for k in order),
         tuple(tuple(cluster.bandwidth(a, b) for b in order) for a in order),
     )
 

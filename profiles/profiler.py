@@ -4,13 +4,16 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
 
     attribute          how
     -----------------  ---------------------------------------------------------------------------
-    flops              forward FLOPs of the call's traced TF graph (profiles.flops; a multiply-add
-                       is 2 FLOPs), plus the backward pass: 2x forward for calls of layers with
-                       trainable weights (gradients for inputs and weights), 1x forward otherwise.
-                       So flops = 3 * forward or 2 * forward.
+    forward_flops      FLOPs of the call's traced TF graph (profiles.flops; a multiply-add is 2 FLOPs)
+    flops              forward + backward: partitioner.cost.training_flops, 3 * forward for calls of
+                       layers with trainable weights (gradients for inputs and weights), 2 * forward
+                       otherwise (frozen layers: gradients for the inputs only)
     param_bytes        size * itemsize of every weight of the layer (trainable and not), on the
                        layer's first call only; a weight is counted once even if layers share it.
                        Variables keep their own dtype (float32 under mixed_float16).
+    trainable_param_bytes  the part of param_bytes in the layer's trainable weights (0 for a frozen
+                       layer, ``trainable=False``; a batch normalization's moving statistics are
+                       never trainable): only these get gradients and optimizer slots.
     activation_bytes   bytes kept for the backward pass. A layer without sublayers (and a Keras
                        op): the bytes of its outputs. A composite layer (a Layer with sublayers,
                        e.g. a transformer block or an RNN and its cell): the output bytes of every
@@ -19,6 +22,11 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        InputLayer: 0.
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
+
+The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
+costs are for, so ``partitioner.rescale_graph`` can scale them to another batch), and
+``compute_dtype``: the compute dtype of the layers that do most of the forward FLOPs, from their
+Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16).
 
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
 size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
@@ -52,6 +60,7 @@ from typing import Any
 
 import networkx as nx
 
+from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError
 from partitioner.graph import load_graph, save_graph, validate_graph
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
@@ -125,7 +134,9 @@ def profile_model(
 
     import tensorflow as tf  # lazy: the planner side stays free of TensorFlow
 
-    graph = nx.DiGraph(model_name=model.name, batch_size=batch_size, num_microbatches=num_microbatches)
+    graph = nx.DiGraph(
+        model_name=model.name, batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=micro_batch
+    )
     timing_device = None
     if measure_time:
         from profiles.local import measure_flops_per_s
@@ -135,12 +146,17 @@ def profile_model(
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
     profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup)
     counted: set[int] = set()  # ids of weights already given to a node
+    dtype_flops: dict[str, float] = {}  # compute dtype -> forward FLOPs of the calls computing in it
     for done, call in enumerate(calls, start=1):
         graph.add_node(call.name, **profiler.attributes(done - 1, call, counted))
+        dtype = _compute_dtype(call.operation)
+        if dtype is not None:
+            dtype_flops[dtype] = dtype_flops.get(dtype, 0.0) + graph.nodes[call.name].get("forward_flops", 0.0)
         for source, num_bytes in _input_edges(call, shapes, micro_batch).items():
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
+    graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
 
@@ -238,11 +254,14 @@ class _CallProfiler:
             if self._device is not None:
                 attrs["time_s"] = 0.0
             return attrs
-        param_bytes = 0
+        param_bytes = trainable_bytes = 0
+        trainable_ids = {id(w) for w in _trainable_weights(call.operation)}
         for weight in getattr(call.operation, "weights", []):
             if id(weight) not in counted:
                 counted.add(id(weight))
-                param_bytes += math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+                size = math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+                param_bytes += size
+                trainable_bytes += size if id(weight) in trainable_ids else 0
         name = call.operation.name
         specs = [
             self._tf.TensorSpec(_micro_shape(self._shapes[s.call][s.output], self._micro_batch, name), t.dtype)
@@ -252,7 +271,6 @@ class _CallProfiler:
         if key not in self._memo:
             self._memo[key] = self._measure(call, specs)
         forward, traced_bytes, time_s = self._memo[key]
-        backward = 2.0 if _trainable_weights(call.operation) else 1.0
         if _is_composite(call.operation):
             activation_bytes = traced_bytes
         else:
@@ -261,8 +279,10 @@ class _CallProfiler:
                 for t, shape in zip(call.node.output_tensors, self._shapes[index], strict=True)
             )
         attrs.update(
-            flops=float(forward * (1.0 + backward)),
+            flops=training_flops(float(forward), bool(trainable_ids)),
+            forward_flops=float(forward),
             param_bytes=int(param_bytes),
+            trainable_param_bytes=int(trainable_bytes),
             activation_bytes=int(activation_bytes),
         )
         if time_s is not None:
@@ -345,6 +365,20 @@ def _summary(err: Exception) -> str:
 
 def _trainable_weights(operation: Any) -> list[Any]:
     return list(getattr(operation, "trainable_weights", []))
+
+
+def _compute_dtype(operation: Any) -> str | None:
+    """The dtype ``operation`` computes in, from its Keras dtype policy (None for a Keras op without one)."""
+    policy = getattr(operation, "dtype_policy", None)
+    dtype = getattr(policy, "compute_dtype", None)
+    return str(dtype) if dtype else None
+
+
+def _model_compute_dtype(model: Any, dtype_flops: dict[str, float]) -> str:
+    """The compute dtype of the layers doing most of the forward FLOPs; the model's own when none do any."""
+    if dtype_flops and max(dtype_flops.values()) > 0:
+        return max(sorted(dtype_flops), key=dtype_flops.__getitem__)
+    return _compute_dtype(model) or "float32"
 
 
 def _is_composite(operation: Any) -> bool:

@@ -59,7 +59,7 @@ def test_cli_plan_device_order(profile_file, tmp_path, capsys) -> None:
     cluster = pt.Cluster([*devices, pt.Device("/GPU:3", memory="32GiB", flops_per_s=200e12)], bandwidth="10GB/s")
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(cluster.to_json())
-    argv = ["plan", str(profile_file), "--cluster", str(cluster_file), "--micro-batches", "4", "--json"]
+    argv = ["plan", str(profile_file), "--cluster", str(cluster_file), "--json"]
     assert main([*argv, "--device-order", "given"]) == 0
     given = pt.Plan.from_json(capsys.readouterr().out)
     assert main(argv) == 0
@@ -140,6 +140,58 @@ def test_cli_errors_are_one_line(argv, message, profile_file, tmp_path, capsys) 
     assert "Traceback" not in captured.err
 
 
+@pytest.fixture
+def batched_profile_file(tmp_path):
+    """A chain profiled at batch 32 in 8 micro-batches: costs are for 4 samples, as the profiler records them."""
+    graph = pt.chain_graph(
+        [4e12] * 4, param_bytes=[2**20] * 4, activation_bytes=[2**20] * 4, edge_bytes=[2**20] * 3, prefix="dense"
+    )
+    graph.graph.update(model_name="mlp", batch_size=32, num_microbatches=8, micro_batch_size=4)
+    path = tmp_path / "batched.json"
+    pt.save_graph(graph, path)
+    return path
+
+
+def _planned(path, capsys, *flags: str) -> pt.Plan:
+    argv = ["plan", str(path), "--devices", "1", "--memory", "64GiB", "--flops-per-s", "1e12", *flags, "--json"]
+    assert main(argv) == 0
+    return pt.Plan.from_json(capsys.readouterr().out)
+
+
+def test_cli_plan_from_profile_rescales_to_the_batch_size(batched_profile_file, capsys) -> None:
+    as_profiled = _planned(batched_profile_file, capsys)
+    assert as_profiled.num_microbatches == 8  # the profile's own M
+    assert as_profiled.step_time_s == pytest.approx(8 * 4 * 4.0)  # 8 micro-batches of 4 layers x 4 s
+    doubled = _planned(batched_profile_file, capsys, "--batch-size", "64")
+    assert doubled.num_microbatches == 8
+    assert doubled.step_time_s == pytest.approx(2 * as_profiled.step_time_s)  # twice the samples, twice the work
+    assert doubled.memory_bytes["/GPU:0"] > as_profiled.memory_bytes["/GPU:0"]  # activations grow, weights do not
+
+
+def test_cli_plan_from_profile_micro_batches_split_the_batch(batched_profile_file, capsys) -> None:
+    eight = _planned(batched_profile_file, capsys, "--batch-size", "64", "--micro-batches", "8")
+    two = _planned(batched_profile_file, capsys, "--batch-size", "64", "--micro-batches", "2")
+    assert two.num_microbatches == 2
+    assert two.step_time_s == pytest.approx(eight.step_time_s)  # one device: the same 64 samples of work
+    assert two.compute_times["/GPU:0"] == pytest.approx(4 * eight.compute_times["/GPU:0"])  # 32 samples, not 8
+
+
+def test_cli_plan_from_profile_says_the_batch(batched_profile_file, capsys) -> None:
+    argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", "--summary", "--no-compare"]
+    assert main([*argv, "--batch-size", "48", "--micro-batches", "4"]) == 0
+    assert "batch 48 in 4 micro-batches of 12" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"), [(["--batch-size", "64"], "--batch-size"), (["--micro-batches", "4"], "--micro-batches")]
+)
+def test_cli_plan_from_profile_without_a_batch_size_refuses_to_rescale(profile_file, flags, named, capsys) -> None:
+    assert main(["plan", str(profile_file), "--devices", "2", "--memory", "16GiB", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    assert "does not record the batch size its costs were measured at" in err and f"so {named} cannot" in err
+
+
 def test_cli_plan_keras_application(capsys, virtual_devices) -> None:
     """A keras.applications name is built with weights=None, profiled and planned."""
     code = main(["plan", "MobileNetV2", "--input-size", "32", "--devices", "4", "--memory", "2GiB", "--summary"])
@@ -158,7 +210,14 @@ def test_cli_profile_writes_a_layer_graph(tmp_path, capsys, virtual_devices) -> 
     code = main(["profile", "MobileNetV2", "--input-size", "32", "--no-time", "--out", str(out_file)])
     assert code == 0
     graph = pt.load_graph(out_file)
-    assert graph.number_of_nodes() > 100 and "GFLOPs" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert graph.number_of_nodes() > 100 and "GFLOPs per micro-batch of 4 samples" in out  # 32 in 8
+    assert "computed in float32" in out
+    assert (graph.graph["batch_size"], graph.graph["micro_batch_size"], graph.graph["compute_dtype"]) == (
+        32,
+        4,
+        "float32",
+    )
 
 
 def _one_error_line(captured) -> str:
