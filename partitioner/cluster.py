@@ -336,6 +336,18 @@ class Cluster:
         ``bandwidth_bytes_per_s`` or ``topology`` with ``devices_per_node``,
         ``intra_node_bandwidth_bytes_per_s`` and ``inter_node_bandwidth_bytes_per_s``. Each device
         keeps the profile's peaks: the cost model picks the peak for the model's compute dtype.
+        Mixed devices: ``groups``, a list of ``{device_profile, num_devices, bandwidth_bytes_per_s}``
+        (each optionally with its own ``efficiency``), listed in the cluster's order, with
+        ``inter_group_bandwidth_bytes_per_s`` for any two devices of different groups; ``dtype`` and
+        ``device_prefix`` apply to all (devices are numbered across the groups: /GPU:0, /GPU:1, ...).
+
+        Example:
+            >>> t4 = {"device_profile": "T4-16GB", "num_devices": 2, "bandwidth_bytes_per_s": 15.75e9}
+            >>> a100 = {"device_profile": "A100-SXM-80GB", "num_devices": 2, "bandwidth_bytes_per_s": 3e11}
+            >>> mixed = {"schema_version": 1, "kind": "cluster", "dtype": "float16",
+            ...          "inter_group_bandwidth_bytes_per_s": 12.5e9, "groups": [t4, a100]}
+            >>> [d.hardware for d in Cluster.from_dict(mixed).devices]
+            ['T4-16GB', 'T4-16GB', 'A100-SXM-80GB', 'A100-SXM-80GB']
         """
         if not isinstance(data, dict) or data.get("kind") != "cluster":
             raise ClusterError(f"{source} is not a cluster description (expected kind='cluster').")
@@ -349,7 +361,10 @@ class Cluster:
             )
         try:
             name = str(data.get("name", "cluster"))
-            if "devices" in data:
+            bandwidth: Any
+            if "groups" in data:
+                devices, bandwidth = _group_devices(data, source)
+            elif "devices" in data:
                 devices = [
                     Device(
                         d["name"],
@@ -362,39 +377,18 @@ class Cluster:
                     for d in data["devices"]
                 ]
             else:
-                profile = load_device_profile(data["device_profile"])
-                dtype = data.get("dtype", "float32")
-                peaks = profile["peak_flops_per_s"]
-                if dtype not in peaks:
-                    raise ClusterError(
-                        f"{source}: device profile '{profile['name']}' has no peak for dtype '{dtype}'. "
-                        f"It has: {sorted(peaks)}."
-                    )
-                efficiency = data.get("efficiency", profile["efficiency"])  # the cluster's own, else the profile's
-                if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
-                    raise ClusterError(
-                        f"{source}: efficiency is the share of peak FLOP/s reached in training, in (0, 1]. "
-                        f"Received: {efficiency!r}."
-                    )
-                prefix = data.get("device_prefix", "/GPU:")
-                devices = [
-                    Device(
-                        f"{prefix}{i}",
-                        memory_bytes=profile["memory_bytes"],
-                        hardware=profile["name"],
-                        peak_flops_per_s=peaks,
-                        efficiency=efficiency,
-                        dtype=dtype,
-                    )
-                    for i in range(_positive_int(data["num_devices"], "num_devices", source))
-                ]
-            if "topology" in data:
+                devices = _profile_devices(
+                    data, data["device_profile"], data["num_devices"], data.get("efficiency"), 0, source
+                )
+            if "groups" in data:
+                pass  # _group_devices gave the links
+            elif "topology" in data:
                 topo = data["topology"]
                 per_node = _positive_int(topo["devices_per_node"], "devices_per_node", source)
                 intra = parse_rate(topo["intra_node_bandwidth_bytes_per_s"], name="intra-node bandwidth")
                 inter = parse_rate(topo["inter_node_bandwidth_bytes_per_s"], name="inter-node bandwidth")
                 k = len(devices)
-                bandwidth: Any = [
+                bandwidth = [
                     [intra if i // per_node == j // per_node else inter for j in range(k)] for i in range(k)
                 ]
             else:
@@ -435,6 +429,82 @@ class Cluster:
         except json.JSONDecodeError as err:
             raise ClusterError(f"{label} is not valid JSON ({err.msg} at line {err.lineno}).") from err
         return cls.from_dict(data, source=label)
+
+
+def _profile_devices(
+    data: Mapping[str, Any], profile_name: Any, num_devices: Any, efficiency: Any, first: int, source: str
+) -> list[Device]:
+    """``num_devices`` devices of the bundled profile ``profile_name``, numbered from ``first``, with the
+    cluster's ``dtype`` and ``device_prefix`` and ``efficiency`` (None: the profile's own)."""
+    profile = load_device_profile(profile_name)
+    dtype = data.get("dtype", "float32")
+    peaks = profile["peak_flops_per_s"]
+    if dtype not in peaks:
+        raise ClusterError(
+            f"{source}: device profile '{profile['name']}' has no peak for dtype '{dtype}'. "
+            f"It has: {sorted(peaks)}. Set the cluster's 'dtype' to one every device profile lists."
+        )
+    if efficiency is None:
+        efficiency = profile["efficiency"]  # the cluster's own, else the profile's
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+        raise ClusterError(
+            f"{source}: efficiency is the share of peak FLOP/s reached in training, in (0, 1]. "
+            f"Received: {efficiency!r}."
+        )
+    prefix = data.get("device_prefix", "/GPU:")
+    return [
+        Device(
+            f"{prefix}{i}",
+            memory_bytes=profile["memory_bytes"],
+            hardware=profile["name"],
+            peak_flops_per_s=peaks,
+            efficiency=efficiency,
+            dtype=dtype,
+        )
+        for i in range(first, first + _positive_int(num_devices, "num_devices", source))
+    ]
+
+
+def _group_devices(data: Mapping[str, Any], source: str) -> tuple[list[Device], list[list[float]]]:
+    """The devices and bandwidth matrix of a cluster made of ``groups`` of one device profile each."""
+    clashing = sorted(key for key in ("devices", "device_profile", "num_devices", "topology") if key in data)
+    if clashing:
+        raise ClusterError(
+            f"{source} has 'groups' and {clashing}; a cluster lists its devices one way. "
+            "Move each profile and count into a group, or drop 'groups'."
+        )
+    groups = data["groups"]
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise ClusterError(
+            f"{source}: 'groups' must be a non-empty list of objects "
+            "{'device_profile', 'num_devices', 'bandwidth_bytes_per_s'}. Received: "
+            f"{groups!r}."
+        )
+    if "inter_group_bandwidth_bytes_per_s" not in data:
+        raise ClusterError(
+            f"{source} has groups but no 'inter_group_bandwidth_bytes_per_s' (bytes/s between devices of "
+            "different groups). Add it, e.g. 12.5e9 for 100 Gb/s Ethernet."
+        )
+    inter = parse_rate(data["inter_group_bandwidth_bytes_per_s"], name=f"{source}: inter-group bandwidth")
+    devices: list[Device] = []
+    group_of: list[int] = []
+    inside: list[float] = []
+    for g, group in enumerate(groups):
+        missing = [key for key in ("device_profile", "num_devices", "bandwidth_bytes_per_s") if key not in group]
+        if missing:
+            raise ClusterError(
+                f"{source}: group {g} has no {missing}; each group needs 'device_profile', 'num_devices' "
+                "and 'bandwidth_bytes_per_s' (between two of its devices)."
+            )
+        members = _profile_devices(
+            data, group["device_profile"], group["num_devices"], group.get("efficiency"), len(devices), source
+        )
+        devices += members
+        group_of += [g] * len(members)
+        inside.append(parse_rate(group["bandwidth_bytes_per_s"], name=f"{source}: bandwidth of group {g}"))
+    k = len(devices)
+    matrix = [[inside[group_of[i]] if group_of[i] == group_of[j] else inter for j in range(k)] for i in range(k)]
+    return devices, matrix
 
 
 def _positive_int(value: Any, name: str, source: str) -> int:

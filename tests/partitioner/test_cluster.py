@@ -283,3 +283,75 @@ def test_device_default_speed_needs_a_peak_for_its_dtype():
     with pytest.raises(ClusterError, match=r"'/GPU:0' has no float32 peak for its default speed .* Pass dtype="):
         Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15})
     assert Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15}, dtype="bfloat16").flops_per_s == 1e15
+
+
+# ----- groups: one cluster of several device profiles
+
+
+def _groups_cluster(**changes):
+    data = {
+        "schema_version": 1,
+        "kind": "cluster",
+        "dtype": "float16",
+        "groups": [
+            {"device_profile": "T4-16GB", "num_devices": 2, "bandwidth_bytes_per_s": 15.75e9},
+            {
+                "device_profile": "A100-SXM-80GB",
+                "num_devices": 3,
+                "bandwidth_bytes_per_s": "300GB/s",
+                "efficiency": 0.4,
+            },
+        ],
+        "inter_group_bandwidth_bytes_per_s": 12.5e9,
+    }
+    data.update(changes)
+    return data
+
+
+def test_cluster_groups_mix_device_profiles_in_the_listed_order():
+    cluster = Cluster.from_dict(_groups_cluster())
+    assert cluster.names == ["/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3", "/GPU:4"]
+    assert [d.hardware for d in cluster.devices] == ["T4-16GB"] * 2 + ["A100-SXM-80GB"] * 3
+    t4, a100 = cluster.devices[0], cluster.devices[2]
+    assert t4.flops_per_s == pytest.approx(65e12 * 0.25)  # the T4 profile's own efficiency
+    assert a100.flops_per_s == pytest.approx(312e12 * 0.4)  # the group's efficiency overrides the profile's
+    assert a100.flops_per_s_for("float32") == pytest.approx(156e12 * 0.4)  # tf32 on the A100
+    assert t4.flops_per_s_for("float32") == pytest.approx(8.1e12 * 0.25)
+    assert cluster.bandwidth(0, 1) == 15.75e9
+    assert cluster.bandwidth(2, 4) == cluster.bandwidth(4, 3) == 300e9
+    assert cluster.bandwidth(1, 2) == cluster.bandwidth(4, 0) == 12.5e9
+    again = Cluster.from_json(cluster.to_json())
+    assert again.devices == cluster.devices
+    assert again.bandwidth_bytes_per_s == cluster.bandwidth_bytes_per_s
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"groups": []}, "'groups' must be a non-empty list"),
+        ({"groups": ["T4-16GB"]}, "'groups' must be a non-empty list"),
+        ({"groups": [{"device_profile": "T4-16GB", "num_devices": 2}]}, r"group 0 has no \['bandwidth_bytes_per_s'\]"),
+        ({"inter_group_bandwidth_bytes_per_s": None}, "no 'inter_group_bandwidth_bytes_per_s'"),
+        ({"device_profile": "T4-16GB"}, r"has 'groups' and \['device_profile'\]"),
+        ({"dtype": "bfloat16"}, "'T4-16GB' has no peak for dtype 'bfloat16'.*every device profile lists"),
+        (
+            {"groups": [{"device_profile": "T4-16GB", "num_devices": 0, "bandwidth_bytes_per_s": 1e9}]},
+            "num_devices must be an integer >= 1",
+        ),
+        (
+            {"groups": [{"device_profile": "X9", "num_devices": 1, "bandwidth_bytes_per_s": 1e9}]},
+            "No device profile 'X9'",
+        ),
+        (
+            {"groups": [{"device_profile": "T4-16GB", "num_devices": 1, "bandwidth_bytes_per_s": 1, "efficiency": 2}]},
+            r"efficiency is the share of peak FLOP/s reached in training, in \(0, 1\]",
+        ),
+    ],
+)
+def test_cluster_groups_refuse_malformed_input_in_one_line(changes, match):
+    data = _groups_cluster(**changes)
+    if changes.get("inter_group_bandwidth_bytes_per_s", 0) is None:
+        del data["inter_group_bandwidth_bytes_per_s"]
+    with pytest.raises(ClusterError, match=match) as info:
+        Cluster.from_dict(data)
+    assert "\n" not in str(info.value)

@@ -207,7 +207,7 @@ def test_cluster_loads_by_name_and_by_path(name: str) -> None:
 def test_cluster_devices_come_from_the_profile(name: str) -> None:
     data = _read(HARDWARE_DIR / f"{name}.json")
     if "device_profile" not in data:
-        pytest.skip("explicit device list")
+        pytest.skip("explicit device list or groups (test_heterogeneous_cluster_lists_slow_devices_first)")
     cluster = Cluster.from_json(name)
     profile = load_device_profile(data["device_profile"])
     prefix = data.get("device_prefix", "/GPU:")
@@ -329,3 +329,28 @@ def test_cluster_with_unknown_device_profile_fails() -> None:
     }
     with pytest.raises(ClusterError, match="nope"):
         Cluster.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("name", "slow", "fast", "inside", "between"),
+    [
+        ("2xT4+2xA100", ("T4-16GB", 2), ("A100-SXM-80GB", 2), (15.75e9, 300e9), 12.5e9),
+        ("4xT4+4xV100", ("T4-16GB", 4), ("V100-SXM2-32GB", 4), (15.75e9, 25e9), 12.5e9),
+        ("2x4xV100+A100-ib", ("V100-SXM2-32GB", 4), ("A100-SXM-80GB", 4), (25e9, 300e9), 25e9),
+    ],
+)
+def test_heterogeneous_cluster_lists_slow_devices_first(name, slow, fast, inside, between) -> None:
+    cluster = Cluster.from_json(name)
+    hardware = [d.hardware for d in cluster.devices]
+    assert hardware == [slow[0]] * slow[1] + [fast[0]] * fast[1]
+    n = slow[1]
+    for dtype in ("float32", "float16"):  # slow first: the worst order for a pipeline that follows the list
+        assert cluster.devices[0].flops_per_s_for(dtype) < cluster.devices[n].flops_per_s_for(dtype)
+    for i in range(cluster.num_devices):
+        for j in range(cluster.num_devices):
+            if i != j:
+                same = (i < n) == (j < n)
+                expected = (inside[0] if i < n else inside[1]) if same else between
+                assert cluster.bandwidth(i, j) == expected, (i, j)
+    for group in _read(HARDWARE_DIR / f"{name}.json")["groups"]:
+        assert group["device_profile"] in bundled_device_profiles()
