@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 from graphs import KIB, chain, diamond, draw_cluster, memory_need
@@ -279,3 +280,23 @@ def test_candidate_orders_of_many_classes_stay_few():
     assert len(device_classes(cluster)) == 12
     assert candidate_orders(cluster) == [tuple(range(12)), tuple(range(11, -1, -1))]
     assert not every_order_searched(cluster)
+
+
+VGG16 = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_quality" / "graphs" / "VGG16-b32-m8.json"
+
+
+@pytest.mark.parametrize("name", ["2xT4+2xA100", "4xT4+4xV100", "2x4xV100+A100-ib"])
+def test_search_on_a_bundled_mixed_cluster_does_not_depend_on_the_listed_order(name):
+    graph = pt.load_graph(VGG16)  # a chain: the exact DP plans it in well under a second
+    cluster = pt.Cluster.from_json(name)  # slow devices listed first
+    searched = pt.solve(graph, cluster, num_microbatches=8)
+    given = pt.solve(graph, cluster, num_microbatches=8, options=pt.SolverOptions(device_order="given"))
+    pt.validate_plan(searched, graph, cluster)
+    assert searched.step_time_s <= given.step_time_s * (1 + 1e-9)
+    fast_first = pt.solve(graph, reorder(cluster, by_speed(cluster)), num_microbatches=8)
+    reversed_ = pt.solve(graph, reorder(cluster, list(range(cluster.num_devices))[::-1]), num_microbatches=8)
+    assert fast_first.step_time_s == pytest.approx(searched.step_time_s, rel=1e-9)
+    assert reversed_.step_time_s == pytest.approx(searched.step_time_s, rel=1e-9)
+    speeds = {d.name: d.flops_per_s_for("float32") for d in cluster.devices}
+    heaviest = max(searched.stages, key=lambda d: sum(graph.nodes[v]["flops"] for v in searched.nodes_on(d)))
+    assert speeds[heaviest] == max(speeds.values())  # the most work runs on a fastest device
