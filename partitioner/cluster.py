@@ -388,9 +388,7 @@ class Cluster:
                 intra = parse_rate(topo["intra_node_bandwidth_bytes_per_s"], name="intra-node bandwidth")
                 inter = parse_rate(topo["inter_node_bandwidth_bytes_per_s"], name="inter-node bandwidth")
                 k = len(devices)
-                bandwidth = [
-                    [intra if i // per_node == j // per_node else inter for j in range(k)] for i in range(k)
-                ]
+                bandwidth = [[intra if i // per_node == j // per_node else inter for j in range(k)] for i in range(k)]
             else:
                 bandwidth = data["bandwidth_bytes_per_s"]
                 if isinstance(bandwidth, list):

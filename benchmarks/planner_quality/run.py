@@ -5,10 +5,12 @@ code with random weights: nothing is downloaded) and each K in 2, 4, 8 devices o
 hardware profile, this plans with CP-SAT (``pt.solve``), the exact chain DP (chains only), and the
 uniform, parameter-balanced and time-balanced baselines; replays every plan's GPipe step with the
 pipeline simulator; and writes results.json, the table in README.md and speedup.png beside this
-script. Run from the repository root:
+script. A second section plans on the heterogeneous bundled clusters (slow devices listed first):
+``pt.solve`` with the device-order search, the listed order, Metis' "fastest device on the heaviest
+stage" order and the fastest-first order, and the baselines. Run from the repository root:
 
-    .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models (1 minute on 2 cores)
-    .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models (2-3 minutes)
+    .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
+    .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models
 
 Profiled layer graphs are cached in graphs/ (JSON); ``--reprofile`` rebuilds them, which needs
 keras-hub for the transformers (see README.md for the install line).
@@ -70,6 +72,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 QUICK = ("ResNet50", "DenseNet121", "VGG16", "GPT2-12")
+# Heterogeneous bundled clusters, each listing its slow devices first (the worst order to follow blindly).
+HETERO_CLUSTERS = ("2xT4+2xA100", "4xT4+4xV100", "2x4xV100+A100-ib")
+HETERO_QUICK = ("ResNet50", "VGG16", "GPT2-12")
+HETERO_ORDERS = ("search", "given", "metis", "fastest_first")  # the pipeline orders solve plans in
 
 
 # ----- models --------------------------------------------------------------------------------------
@@ -223,6 +229,139 @@ def _line(row: dict[str, Any]) -> str:
     picked = (row["plans"]["solve"] or {}).get("method", "")
     gap += f" (solve picked {picked.split()[0]})" if "shorter step" in picked else ""
     return f"{row['model']:14s} K={row['devices']}{gap}  " + " ".join(cells) + (" LOSS" if row["losses"] else "")
+
+
+# ----- heterogeneous clusters ----------------------------------------------------------------------
+
+
+def _best_baseline(graph: nx.DiGraph, cluster: pt.Cluster) -> tuple[str, pt.Plan | None, dict[str, Any] | None]:
+    """The baseline (in the cluster's listed order) with the shortest simulated step among those that fit,
+    else among all; with its scored figures."""
+    found = []
+    for method, baseline in pt.baselines.BASELINES.items():
+        try:
+            plan = baseline(graph, cluster, num_microbatches=NUM_MICROBATCHES)
+        except pt.InfeasiblePlanError:
+            continue
+        found.append((method, plan, score(plan, graph, cluster)))
+    if not found:
+        return "-", None, None
+    return min(found, key=lambda f: (not f[2]["fits_memory"], f[2]["step_time_s"]))
+
+
+def hetero_orders(graph: nx.DiGraph, cluster: pt.Cluster, base: pt.Plan | None) -> dict[str, pt.Cluster]:
+    """The cluster listed in each order solve plans in with device_order="given" (search: the listed one).
+
+    metis: the best baseline's stages, the one with the most FLOPs on the fastest device and so on
+    down (Metis' rule, :func:`partitioner.order.fastest_on_heaviest`); fastest_first: devices by speed.
+    """
+    from partitioner.order import by_speed, fastest_on_heaviest, reorder
+
+    orders = {"search": cluster, "given": cluster, "fastest_first": reorder(cluster, by_speed(cluster))}
+    if base is not None:
+        work = [sum(float(graph.nodes[v]["flops"]) for v in base.nodes_on(d)) for d in base.stages]
+        orders["metis"] = reorder(cluster, fastest_on_heaviest(cluster, work))
+    return {name: orders[name] for name in HETERO_ORDERS if name in orders}
+
+
+def run_hetero(name: str, time_limit_s: float) -> list[dict[str, Any]]:
+    """One row per heterogeneous cluster: solve in each order of :func:`hetero_orders`, and the best baseline."""
+    graph, _ = load_graph(name, reprofile=False)
+    rows = []
+    for cluster_name in HETERO_CLUSTERS:
+        cluster = pt.Cluster.from_json(cluster_name)
+        base_method, base_plan, base_score = _best_baseline(graph, cluster)
+        row: dict[str, Any] = {"model": name, "cluster": cluster_name, "plans": {}}
+        for order_name, listed in hetero_orders(graph, cluster, base_plan).items():
+            options = pt.SolverOptions(device_order="search" if order_name == "search" else "given")
+            try:
+                plan = pt.solve(
+                    graph, listed, num_microbatches=NUM_MICROBATCHES, time_limit_s=time_limit_s, options=options
+                )
+            except pt.InfeasiblePlanError as err:
+                row["plans"][order_name] = {"status": "infeasible", "error": str(err).splitlines()[0]}
+                continue
+            pt.validate_plan(plan, graph, cluster)  # against the cluster as listed: the plan carries its order
+            figures = score(plan, graph, cluster)
+            figures["stages"] = [f"{d} ({cluster.devices[cluster.index(d)].hardware})" for d in plan.stages]
+            row["plans"][order_name] = figures
+        row["plans"]["best_baseline"] = base_score and {**base_score, "baseline": base_method}
+        row["losses"] = hetero_losses(row["plans"])
+        rows.append(row)
+        cells = " ".join(f"{k}={_ms(p)}" for k, p in row["plans"].items())
+        print(f"{name:14s} {cluster_name:18s} {cells}" + (" LOSS" if row["losses"] else ""), flush=True)
+    return rows
+
+
+def hetero_losses(plans: dict[str, Any]) -> list[str]:
+    """Where solve with the order search has a longer simulated step than another column's plan that fits."""
+    ours = plans.get("search")
+    if not ours or "step_time_s" not in ours:
+        return []
+    found = []
+    for method, other in plans.items():
+        if method == "search" or not other or "step_time_s" not in other or not other["fits_memory"]:
+            continue
+        if other["step_time_s"] < ours["step_time_s"] * (1 - 1e-6):
+            found.append(
+                f"{method} step {other['step_time_s'] * 1e3:.3f} ms < search {ours['step_time_s'] * 1e3:.3f} ms"
+            )
+    return found
+
+
+def _hardware_counts(stages: list[str]) -> str:
+    """'2x A100-SXM-80GB' from stage labels '/GPU:2 (A100-SXM-80GB)', in pipeline order of first use."""
+    kinds = [s.split("(")[-1].rstrip(")") for s in stages]
+    return " + ".join(f"{kinds.count(k)}x {k}" for k in dict.fromkeys(kinds))
+
+
+def hetero_tables(results: dict[str, Any]) -> str:
+    rows = results["hetero_rows"]
+    lines = [
+        f"Generated by `{results['command']}` on {results['date']} ({results['machine']}; a machine shared with "
+        "other jobs: plan quality figures, not timings). Models: "
+        + ", ".join(dict.fromkeys(r["model"] for r in rows))
+        + f"; batch {BATCH_SIZE}, M = {NUM_MICROBATCHES}, float32 as profiled; CP-SAT time limit "
+        f"{results['hetero_time_limit_s']} s per plan. Step times from the pipeline simulator (GPipe), in ms "
+        '(* = does not fit in memory). Columns: `search` = `pt.solve` (device_order="search", the default); '
+        '`given` = `pt.solve(..., options=SolverOptions(device_order="given"))` on the listed order (slow '
+        "devices first); `metis` = solve in the order that puts the best baseline's heaviest stage (FLOPs) on the "
+        "fastest device and so on down (Metis' rule, `partitioner.order.fastest_on_heaviest`), with "
+        'device_order="given"; `fastest first` = solve with device_order="given" on the devices sorted '
+        "fastest first (`partitioner.order.by_speed`); `best baseline` = the fastest of uniform, by_params and "
+        "by_time that fits, on the listed order and all devices. Ratios are the column's step over search's "
+        "(above 1: search is faster).",
+        "",
+        "| model | cluster | search | devices used by search | given | metis | fastest first | best baseline "
+        "| given / search | metis / search | fastest first / search | baseline / search |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plans = r["plans"]
+        ours = plans.get("search")
+        used = _hardware_counts(ours["stages"]) if ours and "stages" in ours else "-"
+        base = plans.get("best_baseline")
+        base_cell = _ms(base) + (f" ({base['baseline']})" if base else "")
+        ratios = []
+        for method in ("given", "metis", "fastest_first", "best_baseline"):
+            other = plans.get(method)
+            if ours and other and "step_time_s" in ours and "step_time_s" in other:
+                ratios.append(f"{other['step_time_s'] / ours['step_time_s']:.2f}")
+            else:
+                ratios.append("-")
+        steps = " | ".join(_ms(plans.get(m)) for m in ("given", "metis", "fastest_first"))
+        lines.append(
+            f"| {r['model']} | `{r['cluster']}` | {_ms(ours)} | {used} | {steps} | {base_cell} | {' | '.join(ratios)} |"
+        )
+    lost = [(r["model"], r["cluster"], loss) for r in rows for loss in r["losses"]]
+    lines += [
+        "",
+        "Where search's step is longer than another column's plan that fits: "
+        + ("none." if not lost else "")
+        + ("" if not lost else f"{len(lost)} cells."),
+    ]
+    lines += [f"- {m} on `{c}`: {loss}" for m, c, loss in lost]
+    return "\n".join(lines)
 
 
 # ----- report ----------------------------------------------------------------------------------------
@@ -405,12 +544,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="these models only")
     parser.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per plan")
     parser.add_argument("--reprofile", action="store_true", help="profile again instead of reading graphs/")
+    parser.add_argument(
+        "--hetero-time-limit", type=float, default=10.0, help="CP-SAT seconds per plan on the mixed clusters"
+    )
     args = parser.parse_args()
     names = args.models or (list(MODELS) if args.full else list(QUICK))
     flag = " --full" if args.full else (" --models " + " ".join(names) if args.models else " --quick")
     rows = []
     for name in names:
         rows += run_model(name, DEVICES, args.time_limit, args.reprofile)
+    hetero_names = [n for n in names if args.full or args.models or n in HETERO_QUICK]
+    hetero_rows = []
+    for name in hetero_names:
+        hetero_rows += run_hetero(name, args.hetero_time_limit)
     results: dict[str, Any] = {
         "command": "python benchmarks/planner_quality/run.py" + flag,
         "date": time.strftime("%Y-%m-%d"),
@@ -422,14 +568,23 @@ def main() -> None:
         "sequence_length": SEQUENCE_LENGTH,
         "time_limit_s": args.time_limit,
         "rows": rows,
+        "hetero_clusters": list(HETERO_CLUSTERS),
+        "hetero_time_limit_s": args.hetero_time_limit,
+        "hetero_rows": hetero_rows,
     }
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, HERE / "speedup.png")
     readme = HERE / "README.md"
     text = readme.read_text() if readme.exists() else "<!-- results:start -->\n<!-- results:end -->\n"
     generated = "<!-- results:start -->\n" + tables(results) + "\n" + summary(results) + "\n<!-- results:end -->"
-    readme.write_text(re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S))
+    text = re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S)
+    if "<!-- hetero:start -->" not in text:
+        text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
+    generated = "<!-- hetero:start -->\n" + hetero_tables(results) + "\n<!-- hetero:end -->"
+    text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
+    readme.write_text(text)
     print(summary(results))
+    print(hetero_tables(results))
     print(f"wrote {HERE / 'results.json'}, {HERE / 'speedup.png'} and the tables in {readme}")
 
 
