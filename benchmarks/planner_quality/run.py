@@ -358,7 +358,7 @@ def hetero_tables(results: dict[str, Any]) -> str:
         "",
         "Where search's step is longer than another column's plan that fits: "
         + ("none." if not lost else "")
-        + ("" if not lost else f"{len(lost)} cells."),
+        + ("" if not lost else f"{len(lost)} losses."),
     ]
     lines += [f"- {m} on `{c}`: {loss}" for m, c, loss in lost]
     return "\n".join(lines)
