@@ -24,7 +24,7 @@ import tensorflow as tf
 from partitioner.errors import InputError
 from partitioner.plan import Plan
 from runtime.executor import ExecutionOptions, Executor
-from runtime.optimizer_state import compile_like, place_updates
+from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
 from runtime.stages import cut_stages
 
@@ -217,22 +217,59 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> plain = wrapped.unwrap()        # doctest: +SKIP
             >>> plain.save("trained.keras")     # doctest: +SKIP
         """
+        plain, layers = self._plain_twin()
+        copy_weights(layers)
+        compile_like(self, plain, _weight_pairs(layers))
+        return plain
+
+    def _plain_twin(self) -> tuple[Any, list[tuple[Any, Any]]]:
+        """A new model of the original architecture, and (clone of this model, its layer there) pairs."""
         original = self._state.original
         plain = keras.models.clone_model(original)
         places = _layer_pairs(original, plain)
-        layers = [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
-        copy_weights(layers)
-        compile_like(self, plain, [(a, b) for clone, target in layers for a, b in zip(clone.weights, target.weights)])
-        return plain
+        return plain, [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
 
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes the original architecture with the current weights (and optimizer state, when
         compiled): a ``.keras`` file that ``keras.models.load_model`` loads without this library."""
         self.unwrap().save(filepath, overwrite=overwrite, **kwargs)
 
+    def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        """Writes the current weights as the original architecture's (and the optimizer state, when
+        compiled, as Keras does): ``original.load_weights(filepath)`` reads the file without this
+        library, and so does ``load_weights`` of any model wrapped from that architecture.
+        ``ModelCheckpoint(save_weights_only=True)`` calls this.
+
+        Example:
+            >>> wrapped.save_weights("step.weights.h5")     # doctest: +SKIP
+            >>> original.load_weights("step.weights.h5")    # doctest: +SKIP
+        """
+        self.unwrap().save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Reads weights saved from the original architecture (by ``save_weights`` of this model, of
+        another model wrapped from it, or of the plain model itself; a ``.keras`` file works too), and
+        the optimizer state the file holds when this model is compiled. Needs no step to have run.
+
+        Example:
+            >>> fresh = runtime.wrap(model, plan)            # doctest: +SKIP
+            >>> fresh.load_weights("step.weights.h5")        # doctest: +SKIP
+        """
+        plain, layers = self._plain_twin()
+        compile_like(self, plain, [])  # an optimizer of the same kind, for the state the file holds
+        plain.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        copy_weights([(target, clone) for clone, target in layers])
+        if getattr(plain, "optimizer", None) is not None and plain.optimizer.built and self.optimizer is not None:
+            copy_optimizer_state(plain.optimizer, self.optimizer, [(b, a) for a, b in _weight_pairs(layers)])
+
     def sync_original(self) -> None:
         """Copies the current weights back into the model that was wrapped."""
         copy_weights([(clone, orig) for orig, clone in self._state.rebuilt.origin])
+
+
+def _weight_pairs(layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """(variable of a clone, the same variable of the plain model) for every weight of the layer pairs."""
+    return [(a, b) for clone, target in layers for a, b in zip(clone.weights, target.weights)]
 
 
 def _unscaled(loss: tf.Tensor) -> tf.Tensor:
