@@ -7,6 +7,7 @@ optimizer update whose arithmetic runs on each variable's device. The loss is th
 batch, so a step equals one step of the original model on the whole batch::
 
     loss = sum over m of loss(micro-batch m) * size(m) / batch size        (Keras' mean over the batch)
+    masked outputs:  sum over m of loss(m) * valid(m) / valid of the batch  (Keras' mean over valid steps)
 
     clock →   t0    t1    t2    t3    t4    t5    t6    t7
     stage 0   F0    F1    F2    F3                      B3 ...
@@ -20,6 +21,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
@@ -51,8 +53,19 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
 
 
 def _concat(parts: list[Any], batch: tf.Tensor) -> Any:
-    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped)."""
-    return keras.tree.map_structure(lambda *xs: tf.concat(xs, axis=0)[:batch], *parts)
+    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped), with their Keras masks."""
+
+    def one(*xs: tf.Tensor) -> tf.Tensor:
+        output = tf.concat(xs, axis=0)[:batch]
+        masks = [get_keras_mask(x) for x in xs]
+        if masks[0] is not None:
+            set_keras_mask(output, tf.concat(masks, axis=0)[:batch])
+        return output
+
+    return keras.tree.map_structure(one, *parts)
+
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
@@ -121,7 +134,17 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 "PipelinedModel needs a loss to train: compile(loss=...). Losses added with add_loss inside "
                 "layers are not supported by the pipelined step."
             )
-        return self._compile_loss(y, y_pred, sample_weight)
+        loss = self._compile_loss(y, y_pred, sample_weight)
+        if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
+            for entry in self._compile_loss._flat_losses or []:
+                reduction = getattr(entry.loss, "reduction", None)
+                if reduction not in _MEAN_REDUCTIONS:
+                    raise InputError(
+                        f"The loss {getattr(entry.loss, 'name', entry.loss)!r} of a masked output reduces with "
+                        f"reduction={reduction!r}: the pipelined step can match Keras' mean over the valid steps "
+                        f"only. Expected one of {_MEAN_REDUCTIONS}: compile with such a loss (Keras' default)."
+                    )
+        return loss
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """One pipelined forward and backward of a batch, without an update.
