@@ -115,8 +115,13 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
         assert_close(after, expected)
 
 
+# An LSTM's while loop inside a stage compiled with XLA: its TensorList intermediates, which the stage's
+# recorded forward returns for the backward, cannot leave the XLA cluster (TensorFlow's UnimplementedError).
+_RNN_UNDER_XLA = pytest.mark.xfail(
+    reason="TensorList crossing the XLA/TF boundary is not implemented (LSTM in a jit-compiled stage)", strict=True
+)
 CASES = [(name, k, m, "gpipe", "never", False) for name in ZOO for k in (2, 4) for m in (1, 4)] + [
-    (name, 4, 4, schedule, recompute, jit)
+    pytest.param(name, 4, 4, schedule, recompute, jit, marks=[_RNN_UNDER_XLA] if jit and name == "tagger" else [])
     for name in ZOO
     for schedule, recompute, jit in (
         ("1f1b", "never", False),
@@ -170,9 +175,10 @@ def test_transparency_matches_original(
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit_compile)
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
-    ref_grads = dict(
-        zip([id(v) for v in reference.trainable_weights], tape.gradient(ref_loss, reference.trainable_weights))
-    )
+    ref_grads = {  # an embedding's gradient comes as IndexedSlices: made dense to compare
+        id(v): tf.convert_to_tensor(g)
+        for v, g in zip(reference.trainable_weights, tape.gradient(ref_loss, reference.trainable_weights))
+    }
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
     original_index = {id(v): i for i, v in enumerate(model.trainable_weights)}
