@@ -3,13 +3,21 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# keras-hub's metadata requires tensorflow-text, which requires full `tensorflow`: pip would put it beside
+# tensorflow-cpu. So keras-hub comes without its dependencies, plus the two that `import keras_hub` needs
+# beyond Keras (its byte-pair tokenizers); kagglehub, sentencepiece and tensorflow-text are for presets
+# and tokenizers this project does not use. The `[hub]` extra is for environments with full tensorflow.
+KERAS_HUB := keras-hub==0.32.0
+KERAS_HUB_DEPS := regex tokenizers
 
 .PHONY: install demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip install --quiet --no-deps "$(KERAS_HUB)"
+	$(PY) -m pip install --quiet $(KERAS_HUB_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,7 +30,7 @@ from partitioner.errors import (
     SolverTimeoutError,
 )
 from partitioner.exact import exact_chain
-from partitioner.graph import chain_graph, load_graph, save_graph, validate_graph
+from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
 from partitioner.schedule import Action, Schedule
 from partitioner.simulate import Simulation, Span, simulate
@@ -61,6 +61,7 @@ __all__ = [
     "exact_chain",
     "load_graph",
     "plan_and_wrap",
+    "rescale_graph",
     "save_graph",
     "simulate",
     "solve",

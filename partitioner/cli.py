@@ -3,6 +3,7 @@
     partitioner plan ResNet50 --devices 4 --memory 2GiB
     partitioner plan model.keras --cluster 8xH100-nvlink --micro-batches 16 --out plan.json
     partitioner plan profile.json --devices 4 --memory 16GiB --json
+    partitioner plan profile.json --cluster 8xH100-nvlink --batch-size 256 --micro-batches 16  # rescaled
     partitioner plan ResNet50 --cluster 4xA100-nvlink --timeline timeline.png   # or --timeline - for text
     partitioner plan ResNet50 --devices 4 --memory 2GiB --schedule 1f1b         # fewer activations held
     partitioner plan ResNet50 --devices 4 --memory 1GiB --recompute auto        # recompute where it must
@@ -31,16 +32,19 @@ from partitioner import baselines as baseline_methods
 from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InputError, PartitionerError
-from partitioner.graph import load_graph, save_graph
+from partitioner.graph import load_graph, micro_batch_size, rescale_graph, save_graph
+from partitioner.order import DEVICE_ORDERS
 from partitioner.plan import Plan
 from partitioner.report import render
 from partitioner.schedule import SCHEDULES
 from partitioner.simulate import simulate
-from partitioner.solver import solve
+from partitioner.solver import SolverOptions, solve
 from partitioner.timeline import save_timeline, text_timeline
 from partitioner.validate import validate_plan
 
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_MICROBATCHES = 8
 INSTALL_HINT = "pip install 'keras-partitioner[cpu]' (or [gpu] on a machine with an NVIDIA GPU)"
 
 
@@ -90,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
         help="pipeline schedule to plan for (activation memory), simulate and draw (default: gpipe)",
     )
     plan.add_argument(
+        "--device-order",
+        choices=DEVICE_ORDERS,
+        default="search",
+        help="search: the planner chooses which device runs which stage (and which stay idle); given: stages "
+        "follow the cluster's order, for pipelines wired by hand (default: search)",
+    )
+    plan.add_argument(
         "--recompute",
         choices=RECOMPUTE,
         default="never",
@@ -128,9 +139,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_profile_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch size (default: 32)")
-    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step, M (default: 8)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"global batch size (default: {DEFAULT_BATCH_SIZE}; for a profile .json, the batch it was profiled at, "
+        "and another size rescales its costs)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        help=f"micro-batches per step, M: the batch is split into M (default: {DEFAULT_MICROBATCHES}; for a "
+        "profile .json, its own)",
+    )
     parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="NAME=SIZE[xSIZE...]",
+        help="the shape to plan for of an input whose size the model leaves open, without the batch axis, "
+        "e.g. token_ids=128 (repeat for each input)",
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        help="the size to plan for of every unknown non-batch dimension of every input (keras-hub models)",
+    )
+
+
+def _shape_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The input_shapes= and sequence_length= arguments of profile_model and plan_and_wrap, from the flags."""
+    from profiles.shapes import parse_input_shape
+
+    shapes = dict(parse_input_shape(text) for text in args.input_shape or [])
+    return {"input_shapes": shapes or None, "sequence_length": args.sequence_length}
 
 
 def _add_traceback_option(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +181,9 @@ def _add_traceback_option(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (0 ok, 2 on a user error, 1 on a failure inside the library)."""
     args = _parser().parse_args(argv)
+    if not (args.command == "plan" and args.model.endswith(".json")):  # a profile .json brings its own
+        args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+        args.micro_batches = DEFAULT_MICROBATCHES if args.micro_batches is None else args.micro_batches
     err = Console(stderr=True)
     try:
         if args.command == "plan":
@@ -247,9 +291,39 @@ def _load_model(args: argparse.Namespace, err: Console) -> Any:
     return model
 
 
+def _profile_graph(args: argparse.Namespace) -> nx.DiGraph:
+    """A profile .json's layer graph, rescaled to --batch-size split into --micro-batches where they are given.
+
+    Costs in a profile are per micro-batch of the batch it was profiled at (``micro_batch_size``);
+    without either flag they are used as they are, with the profile's M (8 if it records none).
+    """
+    graph = load_graph(args.model)
+    if args.batch_size is None and args.micro_batches is None:
+        graph.graph.setdefault("num_microbatches", DEFAULT_MICROBATCHES)
+        return graph
+    if micro_batch_size(graph) is None:
+        given = " and ".join(
+            flag
+            for flag, value in (("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches))
+            if value is not None
+        )
+        raise InputError(
+            f"'{args.model}' does not record the batch size its costs were measured at, so {given} cannot rescale "
+            "them. Profile the model again with 'partitioner profile' (it records the batch), or drop "
+            f"{given} to plan with its costs as they are (one micro-batch's each, M = {DEFAULT_MICROBATCHES})."
+        )
+    batch_size = (
+        args.batch_size if args.batch_size is not None else graph.graph.get("batch_size", micro_batch_size(graph))
+    )
+    num_microbatches = args.micro_batches
+    if num_microbatches is None:
+        num_microbatches = graph.graph.get("num_microbatches", DEFAULT_MICROBATCHES)
+    return rescale_graph(graph, batch_size=batch_size, num_microbatches=num_microbatches)
+
+
 def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.DiGraph:
     if args.model.endswith(".json"):
-        return load_graph(args.model)
+        return _profile_graph(args)
     _require_tensorflow(args)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -257,7 +331,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
 
     model = _load_model(args, err)
     columns = (TextColumn("profiling {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task(model.name, total=None)
 
         def update(done: int, total: int, name: str) -> None:
@@ -269,6 +343,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
             num_microbatches=args.micro_batches,
             measure_time=measure_time,
             progress=update,
+            **_shape_options(args),
         )
 
 
@@ -280,14 +355,15 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     cluster = _cluster(args)
     graph = _graph(args, err, measure_time=args.cost == "time")
     options: dict[str, Any] = {
-        "num_microbatches": args.micro_batches,
+        "num_microbatches": int(graph.graph["num_microbatches"]),
         "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
         "cost": args.cost,
         "schedule": args.schedule,
         "recompute": args.recompute,
     }
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
-        plan = solve(graph, cluster, time_limit_s=args.time_limit, **options)
+        search = SolverOptions(device_order=args.device_order)
+        plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
     validate_plan(plan, graph, cluster)
     if args.out:
         Path(args.out).write_text(plan.to_json())
@@ -305,6 +381,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     out.print(
         f"[bold]{escape(str(name))}[/]: {graph.number_of_nodes()} layers on {escape(cluster.name)} "
         f"({cluster.num_devices} devices), {plan.schedule} schedule"
+        + _batch_note(graph)
         + "".join(f"; stage {s} recomputes its forward" for s, again in enumerate(plan.recompute) if again)
     )
     out.print(render(plan, graph, others, placement=not args.summary))
@@ -315,6 +392,14 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if args.out:
         out.print(f"plan written to {args.out}", highlight=False, markup=False)
     return 0
+
+
+def _batch_note(graph: nx.DiGraph) -> str:
+    """', batch 64 in 8 micro-batches of 8' where the graph records its batch, else ''."""
+    batch, samples = graph.graph.get("batch_size"), micro_batch_size(graph)
+    if batch is None or samples is None:
+        return ""
+    return f", batch {batch} in {graph.graph['num_microbatches']} micro-batches of {samples}"
 
 
 def _placement(args: argparse.Namespace, err: Console) -> int:
@@ -335,11 +420,12 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
 
     make_virtual_devices(args.devices)
     model = _load_model(args, err)
+    shapes = _shape_options(args)
     with err.status(f"wrapping {escape(args.model)} on {args.devices} devices ..."):
         if args.plan:
             plan = Plan.from_json(Path(args.plan).read_text())
             recompute = None if args.recompute == "auto" else args.recompute
-            wrapped = wrap(model, plan, schedule=args.schedule, recompute=recompute)
+            wrapped = wrap(model, plan, schedule=args.schedule, recompute=recompute, **shapes)
         else:
             wrapped = plan_and_wrap(
                 model,
@@ -349,12 +435,13 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
                 memory=args.memory,
                 schedule=args.schedule or "gpipe",
                 recompute=args.recompute,
+                **shapes,
             )
         report = placement_report(wrapped)
     batch = max(args.batch_size, wrapped.num_microbatches)
     with err.status(f"running one training step on {batch} random rows ..."):
         wrapped.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-        ran = executed_placement(wrapped, *synthetic_batch(model, batch))
+        ran = executed_placement(wrapped, *synthetic_batch(model, batch, **shapes))
     out = _stdout()
     out.print(report.table())
     for line in report.misplaced:
@@ -387,7 +474,8 @@ def _profile(args: argparse.Namespace, err: Console) -> int:
     out.print(
         f"{escape(str(graph.graph.get('model_name', args.model)))}: {graph.number_of_nodes()} layers, "
         f"{graph.number_of_edges()} edges, {params / 2**20:.1f} MiB of weights, "
-        f"{flops / 1e9:.2f} GFLOPs per micro-batch (forward + backward)"
+        f"{flops / 1e9:.2f} GFLOPs per micro-batch of {micro_batch_size(graph)} samples (forward + backward), "
+        f"computed in {graph.graph.get('compute_dtype', 'float32')}"
         + (f", {sum(timed) * 1e3:.1f} ms measured per micro-batch" if timed else "")
     )
     if args.out:

@@ -32,39 +32,103 @@ DEFAULT_BANDWIDTH = 50e9  # bytes/s, about PCIe 4.0 x16 in both directions
 class Device:
     """One device: its TensorFlow name, memory and sustained FLOP/s.
 
+    A device from a hardware profile also keeps its peak FLOP/s per dtype and the share of peak it
+    reaches (``efficiency``): the cost model asks :meth:`flops_per_s_for` with the model's compute
+    dtype, so one cluster serves float32 and bfloat16 models alike. A device given one
+    ``flops_per_s`` runs every model at that rate.
+
     Example:
         >>> Device(name="/GPU:0", memory="80GiB", flops_per_s=989e12).memory_bytes
         85899345920
+        >>> peaks = {"float32": 67e12, "bfloat16": 1e15}
+        >>> Device("/GPU:0", memory="80GiB", peak_flops_per_s=peaks, efficiency=0.4).flops_per_s_for("bfloat16")
+        400000000000000.0
     """
 
     name: str  # TensorFlow device name, e.g. "/GPU:0"
     memory_bytes: int  # capacity available to the model
-    flops_per_s: float  # sustained FLOP/s used by the cost model
+    flops_per_s: float  # sustained FLOP/s for a model that does not say its compute dtype
     hardware: str | None = None  # the hardware profile it came from, e.g. "H100-SXM-80GB"
+    peak_flops_per_s: tuple[tuple[str, float], ...] = ()  # (dtype, peak FLOP/s), sorted; () for one rate
+    efficiency: float = 1.0  # share of the peak reached in training, in (0, 1]
 
     def __init__(
         self,
         name: str,
         memory: int | float | str | None = None,
-        flops_per_s: float | str = DEFAULT_FLOPS_PER_S,
+        flops_per_s: float | str | None = None,
         hardware: str | None = None,
         *,
         memory_bytes: int | None = None,
+        peak_flops_per_s: Mapping[str, float] | None = None,
+        efficiency: float = 1.0,
+        dtype: str = "float32",  # with peaks and no flops_per_s: the dtype whose speed flops_per_s is
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ClusterError(f"A device needs a non-empty name such as '/GPU:0'. Received: {name!r}.")
         if memory is None and memory_bytes is None:
             raise ClusterError(f"Device '{name}' needs a memory size, e.g. memory='16GiB'.")
+        if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+            raise ClusterError(
+                f"Device '{name}': efficiency is the share of peak FLOP/s reached in training, in (0, 1]. "
+                f"Received: {efficiency!r}."
+            )
+        peaks = tuple(
+            sorted(
+                (str(key), parse_rate(value, name=f"peak_flops_per_s['{key}'] of device '{name}'", unit="FLOP/s"))
+                for key, value in (peak_flops_per_s or {}).items()
+            )
+        )
         size = memory if memory is not None else memory_bytes
         assert size is not None
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "memory_bytes", parse_bytes(size, name=f"memory of device '{name}'"))
+        object.__setattr__(self, "hardware", hardware)
+        object.__setattr__(self, "peak_flops_per_s", peaks)
+        object.__setattr__(self, "efficiency", float(efficiency))
+        if flops_per_s is None and peaks:
+            try:
+                flops_per_s = self.flops_per_s_for(dtype)
+            except ClusterError:
+                raise ClusterError(
+                    f"Device '{name}' has no {dtype} peak for its default speed (flops_per_s); its peaks are for "
+                    f"{[key for key, _ in peaks]}. Pass dtype= one of them, add a '{dtype}' peak, or pass flops_per_s."
+                ) from None
+        elif flops_per_s is None:
+            flops_per_s = DEFAULT_FLOPS_PER_S
         object.__setattr__(
             self,
             "flops_per_s",
             parse_rate(flops_per_s, name=f"flops_per_s of device '{name}'", unit="FLOP/s"),
         )
-        object.__setattr__(self, "hardware", hardware)
+
+    def flops_per_s_for(self, dtype: str | None) -> float:
+        """Sustained FLOP/s for a model computing in ``dtype``: its peak times ``efficiency``.
+
+        A float32 model uses the ``tf32`` peak where the device has one (TensorFlow runs float32
+        matmuls and convolutions on TF32 tensor cores by default on Ampere and later GPUs), else the
+        ``float32`` peak. A device without per-dtype peaks, or ``dtype=None``, gives ``flops_per_s``.
+
+        Raises:
+            ClusterError: when the device has peaks but none for ``dtype``; the message lists them.
+
+        Example:
+            >>> a100 = Device("/GPU:0", memory="80GiB", peak_flops_per_s={"float32": 19.5e12, "tf32": 156e12})
+            >>> a100.flops_per_s_for("float32")
+            156000000000000.0
+        """
+        if dtype is None or not self.peak_flops_per_s:
+            return self.flops_per_s
+        peaks = dict(self.peak_flops_per_s)
+        key = "tf32" if dtype == "float32" and "tf32" in peaks else dtype
+        if key not in peaks:
+            what = f"'{self.name}'" + (f" ({self.hardware})" if self.hardware else "")
+            raise ClusterError(
+                f"Device {what} has no peak FLOP/s for the compute dtype '{dtype}'; it has {sorted(peaks)}. "
+                "Profile the model under a dtype policy the device runs (e.g. "
+                "keras.mixed_precision.set_global_policy('mixed_float16')), or give the device one flops_per_s."
+            )
+        return peaks[key] * self.efficiency
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-ready form of the device."""
@@ -75,6 +139,9 @@ class Device:
         }
         if self.hardware:
             data["hardware"] = self.hardware
+        if self.peak_flops_per_s:
+            data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
+            data["efficiency"] = self.efficiency
         return data
 
 
@@ -261,11 +328,14 @@ class Cluster:
     def from_dict(cls, data: Any, *, source: str = "cluster") -> Cluster:
         """Builds a cluster from its JSON form (explicit devices, or a bundled device profile).
 
-        Two forms are read. Explicit: ``devices`` (name, memory_bytes, flops_per_s) and
-        ``bandwidth_bytes_per_s`` (a number or a matrix). From a profile: ``device_profile``
-        (a file under profiles/hardware/devices), ``dtype``, ``num_devices`` and either
+        Two forms are read. Explicit: ``devices`` (name, memory_bytes, flops_per_s, and optionally
+        peak_flops_per_s and efficiency) and ``bandwidth_bytes_per_s`` (a number or a matrix). From a
+        profile: ``device_profile`` (a file under profiles/hardware/devices), ``num_devices``,
+        optionally ``dtype`` (the compute dtype assumed for a graph that does not say its own; default
+        float32) and ``efficiency`` (overrides the profile's share of peak), and either
         ``bandwidth_bytes_per_s`` or ``topology`` with ``devices_per_node``,
-        ``intra_node_bandwidth_bytes_per_s`` and ``inter_node_bandwidth_bytes_per_s``.
+        ``intra_node_bandwidth_bytes_per_s`` and ``inter_node_bandwidth_bytes_per_s``. Each device
+        keeps the profile's peaks: the cost model picks the peak for the model's compute dtype.
         """
         if not isinstance(data, dict) or data.get("kind") != "cluster":
             raise ClusterError(f"{source} is not a cluster description (expected kind='cluster').")
@@ -286,6 +356,8 @@ class Cluster:
                         memory_bytes=d["memory_bytes"],
                         flops_per_s=d["flops_per_s"],
                         hardware=d.get("hardware"),
+                        peak_flops_per_s=d.get("peak_flops_per_s"),
+                        efficiency=d.get("efficiency", 1.0),
                     )
                     for d in data["devices"]
                 ]
@@ -298,18 +370,21 @@ class Cluster:
                         f"{source}: device profile '{profile['name']}' has no peak for dtype '{dtype}'. "
                         f"It has: {sorted(peaks)}."
                     )
-                efficiency = float(data.get("efficiency", 1.0))
-                if not 0 < efficiency <= 1:
+                efficiency = data.get("efficiency", profile["efficiency"])  # the cluster's own, else the profile's
+                if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
                     raise ClusterError(
-                        f"{source}: efficiency is the share of peak FLOP/s reached, in (0, 1]. Received: {efficiency}."
+                        f"{source}: efficiency is the share of peak FLOP/s reached in training, in (0, 1]. "
+                        f"Received: {efficiency!r}."
                     )
                 prefix = data.get("device_prefix", "/GPU:")
                 devices = [
                     Device(
                         f"{prefix}{i}",
                         memory_bytes=profile["memory_bytes"],
-                        flops_per_s=peaks[dtype] * efficiency,
                         hardware=profile["name"],
+                        peak_flops_per_s=peaks,
+                        efficiency=efficiency,
+                        dtype=dtype,
                     )
                     for i in range(_positive_int(data["num_devices"], "num_devices", source))
                 ]
@@ -395,7 +470,7 @@ def load_device_profile(name: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ClusterError(f"Device profile '{path}' is not valid JSON ({err.msg} at line {err.lineno}).") from err
-    missing = [key for key in ("name", "memory_bytes", "peak_flops_per_s") if key not in data]
+    missing = [key for key in ("name", "memory_bytes", "peak_flops_per_s", "efficiency") if key not in data]
     if missing:
         raise ClusterError(f"Device profile '{path}' is corrupt: missing field(s) {missing}.")
     return dict(data)

@@ -39,7 +39,16 @@ from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError
 from partitioner.graph import trainable_param_bytes
 
-__all__ = ["Coarsening", "UnitCosts", "around_boundaries", "chain_quotient", "identity", "segments", "unit_costs"]
+__all__ = [
+    "Coarsening",
+    "UnitCosts",
+    "around_boundaries",
+    "chain_quotient",
+    "cut_bytes",
+    "identity",
+    "segments",
+    "unit_costs",
+]
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,11 @@ def _node_weights(costs: CostModel) -> list[float]:
         max(w / total_work if total_work > 0 else 0.0, m / total_memory if total_memory > 0 else 0.0, floor)
         for w, m in zip(work, memory)
     ]
+
+
+def cut_bytes(costs: CostModel) -> list[int]:
+    """cut[i] = bytes of the outputs that cross a cut just before position i of the topological order."""
+    return _cut_bytes(costs)
 
 
 def _cut_bytes(costs: CostModel) -> list[int]:
@@ -314,13 +328,17 @@ def unit_costs(costs: CostModel, coarsening: Coarsening) -> UnitCosts:
     return UnitCosts(compute, memory, edges, senders, colocated, mode_compute, mode_memory)
 
 
-def chain_quotient(graph: nx.DiGraph, coarsening: Coarsening, *, cost: str = "flops") -> nx.DiGraph:
+def chain_quotient(
+    graph: nx.DiGraph, coarsening: Coarsening, *, cost: str = "flops", edge_bytes: Sequence[int] | None = None
+) -> nx.DiGraph:
     """The layer graph of a chain's units: one node per unit (named after its first node) with the
     summed flops, weights (and trainable weights), activations (and time_s), the forward FLOPs that
     split the unit's work as its nodes split theirs (``cost``: by FLOPs or by measured time), and the
     edge bytes between consecutive units.
 
-    On a chain this is exact: a unit's only output read elsewhere is its last node's.
+    On a chain this is exact: a unit's only output read elsewhere is its last node's. ``edge_bytes``
+    (one per pair of consecutive units) replaces the edge bytes, for a DAG read as the chain of its runs
+    (e.g. the bytes crossing each cut, :func:`cut_bytes`): an estimate that the DAG's cost model then checks.
 
     Raises:
         InputError: when the units do not follow the chain one after the other.
@@ -344,6 +362,15 @@ def chain_quotient(graph: nx.DiGraph, coarsening: Coarsening, *, cost: str = "fl
             share = sum(w * forward_share(d) for w, d in zip(work, data)) / sum(work)
             attrs["forward_flops"] = min(flops, share * flops)
         quotient.add_node(name, **attrs)
+    if edge_bytes is not None:
+        if len(edge_bytes) != len(names) - 1:
+            raise InputError(
+                f"chain_quotient needs one edge_bytes per pair of consecutive units ({len(names) - 1}). "
+                f"Received: {len(edge_bytes)}."
+            )
+        for (a, b), size in zip(itertools.pairwise(names), edge_bytes):
+            quotient.add_edge(a, b, bytes=int(size))
+        return quotient
     for (a, b), unit in zip(itertools.pairwise(names), coarsening.units):
         if not graph.has_edge(unit[-1], b):
             raise InputError(f"chain_quotient needs units that follow a chain; '{unit[-1]}' does not feed '{b}'.")

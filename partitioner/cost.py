@@ -147,7 +147,8 @@ class CostModel:
     """Precomputes per-node costs of a layer graph on a cluster and scores placements.
 
     Args:
-        graph: a layer graph (see partitioner.graph).
+        graph: a layer graph (see partitioner.graph); its ``compute_dtype`` picks each device's speed
+            (``Device.flops_per_s_for``).
         cluster: the devices, in pipeline order.
         num_microbatches: M, the number of micro-batches per step.
         optimizer_slots: optimizer state per trainable weight: 2 for Adam, 1 for momentum SGD, 0 for SGD.
@@ -158,6 +159,7 @@ class CostModel:
     Raises:
         InputError: for a nonsensical number of micro-batches or slots, or an unknown cost source,
             schedule or recompute policy.
+        ClusterError: when a device has no peak FLOP/s for the graph's compute dtype.
         GraphError: when the graph breaks the layer-graph contract.
 
     Example:
@@ -198,6 +200,9 @@ class CostModel:
         self.recompute = recompute
         self.order = topological_order(graph)
         self.devices = cluster.names
+        # FLOP/s of each device for the model's compute dtype: the one place device speed enters.
+        self.compute_dtype: str | None = graph.graph.get("compute_dtype")
+        self.flops_per_s = [d.flops_per_s_for(self.compute_dtype) for d in cluster.devices]
         # What the planners budget per node: the most micro-batches any stage holds if every device is a stage.
         self.max_in_flight = max(
             in_flight(schedule, len(self.devices), num_microbatches, s) for s in range(len(self.devices))
@@ -246,9 +251,9 @@ class CostModel:
                     f"cost='time' needs a measured time_s on every node; node '{node}' has none. "
                     "Profile with measure_time=True, or use cost='flops'."
                 )
-            reference = self.graph.graph.get("profiled_flops_per_s") or max(d.flops_per_s for d in self.cluster.devices)
-            return [float(time_s) * reference / d.flops_per_s for d in self.cluster.devices]
-        return [float(data["flops"]) / d.flops_per_s for d in self.cluster.devices]
+            reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
+            return [float(time_s) * reference / speed for speed in self.flops_per_s]
+        return [float(data["flops"]) / speed for speed in self.flops_per_s]
 
     def _mode_backward(self, node: str, mode: str) -> list[float]:
         return [
@@ -284,12 +289,12 @@ class CostModel:
 
     def serial_step_s(self) -> float:
         """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory."""
-        fastest = max(range(len(self.devices)), key=lambda k: self.cluster.devices[k].flops_per_s)
+        fastest = max(range(len(self.devices)), key=self.flops_per_s.__getitem__)
         return self.num_microbatches * sum(self.compute_s[v][fastest] for v in self.order)
 
     def lower_bound_s(self) -> float:
         """A bottleneck no placement can beat: the work spread perfectly, or the costliest node (kept)."""
-        speed = [d.flops_per_s for d in self.cluster.devices]
+        speed = self.flops_per_s
         fastest = max(range(len(speed)), key=speed.__getitem__)
         total = sum(self.compute_s[v][fastest] for v in self.order) * speed[fastest] / sum(speed)
         single = max(min(row) for row in self.compute_s.values())

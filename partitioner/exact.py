@@ -13,10 +13,18 @@ activations once), the fastest that fits and the recompute policy allows (never 
 This is O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
+
+With ``device_order="search"`` (the default) the pipeline order is a decision too: the DP runs on every
+candidate order of partitioner.order (orders of classes of interchangeable devices), and the table of
+one order gives the least bottleneck on each of its prefixes (subsets of 1..K devices) at once. Each
+prefix's plan (least bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the
+least bottleneck, then the fewest bytes, then the first candidate): so no subset the search considers
+gives a shorter step than the plan, and ties go the same way every run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -25,10 +33,11 @@ import numpy as np
 
 from partitioner.baselines import check_stage_count
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, in_flight
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
+from partitioner.order import candidate_orders, check_device_order, every_order_searched, reorder
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
 
@@ -51,8 +60,17 @@ def exact_chain(
     cost: str = "flops",
     schedule: str = "gpipe",
     recompute: str = "never",
+    device_order: str = "search",
 ) -> Plan:
     """Returns a plan with the minimum bottleneck for a chain graph (status "optimal").
+
+    With ``device_order="given"`` the stages follow the cluster's order (devices may stay idle) and
+    the plan has the least bottleneck, then the fewest bytes sent. With "search" (the default) the
+    order and the devices used are chosen too (module docstring): the plan has the shortest simulated
+    step among the least-bottleneck plans of every candidate order and every prefix of it, and
+    ``Plan.devices`` is the order chosen. Its ``lower_bound_s`` is the least bottleneck of any order
+    when the search covers every order of the device classes (status "optimal" when the plan reaches
+    it), else the cost model's bound.
 
     Memory is budgeted as in the CP-SAT model: each layer's activations ``CostModel.max_in_flight`` times
     (``schedule`` "gpipe": M; "1f1b": min(number of devices, M)); the plan reports each stage's own need.
@@ -60,13 +78,15 @@ def exact_chain(
     block but the last, "auto" the fastest mode that fits (kept where it fits).
 
     Raises:
-        InputError: when the graph is not a single chain or has colocation groups.
+        InputError: when the graph is not a single chain or has colocation groups, or for an unknown
+            ``device_order``.
         InfeasiblePlanError: when no split fits in memory.
 
     Example:
         >>> plan = exact_chain(pt.chain_graph([1e9] * 8), pt.Cluster.uniform(4, memory="1GiB"))  # doctest: +SKIP
     """
     started = time.perf_counter()
+    check_device_order(device_order)
     costs = CostModel(
         graph,
         cluster,
@@ -84,6 +104,8 @@ def exact_chain(
     if colocation_groups(graph):
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
+    if device_order == "search":
+        return _search_orders(costs, started)
     found = _solve_chain(costs)
     if found is None:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
@@ -98,8 +120,143 @@ def exact_chain(
     )
 
 
+def _search_orders(costs: CostModel, started: float) -> Plan:
+    """The plan of the shortest simulated step over the candidate orders of ``costs.cluster`` and their prefixes."""
+    cluster = costs.cluster
+    best: Plan | None = None
+    bound = np.inf
+    for order in candidate_orders(cluster):
+        identity = list(order) == list(range(cluster.num_devices))
+        permuted = costs if identity else _costs_on(costs, reorder(cluster, order))
+        best, order_bound = _prefix_plans(permuted, best)
+        bound = min(bound, order_bound)
+    if best is None:
+        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+    proven = every_order_searched(cluster)
+    lower_bound = float(bound) if proven else costs.lower_bound_s()
+    return dataclasses.replace(
+        best,
+        status="optimal" if proven and best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
+        lower_bound_s=min(lower_bound, best.bottleneck_s),
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _costs_on(costs: CostModel, cluster: Cluster) -> CostModel:
+    """``costs`` for the same graph and settings on another cluster (another order or a prefix)."""
+    return CostModel(
+        costs.graph,
+        cluster,
+        num_microbatches=costs.num_microbatches,
+        optimizer_slots=costs.optimizer_slots,
+        cost=costs.cost,
+        schedule=costs.schedule,
+        recompute=costs.recompute,
+    )
+
+
+def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, float]:
+    """``best``, or the least-bottleneck plan (fewest bytes among ties) on a prefix of ``costs.cluster``'s
+    order whose simulated step is shorter, scored on the whole order; and the least bottleneck of any prefix.
+
+    One table serves every prefix whose stages budget the same micro-batches in flight (all of them for
+    GPipe; 1F1B holds min(K, M)): table[k, n] is the best split ending on device k, so the least over
+    k < s is the best on the first s devices. Prefixes go longest first, and one is skipped when no
+    plan on it can step faster than ``best``: a step lasts at least M times the busiest stage's compute
+    (at least the average, W / s, with W the work on the fastest device of the prefix for each node) and,
+    under GPipe, (M - 1) times it plus every stage's compute (a micro-batch passes every stage there and back).
+    """
+    num_devices, n = len(costs.devices), len(costs.order)
+    m = costs.num_microbatches
+    kept = np.array([costs.compute_s[v] for v in costs.order]).reshape(n, num_devices)
+    least_work = np.minimum.accumulate(kept, axis=1).sum(axis=0)  # [s - 1]: W on the first s devices
+    sizes_by_budget: dict[int, list[int]] = {}
+    for s in range(num_devices, 0, -1):
+        budget = max(in_flight(costs.schedule, s, m, stage) for stage in range(s))
+        sizes_by_budget.setdefault(budget, []).append(s)
+    least = np.inf
+    for sizes in sizes_by_budget.values():
+        top = sizes[0]
+        prefix = costs if top == num_devices else _costs_on(costs, costs.cluster.take(top))
+        tables = _tables(prefix)
+        table, _ = _dynamic_program(*tables)
+        for s in sizes:
+            bottleneck = float(table[:s, n].min())
+            least = min(least, bottleneck)
+            if not np.isfinite(bottleneck):
+                continue
+            work = float(least_work[s - 1])
+            floor = max(m * work / s, work) if costs.schedule != "gpipe" else (m - 1) * work / s + work
+            if best is not None and floor >= best.step_time_s:
+                continue
+            assignment = _rebuild(prefix, _prefix_tables(tables, s), bottleneck)
+            plan = score_assignment(assignment, costs, method="exact_chain", status="feasible")
+            if best is None or _shorter(plan, best):
+                best = plan
+    return best, float(least)
+
+
+def _shorter(plan: Plan, than: Plan) -> bool:
+    """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
+    for a, b in (
+        (plan.step_time_s, than.step_time_s),
+        (plan.bottleneck_s, than.bottleneck_s),
+        (plan.transfer_bytes, than.transfer_bytes),
+    ):
+        if a < b * (1 - 1e-9):
+            return True
+        if a > b * (1 + 1e-9):
+            return False
+    return False
+
+
+class _Tables(NamedTuple):
+    """What the DP reads: the modes' figures along the chain, and each device's memory and links."""
+
+    modes: list[_Mode]
+    capacity: list[int]
+    out_bytes: np.ndarray
+    bandwidth: list[list[float]]
+
+
+def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
+    """``tables`` for the first ``num_devices`` devices only."""
+    s = num_devices
+    return _Tables(
+        [m._replace(prefix=m.prefix[:, :s]) for m in tables.modes],
+        tables.capacity[:s],
+        tables.out_bytes,
+        [row[:s] for row in tables.bandwidth[:s]],
+    )
+
+
+def _rebuild(costs: CostModel, tables: _Tables, optimum: float) -> dict[str, str]:
+    """The split with the fewest bytes sent among those whose every stage takes at most ``optimum``."""
+    order, n = costs.order, len(costs.order)
+    sent, parent = _dynamic_program(*tables, limit=optimum * (1 + 1e-9))
+    k = int(np.argmin(sent[:, n]))
+    assignment: dict[str, str] = {}
+    j = n
+    while j > 0:
+        k_prev, i = (int(x) for x in parent[k, j])
+        for v in order[i:j]:
+            assignment[v] = costs.devices[k]
+        k, j = k_prev, i
+    return assignment
+
+
 def _solve_chain(costs: CostModel) -> tuple[dict[str, str], float] | None:
     """The least-bottleneck split of ``costs.graph`` (a chain), fewest bytes among ties; None if none fits."""
+    tables = _tables(costs)
+    best, _ = _dynamic_program(*tables)
+    optimum = float(best[:, len(costs.order)].min())
+    if not np.isfinite(optimum):
+        return None
+    return _rebuild(costs, tables, optimum), optimum
+
+
+def _tables(costs: CostModel) -> _Tables:
+    """The DP's inputs for ``costs`` (a chain)."""
     order = costs.order
     n, k_total = len(order), len(costs.devices)
     last = np.arange(n + 1) == n  # a block ending at n is the last stage: never recomputed
@@ -118,21 +275,7 @@ def _solve_chain(costs: CostModel) -> tuple[dict[str, str], float] | None:
     capacity = [d.memory_bytes for d in costs.cluster.devices]
     out_bytes = np.array([costs.out_bytes[v] for v in order], dtype=np.float64)
     bandwidth = [[costs.cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
-    best, _ = _dynamic_program(modes, capacity, out_bytes, bandwidth)
-    optimum = float(best[:, n].min())
-    if not np.isfinite(optimum):
-        return None
-    # Second pass: among splits whose every stage takes at most the optimum, the fewest bytes sent.
-    sent, parent = _dynamic_program(modes, capacity, out_bytes, bandwidth, limit=optimum * (1 + 1e-9))
-    k = int(np.argmin(sent[:, n]))
-    assignment: dict[str, str] = {}
-    j = n
-    while j > 0:
-        k_prev, i = (int(x) for x in parent[k, j])
-        for v in order[i:j]:
-            assignment[v] = costs.devices[k]
-        k, j = k_prev, i
-    return assignment, optimum
+    return _Tables(modes, capacity, out_bytes, bandwidth)
 
 
 def _fits_with_recompute(costs: CostModel) -> bool:

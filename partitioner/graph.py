@@ -16,9 +16,13 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     colocation_group    str     nodes sharing a group share weights: one device (optional)
     edge bytes          int     bytes of the tensor sent from u to v per micro-batch
 
-Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size``,
-``num_microbatches``, ``profiled_device``, ``profiled_flops_per_s`` (the measured matmul rate
-of the device ``time_s`` was measured on, used to rescale times to other devices).
+Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size`` (samples per
+step), ``num_microbatches``, ``micro_batch_size`` (the samples the node costs are for:
+ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers compute in, e.g.
+"float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
+``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
+rescale times to other devices). :func:`rescale_graph` turns costs measured at one batch size into
+those of another.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import networkx as nx
 
-from partitioner.errors import GraphError
+from partitioner.errors import GraphError, InputError
 
 GRAPH_SCHEMA_VERSION = 1
 _KIND = "layer_graph"
@@ -41,6 +45,8 @@ _GRAPH_KEYS = (
     "model_name",
     "batch_size",
     "num_microbatches",
+    "micro_batch_size",
+    "compute_dtype",
     "profiled_device",
     "profiled_flops_per_s",
 )
@@ -59,6 +65,16 @@ def validate_graph(graph: nx.DiGraph) -> None:
         )
     if graph.number_of_nodes() == 0:
         raise GraphError("The layer graph has no nodes. Profile a model with at least one layer.")
+    for key in ("batch_size", "num_microbatches", "micro_batch_size"):
+        value = graph.graph.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise GraphError(f"The layer graph has {key}={value!r}; expected an integer >= 1, or no value.")
+    dtype = graph.graph.get("compute_dtype")
+    if dtype is not None and (not isinstance(dtype, str) or not dtype):
+        raise GraphError(
+            f"The layer graph has compute_dtype={dtype!r}; expected a dtype name such as 'float32' or 'bfloat16', "
+            "or no value."
+        )
     for node, data in graph.nodes(data=True):
         if not isinstance(node, str):
             raise GraphError(f"Node names must be strings. Received: {node!r}.")
@@ -116,6 +132,80 @@ def trainable_param_bytes(data: Any) -> int:
     """
     value = data.get("trainable_param_bytes")
     return int(data.get("param_bytes", 0) if value is None else value)
+
+
+def micro_batch_size(graph: nx.DiGraph) -> int | None:
+    """Samples per micro-batch that the graph's node costs are for, or None when the graph does not say.
+
+    ``micro_batch_size`` where recorded, else ceil(batch_size / num_microbatches) (profiles written
+    before micro_batch_size existed), else ``batch_size`` alone (costs for the whole batch).
+
+    Example:
+        >>> micro_batch_size(nx.DiGraph(batch_size=32, num_microbatches=8))
+        4
+    """
+    recorded = graph.graph.get("micro_batch_size")
+    if recorded is not None:
+        return int(recorded)
+    batch = graph.graph.get("batch_size")
+    if batch is None:
+        return None
+    return math.ceil(int(batch) / int(graph.graph.get("num_microbatches") or 1))
+
+
+def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1) -> nx.DiGraph:
+    """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
+
+    Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
+    ``activation_bytes``, ``time_s`` and edge ``bytes`` are multiplied by new / measured samples per
+    micro-batch; weights (``param_bytes``, ``trainable_param_bytes``) stay. Measured times do not
+    scale exactly (small batches use a device less well), so rescale them over small factors only.
+
+    Args:
+        graph: a layer graph that records the batch its costs were measured at (``micro_batch_size``,
+            or ``batch_size`` and ``num_microbatches``, as ``profiles.profile_model`` writes them).
+        batch_size: samples per step.
+        num_microbatches: M; the costs become those of one of M micro-batches.
+
+    Raises:
+        GraphError: when the graph does not say what batch its costs were measured at.
+        InputError: for batch_size or num_microbatches < 1, or more micro-batches than samples.
+
+    Example:
+        >>> g = chain_graph([4e9], activation_bytes=[4096])
+        >>> g.graph.update(batch_size=32, num_microbatches=8)
+        >>> rescale_graph(g, batch_size=64, num_microbatches=4).nodes["layer_0"]["activation_bytes"]
+        16384
+    """
+    for name, value in (("batch_size", batch_size), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
+    if num_microbatches > batch_size:
+        raise InputError(
+            f"num_microbatches must not exceed batch_size: each micro-batch needs at least one sample. "
+            f"Received: batch_size={batch_size}, num_microbatches={num_microbatches}."
+        )
+    validate_graph(graph)
+    measured = micro_batch_size(graph)
+    if measured is None:
+        name = graph.graph.get("model_name", "the layer graph")
+        raise GraphError(
+            f"Cannot rescale {name} to batch_size={batch_size}: it does not record the batch size its costs were "
+            "measured at (no micro_batch_size or batch_size). Profile the model again with 'partitioner profile', "
+            "or set graph.graph['micro_batch_size'] to the samples its costs are for."
+        )
+    samples = math.ceil(batch_size / num_microbatches)
+    factor = samples / measured
+    scaled = graph.copy()
+    for _, data in scaled.nodes(data=True):
+        for key in ("flops", "forward_flops", "time_s"):
+            if data.get(key) is not None:
+                data[key] = float(data[key]) * factor
+        data["activation_bytes"] = round(data["activation_bytes"] * factor)
+    for _, _, data in scaled.edges(data=True):
+        data["bytes"] = round(data["bytes"] * factor)
+    scaled.graph.update(batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=samples)
+    return scaled
 
 
 def topological_order(graph: nx.DiGraph) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import networkx as nx
+
 from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError
 from partitioner.graph import colocation_groups
@@ -37,6 +39,37 @@ def _need(costs: CostModel, node: str) -> int:
     """The least bytes ``node`` can need in a stage: its figure in the mode that needs least (without
     the received tensors a recomputed stage holds), so no plan needs less."""
     return min(costs.mode_memory[mode][node] for mode in costs.modes)
+
+
+def _split_group(
+    costs: CostModel, grouped: Mapping[str, list[str]], pins: Mapping[str, str]
+) -> InfeasiblePlanError | None:
+    """The error for pins on two devices among a shared layer's calls and the layers between them.
+
+    The calls of a shared layer run on one device, and stages follow the graph's order, so every
+    layer on a path from one call to another runs there too (a tied embedding: the whole model).
+    """
+    for group, nodes in grouped.items():
+        span = set(nodes)
+        for first in nodes:
+            below = nx.descendants(costs.graph, first)
+            for last in nodes:
+                if last != first:
+                    span |= below & nx.ancestors(costs.graph, last)
+        pinned: dict[str, str] = {}  # device -> the first node of the span pinned to it
+        for v in costs.order:
+            if v in span and v in pins:
+                pinned.setdefault(pins[v], v)
+        if len(pinned) > 1:
+            (one, u), (other, v) = list(pinned.items())[:2]
+            return InfeasiblePlanError(
+                f"Pins split shared layer '{group}': its calls {nodes} share weights, so they run on one device, "
+                f"and stages follow the graph's order, so the {len(span)} layers from its first call to its last "
+                f"run there too; but '{u}' is pinned to {one} and '{v}' to {other}. Pin them to one device or "
+                "leave them unpinned (a model whose first and last layers share weights, such as a tied "
+                "embedding, runs as one stage)."
+            )
+    return None
 
 
 def explain_infeasible(
@@ -83,6 +116,9 @@ def explain_infeasible(
                 f"Pins contradict the pipeline order: '{u}' is pinned to {pins[u]} but its consumer '{v}' "
                 f"to the earlier device {pins[v]}. Pin '{v}' to {pins[u]} or later, or reorder the cluster."
             )
+    split = _split_group(costs, grouped, pins)
+    if split is not None:
+        return split
     return InfeasiblePlanError(
         f"The model needs {format_bytes(total)} of the {format_bytes(held)} the devices hold, but no split "
         "into stages that follow the graph's order fits every device (layers cannot be packed into the "

@@ -42,6 +42,7 @@ import networkx as nx
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError, PlanError
+from partitioner.order import same_devices
 from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def simulate(
     Args:
         plan: a plan for ``graph`` on ``cluster``.
         graph: the layer graph the plan was made for.
-        cluster: the cluster the plan was made for.
+        cluster: the cluster the plan was made for (its devices listed in any order: the plan has its own).
         schedule: "gpipe", "1f1b", or a Schedule for the plan's K stages and M micro-batches; the
             schedule the plan was made for when None.
         num_microbatches: M; the plan's own M when None. Costs are per micro-batch as profiled.
@@ -120,6 +121,7 @@ def simulate(
         PlanError: when the plan does not match the graph or cluster, an edge goes backward, or
             ``recompute`` does not give one bool per stage or recomputes the last stage.
     """
+    cluster = same_devices(cluster, plan.devices)  # a plan lists the devices in the pipeline order it chose
     if tuple(cluster.names) != tuple(plan.devices):
         raise PlanError(
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "

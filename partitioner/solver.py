@@ -38,6 +38,8 @@ does not hold for the nodes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -51,11 +53,21 @@ import networkx as nx
 from partitioner import baselines
 from partitioner.baselines import check_stage_count
 from partitioner.cluster import Cluster
-from partitioner.coarsen import Coarsening, UnitCosts, around_boundaries, chain_quotient, identity, segments, unit_costs
+from partitioner.coarsen import (
+    Coarsening,
+    UnitCosts,
+    around_boundaries,
+    chain_quotient,
+    cut_bytes,
+    identity,
+    segments,
+    unit_costs,
+)
 from partitioner.cost import CostModel
-from partitioner.errors import InputError, PartitionerError, SolverTimeoutError
+from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
+from partitioner.order import by_speed, check_device_order, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
 
@@ -78,14 +90,27 @@ AUTO_COARSEN_CHAIN = 8_000
 # Runs per device in the coarse model: CP-SAT (a sketch for the refinement) and the chain DP (exact).
 COARSE_UNITS_PER_DEVICE = 16
 COARSE_UNITS_PER_DEVICE_DP = 32
+# Deterministic time (CP-SAT's count of work) per second of a time limit, with SolverOptions.deterministic.
+# Measured on the 2-core development machine under load: InceptionV3 on 8 devices, one worker, about 0.5
+# deterministic units per wall-clock second; with 0.4 the wall-clock limit rarely ends the search first.
+DETERMINISTIC_TIME_PER_S = 0.4
 
 
 @dataclass(frozen=True)
 class SolverOptions:
     """Knobs of the CP-SAT search that most users leave alone."""
 
-    num_workers: int = 0  # parallel search workers; 0 = CP-SAT's default for this machine
+    num_workers: int = 8  # parallel search workers (with deterministic=False); 0 = CP-SAT's default here
     seed: int = 0  # random seed, for reproducible runs
+    # True: one CP-SAT worker that stops on a deterministic time budget (CP-SAT's own count of work,
+    # DETERMINISTIC_TIME_PER_S per second of the limit), so the same input gives the same plan; the wall-clock
+    # limit still holds and, on a machine so loaded that it ends the search first, runs can differ. Parallel
+    # workers never repeat (whichever finds a solution first wins), and CP-SAT's deterministic interleaved
+    # search spends its whole budget even on tiny models. False: num_workers in parallel, more search per second.
+    deterministic: bool = True
+    # "search": the planner chooses which device runs which stage (partitioner.order; Plan.devices is the
+    # order chosen); "given": stages follow the cluster's order, for pipelines wired by hand.
+    device_order: str = "search"
     hint: bool = True  # start from the best baseline (or the exact DP on chains) that fits
     exact_chains: bool = True  # solve chains without pins by the exact DP (partitioner.exact) instead
     log: bool = False  # print CP-SAT's search log
@@ -168,6 +193,7 @@ def solve(
         raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
     if options.coarsen is not None and not isinstance(options.coarsen, bool):
         raise InputError(f"SolverOptions.coarsen must be True, False or None (auto). Received: {options.coarsen!r}.")
+    check_device_order(options.device_order)
     costs = CostModel(
         graph,
         cluster,
@@ -195,10 +221,33 @@ def solve(
             cost=cost,
             schedule=schedule,
             recompute=recompute,
+            device_order=options.device_order,
         )
         return _shortest_step(plan, costs, _legal_baselines(costs, pins), started) if options.shortest_step else plan
+    if options.device_order == "search":
+        return _search_orders(
+            costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+        )
+    return _solve_in_order(
+        costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+    )
+
+
+def _solve_in_order(
+    costs: CostModel,
+    pins: Mapping[str, str],
+    options: SolverOptions,
+    *,
+    chain: bool,
+    coarsen: bool,
+    started: float,
+    time_limit_s: float,
+    starts: Sequence[Plan] = (),
+) -> Plan:
+    """The plan with stages in ``costs.cluster``'s order: CP-SAT (coarsened or not), or the best legal
+    baseline or plan of ``starts`` when its simulated step is shorter."""
     # The baselines that fit serve twice: as the search's start, and as rivals of its answer on the simulated step.
-    legal = _legal_baselines(costs, pins) if options.hint or options.shortest_step else []
+    legal = [*starts, *_legal_baselines(costs, pins)] if options.hint or options.shortest_step else []
     deadline = started + float(time_limit_s)
     found = None
     if coarsen:
@@ -207,6 +256,148 @@ def solve(
             raise _timeout_error(costs, time_limit_s, pins)
     plan = found or _solve_fine(costs, pins, options, legal, time_limit_s=time_limit_s, started=started)
     return _shortest_step(plan, costs, legal, started) if options.shortest_step else plan
+
+
+def _search_orders(
+    costs: CostModel,
+    pins: Mapping[str, str],
+    options: SolverOptions,
+    *,
+    chain: bool,
+    coarsen: bool,
+    started: float,
+    time_limit_s: float,
+) -> Plan:
+    """The shortest simulated step over a few candidate pipeline orders (:func:`_candidate_orders`),
+    each solved in its turn with an equal share of the time left; ties go to the earlier order.
+
+    Raises the first order's error when no order gives a plan.
+    """
+    deadline = started + float(time_limit_s)
+    candidates = _candidate_orders(costs, pins)
+    best: Plan | None = None
+    first_error: PartitionerError | None = None
+    for i, (order, start) in enumerate(candidates):
+        now = time.perf_counter()
+        share = max((deadline - now) / (len(candidates) - i), 0.05)
+        permuted = (
+            costs if order == tuple(range(len(costs.devices))) else _costs_on(costs, reorder(costs.cluster, order))
+        )
+        try:
+            plan = _solve_in_order(
+                permuted,
+                pins,
+                options,
+                chain=chain,
+                coarsen=coarsen,
+                started=now,
+                time_limit_s=share,
+                starts=[start] if start is not None else [],
+            )
+        except SolverTimeoutError:
+            first_error = first_error or _timeout_error(costs, time_limit_s, pins)  # the whole call's limit
+            continue
+        except InfeasiblePlanError as err:
+            first_error = first_error or err
+            continue
+        if best is None or _shorter(plan, best):
+            best = plan
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    return dataclasses.replace(best, solve_time_s=time.perf_counter() - started)
+
+
+def _shorter(plan: Plan, than: Plan) -> bool:
+    """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
+    for a, b in (
+        (plan.step_time_s, than.step_time_s),
+        (plan.bottleneck_s, than.bottleneck_s),
+        (plan.transfer_bytes, than.transfer_bytes),
+    ):
+        if a < b * (1 - 1e-9):
+            return True
+        if a > b * (1 + 1e-9):
+            return False
+    return False
+
+
+def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
+    """At most four pipeline orders for CP-SAT, each with a legal plan in that order to start from, or None.
+
+    In this order, orders alike in every cost (partitioner.order.signature) once: the cluster's own; the order (and
+    devices used) of the exact chain DP on the graph read as a chain of runs of its topological order
+    (the bytes crossing each cut on the edges), whose plan is the start; the devices fastest first;
+    and Metis' heaviest stage on the fastest device, for the stages of the best legal baseline (where
+    the devices' speeds differ).
+    """
+    cluster = costs.cluster
+    num_devices = len(costs.devices)
+    orders: list[tuple[int, ...]] = [tuple(range(num_devices))]
+    starts: dict[tuple[int, ...], Plan] = {}
+    coarse = _coarse_chain_plan(costs, pins)
+    if coarse is not None:
+        order = tuple(cluster.index(d) for d in coarse.devices)
+        orders.append(order)
+        starts[order] = coarse
+    orders.append(by_speed(cluster))
+    legal = _legal_baselines(costs, pins)
+    if legal and len({d.flops_per_s for d in cluster.devices}) > 1:  # equal speeds: no device is the fastest
+        base = min(legal, key=lambda p: (p.step_time_s, p.bottleneck_s))
+        work = [sum(float(costs.graph.nodes[v]["flops"]) for v in base.nodes_on(d)) for d in base.stages]
+        orders.append(fastest_on_heaviest(cluster, work))
+    # Orders alike in every cost are one; the chain DP's plan goes with the first of them.
+    chosen: dict[tuple[object, ...], tuple[tuple[int, ...], Plan | None]] = {}
+    for order in orders:
+        key = signature(cluster, order)
+        if key not in chosen or (order in starts and chosen[key][1] is None):
+            chosen[key] = (order, starts.get(order))
+    return list(chosen.values())[:4]
+
+
+def _coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
+    """The chain DP's plan (order and devices searched) on runs of the topological order, scored on the
+    graph itself in the order it chose; None when it does not fit, splits a shared layer or moves a pin."""
+    from partitioner.exact import exact_chain
+
+    num_units = min(len(costs.order), COARSE_UNITS_PER_DEVICE_DP * len(costs.devices), 400)
+    units = segments(costs, num_units)
+    cut = cut_bytes(costs)
+    starts = list(itertools.accumulate(len(u) for u in units.units))[:-1]
+    quotient = chain_quotient(costs.graph, units, cost=costs.cost, edge_bytes=[cut[i] for i in starts])
+    try:
+        plan = exact_chain(
+            quotient,
+            costs.cluster,
+            num_microbatches=costs.num_microbatches,
+            optimizer_slots=costs.optimizer_slots,
+            cost=costs.cost,
+            schedule=costs.schedule,
+            recompute=costs.recompute,
+        )
+    except PartitionerError:
+        return None
+    assignment = {v: plan.assignment[unit[0]] for unit in units.units for v in unit}
+    groups = colocation_groups(costs.graph).values()
+    if any(assignment[v] != d for v, d in pins.items()) or any(len({assignment[v] for v in g}) > 1 for g in groups):
+        return None
+    permuted = _costs_on(costs, reorder(costs.cluster, list(plan.devices)))
+    if not permuted.fits(permuted.evaluate(assignment)):
+        return None
+    return score_assignment(assignment, permuted, method="exact_chain on runs")
+
+
+def _costs_on(costs: CostModel, cluster: Cluster) -> CostModel:
+    """``costs`` for the same graph and settings on ``cluster`` (the same devices in another order)."""
+    return CostModel(
+        costs.graph,
+        cluster,
+        num_microbatches=costs.num_microbatches,
+        optimizer_slots=costs.optimizer_slots,
+        cost=costs.cost,
+        schedule=costs.schedule,
+        recompute=costs.recompute,
+    )
 
 
 def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
@@ -385,6 +576,7 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
             cost=costs.cost,
             schedule=costs.schedule,
             recompute=costs.recompute,
+            device_order="given",  # the order is chosen outside (solve's search)
         )
     except PartitionerError:
         return None
@@ -417,7 +609,11 @@ def _run(
     """Solves ``m`` within ``time_limit_s``; returns CP-SAT's status and the solver holding the answer."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = options.num_workers or min(8, max(1, os.cpu_count() or 1) * 4)
+    if options.deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s) * DETERMINISTIC_TIME_PER_S
+    solver.parameters.num_workers = (
+        1 if options.deterministic else options.num_workers or min(8, (os.cpu_count() or 1) * 4)
+    )
     solver.parameters.random_seed = options.seed
     solver.parameters.log_search_progress = options.log
     solver.parameters.relative_gap_limit = relative_gap
@@ -667,6 +863,7 @@ def _exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
             cost=costs.cost,
             schedule=costs.schedule,
             recompute=costs.recompute,
+            device_order="given",
         )
         return [plan] if all(plan.assignment[v] == d for v, d in pins.items()) else []
     return []

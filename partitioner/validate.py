@@ -8,6 +8,7 @@ from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.graph import colocation_groups
+from partitioner.order import same_devices
 from partitioner.plan import Plan
 from partitioner.units import format_bytes
 
@@ -16,7 +17,8 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
     """Raises PlanError unless ``plan`` places exactly ``graph``'s nodes on ``cluster`` legally.
 
     Checked: every node has a device and no unknown node or device appears; the plan was made for
-    this cluster's devices; every edge goes forward in pipeline order (no backward traffic);
+    this cluster's devices (listed in any order: ``plan.devices`` is the pipeline order the planner
+    chose); every edge goes forward in that order (no backward traffic);
     colocated nodes share a device; ``plan.recompute`` gives one mode per stage and keeps the last
     stage; every device's memory (in each stage's mode) holds what is put on it (unless
     ``check_memory`` is False, e.g. when the graph was profiled at another batch size).
@@ -26,6 +28,7 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"Expected a partitioner.Plan. Received: {type(plan).__name__}.")
+    cluster = same_devices(cluster, plan.devices)  # a plan lists the devices in the pipeline order it chose
     if tuple(cluster.names) != tuple(plan.devices):
         raise PlanError(
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "

@@ -4,13 +4,16 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
 
     attribute          how
     -----------------  ---------------------------------------------------------------------------
-    flops              forward FLOPs of the call's traced TF graph (profiles.flops; a multiply-add
-                       is 2 FLOPs), plus the backward pass: 2x forward for calls of layers with
-                       trainable weights (gradients for inputs and weights), 1x forward otherwise.
-                       So flops = 3 * forward or 2 * forward.
+    forward_flops      FLOPs of the call's traced TF graph (profiles.flops; a multiply-add is 2 FLOPs)
+    flops              forward + backward: partitioner.cost.training_flops, 3 * forward for calls of
+                       layers with trainable weights (gradients for inputs and weights), 2 * forward
+                       otherwise (frozen layers: gradients for the inputs only)
     param_bytes        size * itemsize of every weight of the layer (trainable and not), on the
                        layer's first call only; a weight is counted once even if layers share it.
                        Variables keep their own dtype (float32 under mixed_float16).
+    trainable_param_bytes  the part of param_bytes in the layer's trainable weights (0 for a frozen
+                       layer, ``trainable=False``; a batch normalization's moving statistics are
+                       never trainable): only these get gradients and optimizer slots.
     activation_bytes   bytes kept for the backward pass. A layer without sublayers (and a Keras
                        op): the bytes of its outputs. A composite layer (a Layer with sublayers,
                        e.g. a transformer block or an RNN and its cell): the output bytes of every
@@ -20,8 +23,15 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
+The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
+costs are for, so ``partitioner.rescale_graph`` can scale them to another batch), and
+``compute_dtype``: the compute dtype of the layers that do most of the forward FLOPs, from their
+Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16).
+
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
-size; every other dimension must be known. Each layer call is traced once with ``tf.function``
+size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
+``sequence_length=`` fix them and every tensor's shape is computed for those inputs
+(``profiles.shapes``). Each layer call is traced once with ``tf.function``
 on ``tf.TensorSpec`` inputs of those shapes, in training mode; no per-layer models are built and
 the model's weights and layers come back unchanged.
 
@@ -50,8 +60,11 @@ from typing import Any
 
 import networkx as nx
 
+from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError
 from partitioner.graph import load_graph, save_graph, validate_graph
+from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
+from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, flatten_calls
 
 ProgressCallback = Callable[[int, int, str], None]  # (done, total, layer name)
@@ -72,6 +85,8 @@ def profile_model(
     repeats: int = 5,
     warmup: int = 2,
     progress: ProgressCallback | None = None,
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
 ) -> nx.DiGraph:
     """Profiles a Functional or Sequential Keras model into a layer graph (see the module docstring).
 
@@ -86,6 +101,10 @@ def profile_model(
         repeats: timed runs per layer call (the median is kept).
         warmup: untimed runs per layer call before timing.
         progress: called as ``progress(done, total, node_name)`` after each node.
+        input_shapes: the shapes to plan for, without the batch axis, where the model leaves
+            dimensions open: ``{"token_ids": (128,)}`` or a list in the order of ``model.inputs``
+            (``profiles.shapes``).
+        sequence_length: the size for every unknown non-batch dimension of every input.
 
     Returns:
         A ``networkx.DiGraph`` that passes ``partitioner.graph.validate_graph``, nodes in
@@ -93,8 +112,10 @@ def profile_model(
 
     Raises:
         ProfileError: when the model is not a Keras model, has no functional graph (subclassed),
-            is not built, or has unknown non-batch dimensions.
-        InputError: for batch_size < 1, num_microbatches < 1 or > batch_size, repeats < 1,
+            is not built, or has unknown non-batch dimensions that input_shapes and
+            sequence_length leave open.
+        InputError: for input_shapes that do not fit the model's inputs, batch_size < 1,
+            num_microbatches < 1 or > batch_size, repeats < 1,
             warmup < 0, or an unknown device.
 
     Example:
@@ -104,11 +125,18 @@ def profile_model(
     """
     _check_numbers(batch_size, num_microbatches, repeats, warmup)
     calls, _ = flatten_calls(model)
+    planned = resolve_input_shapes(model, input_shapes, sequence_length)
+    if needs_shapes(model, planned):
+        shapes = call_shapes(calls, planned)
+    else:  # the Keras graph's own shapes: no layer is asked again
+        shapes = [[tuple(t.shape) for t in call.node.output_tensors] for call in calls]
     micro_batch = math.ceil(batch_size / num_microbatches)
 
     import tensorflow as tf  # lazy: the planner side stays free of TensorFlow
 
-    graph = nx.DiGraph(model_name=model.name, batch_size=batch_size, num_microbatches=num_microbatches)
+    graph = nx.DiGraph(
+        model_name=model.name, batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=micro_batch
+    )
     timing_device = None
     if measure_time:
         from profiles.local import measure_flops_per_s
@@ -116,14 +144,19 @@ def profile_model(
         timing_device = _resolve_device(tf, device)
         graph.graph["profiled_device"] = timing_device
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
-    profiler = _CallProfiler(tf, micro_batch, timing_device, repeats, warmup)
+    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup)
     counted: set[int] = set()  # ids of weights already given to a node
+    dtype_flops: dict[str, float] = {}  # compute dtype -> forward FLOPs of the calls computing in it
     for done, call in enumerate(calls, start=1):
-        graph.add_node(call.name, **profiler.attributes(call, counted))
-        for source, num_bytes in _input_edges(call, micro_batch).items():
+        graph.add_node(call.name, **profiler.attributes(done - 1, call, counted))
+        dtype = _compute_dtype(call.operation)
+        if dtype is not None:
+            dtype_flops[dtype] = dtype_flops.get(dtype, 0.0) + graph.nodes[call.name].get("forward_flops", 0.0)
+        for source, num_bytes in _input_edges(call, shapes, micro_batch).items():
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
+    graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
 
@@ -152,18 +185,19 @@ def load_profile(path: str | Path) -> nx.DiGraph:
 # --- sizes -----------------------------------------------------------------------------------
 
 
-def _micro_shape(tensor: Any, micro_batch: int, owner: str) -> list[int]:
-    """The tensor's shape with axis 0 set to the micro-batch size; raises for other unknown dims."""
-    shape = list(tensor.shape)
-    if shape:
-        shape[0] = micro_batch
-    if any(dim is None for dim in shape):
+def _micro_shape(shape: Shape, micro_batch: int, owner: str) -> list[int]:
+    """The shape with axis 0 set to the micro-batch size; raises for other unknown dims."""
+    dims = list(shape)
+    if dims:
+        dims[0] = micro_batch
+    if any(dim is None for dim in dims):
         raise ProfileError(
-            f"Tensor '{tensor.name}' of '{owner}' has shape {tuple(tensor.shape)} with unknown dimensions "
-            "beyond the batch axis; profiling needs static shapes. Build the model with fixed sizes, "
-            "e.g. keras.Input(shape=(128, 64)) instead of keras.Input(shape=(None, 64))."
+            f"A tensor of '{owner}' has shape {tuple(shape)} with unknown dimensions beyond the batch axis "
+            "for the planned input shapes; profiling needs static shapes. Expected every size to follow from "
+            "the inputs' sizes: pass them as input_shapes= or sequence_length= (CLI: --input-shape, "
+            "--sequence-length), or build the model with fixed sizes, e.g. keras.Input(shape=(128, 64))."
         )
-    return [int(dim) for dim in shape]
+    return [int(dim) for dim in dims if dim is not None]  # unknown sizes raised above
 
 
 def _itemsize(dtype: Any) -> int:
@@ -175,11 +209,11 @@ def _itemsize(dtype: Any) -> int:
         return 0
 
 
-def _tensor_bytes(tensor: Any, micro_batch: int, owner: str) -> int:
-    return math.prod(_micro_shape(tensor, micro_batch, owner)) * _itemsize(tensor.dtype)
+def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int:
+    return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
 
 
-def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
+def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:
     """{producer call index: bytes} of the distinct tensors this call reads."""
     edges: dict[int, int] = {}
     read: set[tuple[int, int]] = set()
@@ -187,7 +221,9 @@ def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
         if (source.call, source.output) in read:  # the same tensor twice (a nested model's: twice, two calls)
             continue
         read.add((source.call, source.output))
-        edges[source.call] = edges.get(source.call, 0) + _tensor_bytes(source.tensor, micro_batch, call.operation.name)
+        shape = shapes[source.call][source.output]
+        num_bytes = _tensor_bytes(shape, source.tensor.dtype, micro_batch, call.operation.name)
+        edges[source.call] = edges.get(source.call, 0) + num_bytes
     return edges
 
 
@@ -197,16 +233,19 @@ def _input_edges(call: LayerCall, micro_batch: int) -> dict[int, int]:
 class _CallProfiler:
     """Traces (and optionally times) each call, memoising calls of one layer on equal inputs."""
 
-    def __init__(self, tf: Any, micro_batch: int, device: str | None, repeats: int, warmup: int) -> None:
+    def __init__(
+        self, tf: Any, micro_batch: int, shapes: list[list[Shape]], device: str | None, repeats: int, warmup: int
+    ) -> None:
         self._tf = tf
         self._micro_batch = micro_batch
+        self._shapes = shapes  # per call: the shapes of its outputs, batch axis None
         self._device = device
         self._repeats = repeats
         self._warmup = warmup
         self._memo: dict[tuple[int, str], tuple[float, int, float | None]] = {}
 
-    def attributes(self, call: LayerCall, counted: set[int]) -> dict[str, Any]:
-        """The node attributes of one call; ``counted`` holds ids of weights already counted."""
+    def attributes(self, index: int, call: LayerCall, counted: set[int]) -> dict[str, Any]:
+        """The node attributes of call ``index``; ``counted`` holds ids of weights already counted."""
         attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__}
         if call.colocation_group is not None:
             attrs["colocation_group"] = call.colocation_group
@@ -215,29 +254,35 @@ class _CallProfiler:
             if self._device is not None:
                 attrs["time_s"] = 0.0
             return attrs
-        param_bytes = 0
+        param_bytes = trainable_bytes = 0
+        trainable_ids = {id(w) for w in _trainable_weights(call.operation)}
         for weight in getattr(call.operation, "weights", []):
             if id(weight) not in counted:
                 counted.add(id(weight))
-                param_bytes += math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+                size = math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+                param_bytes += size
+                trainable_bytes += size if id(weight) in trainable_ids else 0
+        name = call.operation.name
         specs = [
-            self._tf.TensorSpec(_micro_shape(t, self._micro_batch, call.operation.name), t.dtype)
-            for t in call.node.input_tensors
+            self._tf.TensorSpec(_micro_shape(self._shapes[s.call][s.output], self._micro_batch, name), t.dtype)
+            for t, s in zip(call.node.input_tensors, call.sources, strict=True)
         ]
         key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
         if key not in self._memo:
             self._memo[key] = self._measure(call, specs)
         forward, traced_bytes, time_s = self._memo[key]
-        backward = 2.0 if _trainable_weights(call.operation) else 1.0
         if _is_composite(call.operation):
             activation_bytes = traced_bytes
         else:
             activation_bytes = sum(
-                _tensor_bytes(t, self._micro_batch, call.operation.name) for t in call.node.output_tensors
+                _tensor_bytes(shape, t.dtype, self._micro_batch, name)
+                for t, shape in zip(call.node.output_tensors, self._shapes[index], strict=True)
             )
         attrs.update(
-            flops=float(forward * (1.0 + backward)),
+            flops=training_flops(float(forward), bool(trainable_ids)),
+            forward_flops=float(forward),
             param_bytes=int(param_bytes),
+            trainable_param_bytes=int(trainable_bytes),
             activation_bytes=int(activation_bytes),
         )
         if time_s is not None:
@@ -320,6 +365,20 @@ def _summary(err: Exception) -> str:
 
 def _trainable_weights(operation: Any) -> list[Any]:
     return list(getattr(operation, "trainable_weights", []))
+
+
+def _compute_dtype(operation: Any) -> str | None:
+    """The dtype ``operation`` computes in, from its Keras dtype policy (None for a Keras op without one)."""
+    policy = getattr(operation, "dtype_policy", None)
+    dtype = getattr(policy, "compute_dtype", None)
+    return str(dtype) if dtype else None
+
+
+def _model_compute_dtype(model: Any, dtype_flops: dict[str, float]) -> str:
+    """The compute dtype of the layers doing most of the forward FLOPs; the model's own when none do any."""
+    if dtype_flops and max(dtype_flops.values()) > 0:
+        return max(sorted(dtype_flops), key=dtype_flops.__getitem__)
+    return _compute_dtype(model) or "float32"
 
 
 def _is_composite(operation: Any) -> bool:

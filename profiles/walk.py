@@ -53,6 +53,14 @@ def functional_graph(model: Any) -> Any:
             f"profile_model needs a keras.Model. Received: {type(model).__name__}. "
             "Wrap layers in a model first, e.g. keras.Model(inputs, outputs) or keras.Sequential([...])."
         )
+    preprocessor = getattr(model, "preprocessor", None)
+    if preprocessor is not None:  # a keras-hub task: it preprocesses its data in fit/predict, outside the graph
+        raise ProfileError(
+            f"Model '{model.name}' ({type(model).__name__}) has a preprocessor ({type(preprocessor).__name__}) "
+            "that turns raw data into the inputs of its layer graph, and only the layer graph is partitioned. "
+            f"Build it with preprocessor=None, e.g. {type(model).__name__}(backbone=backbone, preprocessor=None), "
+            "and preprocess in the data pipeline, e.g. dataset.map(preprocessor)."
+        )
     if isinstance(model, keras.Sequential):
         functional = getattr(model, "_functional", None)
         if functional is None:

@@ -19,7 +19,7 @@ the schedule's:
 - After the last action each stage's optimizer update runs on its device: the optimizer's per-variable
   update (moments, bias correction, the assign) is issued under the variable's device.
 
-Micro-batches have one shape, so each stage function is traced once: a batch of B rows is split
+Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
 left out of the loss (each micro-batch's loss is Keras' compiled loss over its own rows, weighted by
 their share of the batch, so the step's loss and gradients are the original model's on the whole
@@ -85,80 +85,147 @@ class StageProgram:
             for v in {id(v): v for op in stage.operations for v in op.non_trainable_weights}.values()
             if v.dtype != "string"
         ]
+        self.num_microbatches = options.num_microbatches
         self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
-        # only a stage with batch normalization takes the micro-batch's row mask (its statistics skip repeats)
-        self.takes_mask = any(isinstance(op, keras.layers.BatchNormalization) for op in stage.operations)
+        # layers whose activity regularizer the stage applies itself, to the micro-batch's own rows
+        self.regularized = any(getattr(op, "activity_regularizer", None) is not None for op in stage.operations)
+        # only a stage with batch normalization or an activity regularizer takes the micro-batch's row
+        # mask (statistics and regularizers skip the repeated rows); a regularized one also the batch size
+        self.takes_mask = self.regularized or any(
+            isinstance(op, keras.layers.BatchNormalization) for op in stage.operations
+        )
+        # per function kind: True iff it returns the stage's layer loss (after the returns)
+        self.returns_layer_loss: dict[str, bool] = {}
+        # per function kind: the layer whose add_loss cannot be split over micro-batches (M > 1), or None
+        self.unsplittable: dict[str, str | None] = {}
         self._functions: dict[str, Any] = {}
 
-    def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor) -> list[tf.Tensor]:
-        """The stage function's arguments for one micro-batch: its inputs, and its row mask if it takes one."""
-        return [*values, valid] if self.takes_mask else list(values)
+    def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor, batch: tf.Tensor) -> list[tf.Tensor]:
+        """The stage function's arguments for one micro-batch: its inputs, its row mask if it takes one,
+        and the batch's row count (float32) if it applies activity regularizers."""
+        return [*values, *([valid] if self.takes_mask else []), *([batch] if self.regularized else [])]
 
     def _run(
-        self, inputs: Sequence[tf.Tensor], valid: tf.Tensor | None, training: bool, stats: list[Any]
-    ) -> list[tf.Tensor]:
-        """The stage's nodes in order. In training, batch normalizations (``runtime.batchnorm``) use
-        the valid rows' statistics and append (layer, [mean, variance, count]) to ``stats`` instead of
+        self, kind: str, flat: Sequence[tf.Tensor], training: bool, stats: list[Any]
+    ) -> tuple[list[tf.Tensor], tf.Tensor | None]:
+        """The stage's nodes in order, on the function's arguments ``flat``; returns the stage's returns
+        and its layer loss (or None). In training, batch normalizations (``runtime.batchnorm``) use the
+        valid rows' statistics and append (layer, [mean, variance, count]) to ``stats`` instead of
         moving their own."""
-        values = {id(t): x for t, x in zip(self.stage.inputs, inputs)}
+        count = len(self.stage.inputs)
+        valid = flat[count] if self.takes_mask else None
+        batch = flat[count + 1] if self.regularized else None
+        values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
+        terms: list[tf.Tensor] = []
+        self.unsplittable[kind] = None
         for node in self.stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
             operation = node.operation
             _call_context(operation, kwargs, training)
+            regularizer = getattr(operation, "activity_regularizer", None)
             if training and is_plain_batch_norm(operation, args, kwargs):
                 outputs, moments = normalize(operation, args[0], valid)
                 stats.append((operation, moments))
+            elif regularizer is not None:  # applied below, to the micro-batch's own rows only
+                operation.activity_regularizer = None
+                try:
+                    outputs = operation(*args, **kwargs)
+                finally:
+                    operation.activity_regularizer = regularizer
             else:
                 outputs = operation(*args, **kwargs)
+            terms += self._layer_losses(kind, operation, outputs, regularizer, valid, batch)
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
-        return [values[id(t)] for t in self.returns]
+        self.returns_layer_loss[kind] = bool(terms)
+        return [values[id(t)] for t in self.returns], (tf.add_n(terms) if terms else None)
 
-    def split(self, results: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
-        """A training forward's results -> (returns, [mean, variance, count] per deferred call, seeds)."""
-        count, num_stats = len(self.returns), 3 * len(self.deferred_layers)
-        stats = list(results[count : count + num_stats])
+    def _layer_losses(
+        self, kind: str, operation: Any, outputs: Any, regularizer: Any, valid: Any, batch: Any
+    ) -> list[tf.Tensor]:
+        """The losses one call added (``add_loss``, activity regularizers), as this micro-batch's part of
+        the batch's: Keras divides an activity regularizer's value by the batch size, so the stage
+        applies it to the micro-batch's own rows and divides by the whole batch's row count (exact for
+        regularizers that sum over rows, as Keras' L1 and L2 do). Any other added loss is taken whole at
+        M = 1; with M > 1 the stage cannot know whether it is a mean or a sum over the batch, and marks
+        itself ``unsplittable`` (training and evaluation then refuse)."""
+        terms: list[tf.Tensor] = []
+        if isinstance(operation, keras.layers.Layer):
+            added = [x for layer in operation._flatten_layers(include_self=True) for x in layer._get_own_losses()]
+            operation._clear_losses()  # the tensors belong to this function's graph: leave none behind
+            if added and self.num_microbatches > 1:
+                self.unsplittable[kind] = operation.name
+            elif added:
+                terms += [tf.reduce_sum(tf.cast(x, tf.float32)) for x in added]
+        if regularizer is not None:
+            rows = tf.reduce_sum(tf.cast(valid, tf.int32))
+            for output in keras.tree.flatten(outputs):
+                if not tf.is_tensor(output):
+                    continue
+                if output.shape.rank == 0:  # no rows to split: Keras takes it whole
+                    if self.num_microbatches > 1:
+                        self.unsplittable[kind] = operation.name
+                    else:
+                        terms.append(tf.cast(regularizer(output), tf.float32))
+                    continue
+                terms.append(tf.cast(regularizer(output[:rows]), tf.float32) / batch)
+        return terms
+
+    def split(
+        self, results: Sequence[tf.Tensor], kind: str = "forward"
+    ) -> tuple[list[tf.Tensor], tf.Tensor | None, list[list[tf.Tensor]], list[tf.Tensor]]:
+        """A stage function's results -> (returns, layer loss or None, [mean, variance, count] per
+        deferred batch-norm call, seeds); the last two only for the training forward."""
+        count = len(self.returns)
+        layer_loss = results[count] if self.returns_layer_loss.get(kind) else None
+        start = count + int(layer_loss is not None)
+        num_stats = 3 * len(self.deferred_layers) if kind == "forward" else 0
+        stats = list(results[start : start + num_stats])
         return (
             list(results[:count]),
+            layer_loss,
             [stats[i : i + 3] for i in range(0, num_stats, 3)],
-            list(results[count + num_stats :]),
+            list(results[start + num_stats :]) if kind == "forward" else [],
         )
 
-    def _signature(self) -> list[tf.TensorSpec]:
-        specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype) for t in self.stage.inputs]
-        return [*specs, tf.TensorSpec((None,), tf.bool)] if self.takes_mask else specs
+    def _compile(self, name: str, body: Any) -> Any:
+        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name).
 
-    def _compile(self, name: str, body: Any, signature: list[Any] | None) -> Any:
-        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name)."""
+        It is traced for the micro-batch's static shape (Grappler then folds the shape arithmetic of
+        the forward and of its gradient, as in the plain Keras step), and once more, for any batch
+        size, at the first micro-batch of another size (a remainder batch): ``reduce_retracing``.
+        """
         if name not in self._functions:
             body.__name__ = f"stage{self.stage.index}_{name}"
             self._functions[name] = tf.function(
                 body,
-                input_signature=signature,
+                reduce_retracing=True,
                 jit_compile=self.jit_compile,
                 experimental_attributes={"_noinline": True},
             )
         return self._functions[name]
 
     def forward(self, training: bool) -> Any:
-        """f(*inputs, valid) -> [returns...]; when training, + batch-norm statistics + the seed states it began with."""
-        count = len(self.stage.inputs)
+        """f(*arguments) -> [returns..., layer loss if any]; when training, + batch-norm statistics + the
+        seed states it began with (``split`` takes them apart)."""
+        kind = "forward" if training else "inference"
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             stats: list[Any] = []
-            valid = flat[count] if self.takes_mask else None
             if not training:
-                return self._run(flat[:count], valid, False, stats)
+                outputs, layer_loss = self._run(kind, flat, False, stats)
+                return outputs + ([layer_loss] if layer_loss is not None else [])
             seeds = [v.read_value() for v in self.seed_variables]
-            outputs = self._run(flat[:count], valid, True, stats)
+            outputs, layer_loss = self._run(kind, flat, True, stats)
             if self.batch_norm == "per_microbatch":
                 for layer, moments in stats:
                     update_moving_statistics(layer, [moments])
                 stats = []
             self.deferred_layers = [layer for layer, _ in stats]
+            outputs += [layer_loss] if layer_loss is not None else []
             return outputs + [t for _, moments in stats for t in moments] + seeds
 
-        return self._compile("forward" if training else "inference", body, self._signature())
+        return self._compile(kind, body)
 
     def accumulate(self) -> Any:
         """f(totals, gradients) -> [total + gradient]: a micro-batch's weight gradients added to the
@@ -167,18 +234,16 @@ class StageProgram:
         def body(totals: list[tf.Tensor], gradients: list[tf.Tensor]) -> list[tf.Tensor]:
             return [t + g for t, g in zip(totals, gradients)]
 
-        return self._compile("accumulate", body, None)
+        return self._compile("accumulate", body)
 
     def recompute(self) -> Any:
-        """f(*inputs, valid, *seeds) -> [returns...]: the training forward again, leaving no trace.
+        """f(*arguments, *seeds) -> [returns..., layer loss if any]: the training forward again, leaving no trace.
 
         The dropout seeds are set to those of the first forward, and every non-trainable variable
         (batch-norm statistics) and seed state is put back afterwards, so the recomputed forward draws
         the same masks, updates nothing twice, and later forwards draw what they would have drawn.
         """
-        count = len(self.stage.inputs)
-        num_arguments = count + int(self.takes_mask)
-        seed_specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.seed_variables]
+        num_arguments = len(self.stage.inputs) + int(self.takes_mask) + int(self.regularized)
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             state = [*self.non_trainable, *self.seed_variables]
@@ -186,14 +251,15 @@ class StageProgram:
             with tf.control_dependencies(saved):
                 for variable, seed in zip(self.seed_variables, flat[num_arguments:]):
                     variable.assign(seed)
-            valid = flat[count] if self.takes_mask else None
-            outputs = self._run(flat[:count], valid, True, [])  # statistics are the first forward's
+            # batch-norm statistics are the first forward's
+            outputs, layer_loss = self._run("recompute", flat[:num_arguments], True, [])
+            outputs += [layer_loss] if layer_loss is not None else []
             with tf.control_dependencies(outputs):
                 restores = [v.assign(s) for v, s in zip(state, saved)]
             with tf.control_dependencies(restores):
                 return [tf.identity(o) for o in outputs]
 
-        return self._compile("recompute", body, [*self._signature(), *seed_specs])
+        return self._compile("recompute", body)
 
 
 @dataclass(frozen=True)
@@ -318,48 +384,69 @@ class Executor:
 
     # ----- splitting a batch ---------------------------------------------------------------------
 
+    def microbatch_rows(self, structure: Any) -> int | None:
+        """ceil(B / M) where the batch's size B is static (the shape the stage functions are traced for)."""
+        sizes = [tf.convert_to_tensor(t).shape[0] for t in keras.tree.flatten(structure)]
+        return -(-sizes[0] // self.num_microbatches) if sizes and sizes[0] is not None else None
+
     def split(self, batch: tf.Tensor, structure: Any) -> list[Any]:
         """Each leaf [B, ...] -> M micro-batches [ceil(B/M), ...]; rows past B repeat real rows."""
         m = self.num_microbatches
         size = (batch + m - 1) // m
         rows = tf.range(size * m) % batch
+        static_size = self.microbatch_rows(structure)
 
         def one(t: Any) -> list[tf.Tensor]:
             t = tf.convert_to_tensor(t)
             parts = list(tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m))
             for part in parts:
-                part.set_shape([None, *t.shape[1:]])
+                part.set_shape([static_size, *t.shape[1:]])
             return parts
 
         flat = [one(t) for t in keras.tree.flatten(structure)]
         return [keras.tree.pack_sequence_as(structure, [parts[i] for parts in flat]) for i in range(m)]
 
-    def valid_rows(self, batch: tf.Tensor) -> list[tf.Tensor]:
+    def valid_rows(self, batch: tf.Tensor, static_size: int | None = None) -> list[tf.Tensor]:
         """Per micro-batch, [ceil(B/M)] booleans: True for the batch's own rows, False for repeats."""
         m = self.num_microbatches
         size = (batch + m - 1) // m
-        return list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
+        masks = list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
+        for mask in masks:
+            mask.set_shape([static_size])
+        return masks
 
     # ----- steps ---------------------------------------------------------------------------------
 
-    def forward(self, inputs: Sequence[tf.Tensor], training: bool) -> tuple[list[Any], list[tf.Tensor]]:
-        """Forward only (evaluation and prediction): per micro-batch the model outputs, and the valid rows."""
+    def forward(
+        self, inputs: Sequence[tf.Tensor], training: bool, losses: bool = False
+    ) -> tuple[list[Any], list[tf.Tensor], tf.Tensor | None]:
+        """Forward only (evaluation and prediction): per micro-batch the model outputs, the valid rows,
+        and the batch's layer losses (``add_loss``, activity regularizers; None if there are none).
+
+        ``losses=True`` (evaluation) refuses a loss that cannot be split over micro-batches."""
         batch = batch_size(inputs)
+        rows = tf.cast(batch, tf.float32)
         micro_inputs = self.split(batch, list(inputs))
-        valid = self.valid_rows(batch)
+        valid = self.valid_rows(batch, self.microbatch_rows(list(inputs)))
+        layer_losses: list[tf.Tensor] = []
         values: dict[tuple[int, int], tf.Tensor] = {}
         last_op: list[Any] = [None] * len(self.stages)
         for m in range(self.num_microbatches):
             for t, x in zip(self.model.inputs, micro_inputs[m]):
                 values[(id(t), m)] = x
-        results = []
+        predictions = []
         for m in range(self.num_microbatches):
             for program in self.programs:
                 stage = program.stage
                 with tf.device(stage.device), tf.control_dependencies(last_op[stage.index] or []):
                     fn = program.forward(training)
-                    outputs = fn(*program.arguments([values[(id(t), m)] for t in stage.inputs], valid[m]))
-                    outputs = outputs[: len(program.returns)]
+                    results = fn(*program.arguments([values[(id(t), m)] for t in stage.inputs], valid[m], rows))
+                    kind = "forward" if training else "inference"
+                    if losses:
+                        _check_splittable(program, kind)
+                    outputs, layer_loss, _, _ = program.split(results, kind)
+                    if layer_loss is not None:
+                        layer_losses.append(layer_loss)
                 for symbolic, value in zip(program.returns, outputs):
                     values[(id(symbolic), m)] = value
                 last_op[stage.index] = outputs
@@ -367,8 +454,8 @@ class Executor:
             if self.mask is not None:
                 for output in outputs:
                     set_keras_mask(output, values[(id(self.mask), m)])
-            results.append(keras.tree.pack_sequence_as(self.model._outputs_struct, outputs))
-        return results, valid
+            predictions.append(keras.tree.pack_sequence_as(self.model._outputs_struct, outputs))
+        return predictions, valid, (tf.add_n(layer_losses) if layer_losses else None)
 
     def train(self, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any) -> Any:
         """Runs the schedule's forwards and backwards for one batch.
@@ -412,8 +499,9 @@ class _TrainStep:
         size = (batch + num - 1) // num
         # the batch's own rows of micro-batch m are its first rows[m] (the rest repeat earlier rows)
         self.rows = [tf.clip_by_value(batch - m * size, 0, size) for m in range(num)]
-        self.share = [tf.cast(n, tf.float32) / tf.cast(batch, tf.float32) for n in self.rows]
-        self.valid = executor.valid_rows(batch)
+        self.batch_rows = tf.cast(batch, tf.float32)
+        self.share = [tf.cast(n, tf.float32) / self.batch_rows for n in self.rows]
+        self.valid = executor.valid_rows(batch, executor.microbatch_rows(list(inputs)))
         self.y = executor.split(batch, y) if y is not None else [None] * num
         self.weights = executor.split(batch, sample_weight) if sample_weight is not None else [None] * num
         self.model_inputs = {id(t) for t in executor.model.inputs}
@@ -422,10 +510,12 @@ class _TrainStep:
             for t, x in zip(executor.model.inputs, parts):
                 self.values[(id(t), m)] = x
         self.pending: dict[tuple[int, int], list[tf.Tensor]] = {}  # (id(tensor), m) -> gradients from its readers
-        # (s, m) -> (tape or None, outputs, seeds, the loss's gradients for the model outputs (last stage) or None)
+        # (s, m) -> (tape or None, outputs, layer loss or None, seeds, the loss's gradients for the model
+        # outputs (last stage) or None)
         self.kept: dict[tuple[int, int], Any] = {}
         self.losses: list[Any] = [None] * num  # unscaled loss of each micro-batch, its share of the batch
         self.steps: list[Any] = [None] * num  # with an output mask: [valid steps, steps] of each micro-batch
+        self.layer_losses: list[tf.Tensor] = []  # every stage's layer losses, each micro-batch's part
         self.predictions: list[Any] = [None] * num
         self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
         self.last_op: list[Any] = [None] * len(executor.stages)
@@ -467,26 +557,34 @@ class _TrainStep:
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])
-            outputs, stats, seeds = program.split(program.forward(True)(*program.arguments(values, self.valid[m])))
+            results = program.forward(True)(*program.arguments(values, self.valid[m], self.batch_rows))
+        _check_splittable(program, "forward")
+        outputs, layer_loss, stats, seeds = program.split(results)
+        if layer_loss is not None:
+            self.layer_losses.append(layer_loss)
         loss_gradients = self._loss(s, m, outputs)  # outside the tape: the backward starts from its gradients
         for layer, moments in zip(program.deferred_layers, stats):
             self.statistics.setdefault((s, id(layer)), (layer, []))[1].append(moments)
         for symbolic, value in zip(program.returns, outputs):
             self.values[(id(symbolic), m)] = value
-        self.kept[(s, m)] = (tape, outputs, seeds, loss_gradients)
+        self.kept[(s, m)] = (tape, outputs, layer_loss, seeds, loss_gradients)
         self.last_op[s] = [*outputs, *(loss_gradients or [])]
 
     def backward(self, s: int, m: int) -> None:
         program, stage = self.executor.programs[s], self.executor.stages[s]
         values, watched_index = self._inputs(s, m)
         watched = [values[i] for i in watched_index]
-        tape, outputs, seeds, loss_gradients = self.kept.pop((s, m))
+        tape, outputs, layer_loss, seeds, loss_gradients = self.kept.pop((s, m))
         if tape is None:  # recomputation (never the last stage): the stage's forward again, under a tape, here
             with tf.GradientTape() as tape:
                 tape.watch(watched)
-                outputs = program.recompute()(*program.arguments(values, self.valid[m]), *seeds)
+                results = program.recompute()(*program.arguments(values, self.valid[m], self.batch_rows), *seeds)
+            outputs, layer_loss, _, _ = program.split(results, "recompute")
         targets: list[tf.Tensor] = []
         output_gradients: list[tf.Tensor] = []
+        if layer_loss is not None:  # the stage's layer losses join the loss as they are (each is its part)
+            targets.append(layer_loss)
+            output_gradients.append(tf.cast(self.scale_loss(tf.ones([], tf.float32)), tf.float32))
         if loss_gradients is not None:  # the last stage: from the loss's gradients for the model's outputs
             start = len(stage.outputs)
             predictions = [t for t in outputs[start : start + len(self.executor.model.outputs)] if t.dtype.is_floating]
@@ -526,6 +624,13 @@ class _TrainStep:
         executor = self.executor
         losses = [x for x in self.losses if x is not None]
         if executor.mask is not None:  # sum over valid steps / batch's steps -> the mean over valid steps
+            if self.layer_losses:
+                raise InputError(
+                    "The model's output carries a Keras mask and its layers add losses (add_loss, activity "
+                    "regularizers): the pipelined step weights the output loss by the batch's valid steps after "
+                    "the backward and cannot keep the layer losses' gradients apart. Expected one of the two: "
+                    "drop the mask before the output, or the layer losses."
+                )
             with tf.device(executor.stages[-1].device):
                 valid, steps = tf.unstack(tf.add_n(self.steps))
                 correction = tf.math.divide_no_nan(steps, valid)
@@ -533,6 +638,7 @@ class _TrainStep:
             for stage, grads in zip(executor.stages, self.gradients):
                 with tf.device(stage.device):
                     grads[:] = [None if g is None else g * tf.cast(correction, g.dtype) for g in grads]
+        losses += self.layer_losses
         gradients = []
         for stage, grads in zip(executor.stages, self.gradients):
             with tf.device(stage.device), tf.control_dependencies(self.last_op[stage.index] or []):
@@ -546,6 +652,18 @@ class _TrainStep:
         with tf.device(executor.stages[-1].device):
             loss = tf.add_n(losses)
         return loss, self.predictions, self.valid, gradients
+
+
+def _check_splittable(program: StageProgram, kind: str) -> None:
+    """Refuses a stage whose layers add a loss that micro-batches cannot split (M > 1)."""
+    name = program.unsplittable.get(kind)
+    if name is not None:
+        raise InputError(
+            f"Layer '{name}' adds a loss (add_loss, or an activity regularizer of a layer inside it or of a "
+            f"scalar output) that cannot be split over {program.num_microbatches} micro-batches: the runtime "
+            "cannot tell whether it is a mean or a sum over the batch's rows. Use num_microbatches=1, or "
+            "give the layer an activity_regularizer on a batched output (split exactly) instead."
+        )
 
 
 def _regularization(stage: Stage, gradients: list[Any], scale_loss: Any) -> tf.Tensor | None:

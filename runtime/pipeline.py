@@ -131,8 +131,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
         if self._compile_loss is None:
             raise InputError(
-                "PipelinedModel needs a loss to train: compile(loss=...). Losses added with add_loss inside "
-                "layers are not supported by the pipelined step."
+                "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
+                "activity regularizers) are added to it; they cannot stand in for it."
             )
         loss = self._compile_loss(y, y_pred, sample_weight)
         if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
@@ -213,18 +213,20 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _ = self._state.executor.forward(inputs, training=False)
+        predictions, _, layer_loss = self._state.executor.forward(inputs, training=False, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _concat(predictions, batch)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            if layer_loss is not None:  # add_loss and activity regularizers, as Keras' compute_loss adds them
+                loss = loss + tf.cast(layer_loss, loss.dtype)
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _ = self._state.executor.forward(inputs, training=False)
+        predictions, _, _ = self._state.executor.forward(inputs, training=False)
         with tf.device(self._state.stages[-1]):
             return _concat(predictions, tf.shape(inputs[0])[0])
 
@@ -248,7 +250,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def _plain_twin(self) -> tuple[Any, list[tuple[Any, Any]]]:
         """A new model of the original architecture, and (clone of this model, its layer there) pairs."""
         original = self._state.original
-        plain = keras.models.clone_model(original)
+        plain = _copy_architecture(original)
         places = _layer_pairs(original, plain)
         return plain, [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
 
@@ -298,6 +300,25 @@ def _weight_pairs(layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
 def _unscaled(loss: tf.Tensor) -> tf.Tensor:
     """The loss as it is (no optimizer's loss scaling); one function, so the traced loss function is reused."""
     return loss
+
+
+def _copy_architecture(model: Any) -> Any:
+    """A new model of ``model``'s own class and architecture (weights not copied).
+
+    A functional model of a class of its own (a keras-hub ``GPT2CausalLM`` or ``BertBackbone``) is
+    made again from its config, so the user gets their class back, with its methods; a plain
+    Functional or Sequential model, and a class that cannot be made from its config (a subclass
+    without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
+    ``keras.models.clone_model``: a functional model of the same layers.
+    """
+    from keras.src.models.functional import Functional
+
+    if type(model) not in (keras.Model, Functional, keras.Sequential):
+        try:
+            return type(model).from_config(model.get_config())
+        except (TypeError, ValueError, KeyError, NotImplementedError):
+            pass
+    return keras.models.clone_model(model)
 
 
 def _layer_pairs(original: Any, copy: Any) -> dict[int, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from profiles.shapes import InputShapes
 from runtime.devices import canonical
 
 
@@ -66,7 +67,10 @@ def placement_report(model: Any) -> PlacementReport:
                 misplaced.append(f"{node}: variable '{variable.path}' on {device}, the plan says {planned[node]}")
 
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.staged.inputs]
-    forward = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0], training=False))
+    import keras
+
+    struct = model.staged._inputs_struct  # a list, one tensor, or a dict (keras-hub models)
+    forward = tf.function(lambda *xs: model(keras.tree.pack_sequence_as(struct, xs), training=False))
     graph = forward.get_concrete_function(*specs).graph
     counts: Counter[str] = Counter(canonical(op.device) for op in graph.get_operations() if op.device)
     return PlacementReport(planned, variable_devices, dict(counts), misplaced)
@@ -130,31 +134,67 @@ class ExecutedPlacement:
         return table
 
 
-def synthetic_batch(model: Any, batch_size: int, seed: int = 0) -> tuple[Any, Any]:
+def synthetic_batch(
+    model: Any,
+    batch_size: int,
+    seed: int = 0,
+    *,
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
+) -> tuple[Any, Any]:
     """Random data shaped like ``model``'s inputs and outputs, for one step that shows placement.
 
     Float inputs and targets are standard normal; integer inputs (token ids, class ids) are 0 or 1,
     which every embedding and lookup accepts. Pair it with a loss that takes float targets of the
-    output's shape, such as "mse".
+    output's shape, such as "mse". Inputs come as a dict where the model takes a dict (keras-hub
+    models), else as a list, or one array for one input.
+
+    Args:
+        model: a built Functional or Sequential keras.Model.
+        batch_size: rows of the batch.
+        seed: the random seed.
+        input_shapes, sequence_length: sizes for the model's unknown non-batch dimensions, as for
+            ``plan_and_wrap`` (``profiles.shapes``); without them every unknown dimension is 1.
 
     Example:
-        >>> x, y = synthetic_batch(model, 8)         # doctest: +SKIP
+        >>> x, y = synthetic_batch(model, 8)                          # doctest: +SKIP
+        >>> x, y = synthetic_batch(gpt2_backbone, 8, sequence_length=16)   # doctest: +SKIP
     """
+    import keras
     import numpy as np
 
+    from profiles.shapes import call_shapes, needs_shapes
+    from profiles.shapes import input_shapes as resolve_input_shapes
+    from profiles.walk import flatten_calls, functional_graph
+
+    functional = functional_graph(model)
+    if input_shapes is None and sequence_length is None:
+        sequence_length = 1
+    planned = resolve_input_shapes(functional, input_shapes, sequence_length)
+    shape_of: dict[int, tuple[Any, ...]] = {id(t): tuple(t.shape) for t in functional.outputs}
+    if needs_shapes(functional, planned):
+        calls, sources = flatten_calls(functional)
+        shapes = call_shapes(calls, planned)
+        shape_of = {id(t): shapes[sources[id(t)].call][sources[id(t)].output] for t in functional.outputs}
+    shape_of.update({id(t): (None, *shape) for t, shape in zip(functional.inputs, planned.values())})
     rng = np.random.default_rng(seed)
 
     def like(tensor: Any) -> Any:
-        shape = (batch_size, *(d if d is not None else 1 for d in tuple(tensor.shape)[1:]))
+        shape = (batch_size, *(d if d is not None else 1 for d in shape_of[id(tensor)][1:]))
         dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
         if "int" in dtype or "bool" in dtype:
             return rng.integers(0, 2, shape).astype(dtype)
         return rng.normal(size=shape).astype(dtype)
 
-    def pack(tensors: list[Any]) -> Any:
+    def pack(struct: Any, tensors: list[Any]) -> Any:
+        if isinstance(struct, dict):
+            return keras.tree.map_structure(like, struct)
         return [like(t) for t in tensors] if len(tensors) > 1 else like(tensors[0])
 
-    return pack(list(model.inputs)), pack(list(model.outputs))
+    return (
+        pack(functional._inputs_struct, list(functional.inputs)),
+        pack(functional._outputs_struct, list(functional.outputs)),
+    )
 
 
 def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> ExecutedPlacement:

@@ -12,6 +12,7 @@ from partitioner.errors import InputError, PlanError
 from partitioner.plan import Plan
 from partitioner.solver import solve
 from partitioner.validate import validate_plan
+from profiles.shapes import InputShapes
 from runtime.devices import canonical, resolve_devices
 from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
@@ -52,6 +53,8 @@ def plan_and_wrap(
     schedule: str = "gpipe",
     recompute: str = "never",
     batch_norm: str = "deferred",
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
 ) -> PipelinedModel:
     """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
 
@@ -75,6 +78,11 @@ def plan_and_wrap(
         batch_norm: "deferred" (each micro-batch normalised by its own statistics, the moving
             statistics moved once per step towards the whole batch's, as the original model does) or
             "per_microbatch" (Keras' layer as is: M moving updates per step).
+        input_shapes: the shapes to plan for where the model leaves non-batch dimensions open
+            (keras-hub backbones take ``(None, None)`` token ids): ``{"token_ids": (128,)}`` or a
+            list in the order of ``model.inputs``, without the batch axis. The wrapped model still
+            runs any shape the original accepts; the plan's costs are for this one.
+        sequence_length: shorthand: every unknown non-batch dimension of every input gets this size.
 
     Returns:
         A PipelinedModel; its ``.plan`` is the plan used.
@@ -92,7 +100,14 @@ def plan_and_wrap(
     check_recompute(recompute)
     options = ExecutionOptions(num_microbatches, schedule=schedule, batch_norm=batch_norm)
     cluster = resolve_devices(devices, memory=memory)
-    graph = profile_model(model, batch_size=batch_size, num_microbatches=num_microbatches, measure_time=False)
+    graph = profile_model(
+        model,
+        batch_size=batch_size,
+        num_microbatches=num_microbatches,
+        measure_time=False,
+        input_shapes=input_shapes,
+        sequence_length=sequence_length,
+    )
     plan = solve(
         graph,
         cluster,
@@ -116,6 +131,8 @@ def wrap(
     schedule: str | None = None,
     recompute: str | None = None,
     batch_norm: str = "deferred",
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
 ) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
 
@@ -128,6 +145,8 @@ def wrap(
         recompute: "never", "always", or None / "auto": the stages the plan recomputes (see
             ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
+        input_shapes, sequence_length: the shapes to validate at, where the model leaves non-batch
+            dimensions open (see ``plan_and_wrap``); only used with ``validate=True``.
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
@@ -144,7 +163,14 @@ def wrap(
     if validate:
         from profiles import profile_model
 
-        graph = profile_model(model, batch_size=num_microbatches, num_microbatches=num_microbatches, measure_time=False)
+        graph = profile_model(
+            model,
+            batch_size=num_microbatches,
+            num_microbatches=num_microbatches,
+            measure_time=False,
+            input_shapes=input_shapes,
+            sequence_length=sequence_length,
+        )
         planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
         validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
     return _wrap(model, plan, options)

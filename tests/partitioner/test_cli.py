@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import textwrap
 
@@ -50,6 +51,24 @@ def test_cli_plan_json_round_trips(profile_file, tmp_path, capsys) -> None:
     assert plan == pt.Plan.from_json(out_file.read_text())
     assert json.loads(printed)["kind"] == "plan"
     pt.validate_plan(plan, pt.load_graph(profile_file), pt.Cluster.from_json("4xT4-pcie"))
+
+
+def test_cli_plan_device_order(profile_file, tmp_path, capsys) -> None:
+    # 1 fast device listed last and 3 slow ones: "given" keeps the listed order, the default searches.
+    devices = [pt.Device(f"/GPU:{i}", memory="16GiB", flops_per_s=50e12) for i in range(3)]
+    cluster = pt.Cluster([*devices, pt.Device("/GPU:3", memory="32GiB", flops_per_s=200e12)], bandwidth="10GB/s")
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(cluster.to_json())
+    argv = ["plan", str(profile_file), "--cluster", str(cluster_file), "--json"]
+    assert main([*argv, "--device-order", "given"]) == 0
+    given = pt.Plan.from_json(capsys.readouterr().out)
+    assert main(argv) == 0
+    searched = pt.Plan.from_json(capsys.readouterr().out)
+    assert given.devices == tuple(cluster.names)
+    assert searched.step_time_s <= given.step_time_s * (1 + 1e-9)
+    pt.validate_plan(searched, pt.load_graph(profile_file), cluster)
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        main([*argv, "--device-order", "fastest"])
 
 
 def test_cli_timeline_as_text(profile_file, capsys) -> None:
@@ -121,6 +140,58 @@ def test_cli_errors_are_one_line(argv, message, profile_file, tmp_path, capsys) 
     assert "Traceback" not in captured.err
 
 
+@pytest.fixture
+def batched_profile_file(tmp_path):
+    """A chain profiled at batch 32 in 8 micro-batches: costs are for 4 samples, as the profiler records them."""
+    graph = pt.chain_graph(
+        [4e12] * 4, param_bytes=[2**20] * 4, activation_bytes=[2**20] * 4, edge_bytes=[2**20] * 3, prefix="dense"
+    )
+    graph.graph.update(model_name="mlp", batch_size=32, num_microbatches=8, micro_batch_size=4)
+    path = tmp_path / "batched.json"
+    pt.save_graph(graph, path)
+    return path
+
+
+def _planned(path, capsys, *flags: str) -> pt.Plan:
+    argv = ["plan", str(path), "--devices", "1", "--memory", "64GiB", "--flops-per-s", "1e12", *flags, "--json"]
+    assert main(argv) == 0
+    return pt.Plan.from_json(capsys.readouterr().out)
+
+
+def test_cli_plan_from_profile_rescales_to_the_batch_size(batched_profile_file, capsys) -> None:
+    as_profiled = _planned(batched_profile_file, capsys)
+    assert as_profiled.num_microbatches == 8  # the profile's own M
+    assert as_profiled.step_time_s == pytest.approx(8 * 4 * 4.0)  # 8 micro-batches of 4 layers x 4 s
+    doubled = _planned(batched_profile_file, capsys, "--batch-size", "64")
+    assert doubled.num_microbatches == 8
+    assert doubled.step_time_s == pytest.approx(2 * as_profiled.step_time_s)  # twice the samples, twice the work
+    assert doubled.memory_bytes["/GPU:0"] > as_profiled.memory_bytes["/GPU:0"]  # activations grow, weights do not
+
+
+def test_cli_plan_from_profile_micro_batches_split_the_batch(batched_profile_file, capsys) -> None:
+    eight = _planned(batched_profile_file, capsys, "--batch-size", "64", "--micro-batches", "8")
+    two = _planned(batched_profile_file, capsys, "--batch-size", "64", "--micro-batches", "2")
+    assert two.num_microbatches == 2
+    assert two.step_time_s == pytest.approx(eight.step_time_s)  # one device: the same 64 samples of work
+    assert two.compute_times["/GPU:0"] == pytest.approx(4 * eight.compute_times["/GPU:0"])  # 32 samples, not 8
+
+
+def test_cli_plan_from_profile_says_the_batch(batched_profile_file, capsys) -> None:
+    argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", "--summary", "--no-compare"]
+    assert main([*argv, "--batch-size", "48", "--micro-batches", "4"]) == 0
+    assert "batch 48 in 4 micro-batches of 12" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"), [(["--batch-size", "64"], "--batch-size"), (["--micro-batches", "4"], "--micro-batches")]
+)
+def test_cli_plan_from_profile_without_a_batch_size_refuses_to_rescale(profile_file, flags, named, capsys) -> None:
+    assert main(["plan", str(profile_file), "--devices", "2", "--memory", "16GiB", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    assert "does not record the batch size its costs were measured at" in err and f"so {named} cannot" in err
+
+
 def test_cli_plan_keras_application(capsys, virtual_devices) -> None:
     """A keras.applications name is built with weights=None, profiled and planned."""
     code = main(["plan", "MobileNetV2", "--input-size", "32", "--devices", "4", "--memory", "2GiB", "--summary"])
@@ -139,7 +210,14 @@ def test_cli_profile_writes_a_layer_graph(tmp_path, capsys, virtual_devices) -> 
     code = main(["profile", "MobileNetV2", "--input-size", "32", "--no-time", "--out", str(out_file)])
     assert code == 0
     graph = pt.load_graph(out_file)
-    assert graph.number_of_nodes() > 100 and "GFLOPs" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert graph.number_of_nodes() > 100 and "GFLOPs per micro-batch of 4 samples" in out  # 32 in 8
+    assert "computed in float32" in out
+    assert (graph.graph["batch_size"], graph.graph["micro_batch_size"], graph.graph["compute_dtype"]) == (
+        32,
+        4,
+        "float32",
+    )
 
 
 def _one_error_line(captured) -> str:
@@ -161,6 +239,12 @@ def model_module(tmp_path, monkeypatch):
                 inputs = keras.Input((8,), name="x")
                 hidden = keras.layers.Dense(4, name="hidden")(inputs)
                 return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+
+            def tokens():
+                ids = keras.Input((None,), dtype="int32", name="token_ids")
+                hidden = keras.layers.Dense(8, name="mix")(keras.layers.Embedding(50, 8, name="embed")(ids))
+                pooled = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+                return keras.Model(ids, keras.layers.Dense(2, name="head")(pooled))
 
             def broken():
                 raise ValueError("my layer sizes are wrong [see the paper]")
@@ -235,6 +319,28 @@ def test_cli_placement_of_a_plan_with_recompute(model_module, tmp_path, capsys, 
     assert [row[1] for row in rows] == virtual_devices[:2]
     assert all(cell == "(100%)" for row in rows for cell in row[3::2])
     assert all(not row[2].startswith("0/") and not row[4].startswith("0/") for row in rows)
+
+
+@pytest.mark.parametrize("flag", [["--sequence-length", "16"], ["--input-shape", "token_ids=16"]])
+def test_cli_shape_flags_plan_a_model_of_open_length(flag, model_module, capsys, virtual_devices) -> None:
+    assert main(["profile", f"{model_module}:tokens", "--no-time", *flag]) == 0
+    assert "5 layers" in capsys.readouterr().out
+    argv = ["placement", f"{model_module}:tokens", "--devices", "2", "--batch-size", "8", "--micro-batches", "2"]
+    assert main([*argv, *flag]) == 0
+    assert "every variable and every stage's forward, backward and optimizer op" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ([], r"Input 'token_ids' .* \(None, None\).*CLI: --sequence-length 128 or --input-shape token_ids=128"),
+        (["--input-shape", "token_ids"], r"--input-shape takes NAME=SIZE .* Received: 'token_ids'"),
+        (["--input-shape", "tokens=16"], r"input_shapes names \['tokens'\], which are not inputs"),
+    ],
+)
+def test_cli_shape_errors_are_one_line(flag, message, model_module, capsys, virtual_devices) -> None:
+    assert main(["plan", f"{model_module}:tokens", "--devices", "2", "--memory", "1GiB", *flag]) == 2
+    assert re.search(message, _one_error_line(capsys.readouterr()))
 
 
 def test_cli_model_function_must_return_a_model(model_module, capsys, virtual_devices) -> None:

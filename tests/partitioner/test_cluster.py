@@ -244,3 +244,42 @@ def test_cluster_from_dict_nonsense_memory_keeps_its_message():
     data["devices"][1]["memory_bytes"] = "-3"
     with pytest.raises(InputError, match=r"memory of device '/GPU:1' '-3' is not a size"):
         Cluster.from_dict(data)
+
+
+def test_device_with_peaks_runs_each_dtype_at_its_peak_times_efficiency():
+    device = Device("/GPU:0", memory="40GiB", peak_flops_per_s={"float32": 19.5e12, "bfloat16": 312e12}, efficiency=0.5)
+    assert device.flops_per_s_for("bfloat16") == pytest.approx(156e12)
+    assert device.flops_per_s_for("float32") == pytest.approx(9.75e12)  # no tf32 peak: the float32 one
+    assert device.flops_per_s == device.flops_per_s_for("float32")  # the default dtype
+    assert device.flops_per_s_for(None) == device.flops_per_s
+
+
+def test_device_without_peaks_runs_every_dtype_at_its_one_rate():
+    device = Device("/GPU:0", memory="1GiB", flops_per_s=5e12)
+    assert [device.flops_per_s_for(d) for d in ("float32", "bfloat16", "float64")] == [5e12] * 3
+
+
+def test_device_missing_dtype_peak_says_what_it_has():
+    device = Device("/GPU:3", memory="16GiB", peak_flops_per_s={"float32": 8.1e12, "float16": 65e12}, hardware="T4")
+    with pytest.raises(ClusterError, match=r"'/GPU:3' \(T4\) has no peak FLOP/s for the compute dtype 'bfloat16'; "
+                       r"it has \['float16', 'float32'\]"):  # fmt: skip
+        device.flops_per_s_for("bfloat16")
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01, True])
+def test_device_rejects_a_bad_efficiency(value):
+    with pytest.raises(ClusterError, match="efficiency is the share of peak"):
+        Device("/GPU:0", memory="1GiB", peak_flops_per_s={"float32": 1e12}, efficiency=value)
+
+
+def test_cluster_explicit_json_keeps_peaks_and_efficiency():
+    device = Device("/GPU:0", memory="40GiB", peak_flops_per_s={"float32": 19.5e12, "tf32": 156e12}, efficiency=0.5)
+    again = Cluster.from_json(Cluster([device]).to_json())
+    assert again.devices == (device,)
+    assert again.devices[0].flops_per_s_for("float32") == pytest.approx(78e12)
+
+
+def test_device_default_speed_needs_a_peak_for_its_dtype():
+    with pytest.raises(ClusterError, match=r"'/GPU:0' has no float32 peak for its default speed .* Pass dtype="):
+        Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15})
+    assert Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15}, dtype="bfloat16").flops_per_s == 1e15

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -18,7 +19,8 @@ from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutErr
 from partitioner.graph import colocation_groups, is_chain
 
 G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
-COARSE = pt.SolverOptions(coarsen=True)
+# The coarsened search in the cluster's order (test_order holds the search over orders).
+COARSE = pt.SolverOptions(coarsen=True, device_order="given")
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -255,7 +257,7 @@ def test_coarsened_solve_falls_back_to_the_fine_model(monkeypatch):
     monkeypatch.setattr(solver_module, "_place_units", lambda *args, **kwargs: None)
     graph = random_dag(random.Random(4), 14, skip_prob=0.5)
     assert not is_chain(graph)
-    plan = pt.solve(graph, _cluster(3), time_limit_s=10, options=pt.SolverOptions(coarsen=True, hint=False))
+    plan = pt.solve(graph, _cluster(3), time_limit_s=10, options=dataclasses.replace(COARSE, hint=False))
     assert plan.method == "cp-sat"
     pt.validate_plan(plan, graph, _cluster(3))
 
@@ -268,7 +270,8 @@ def test_coarsened_solve_starts_from_a_memory_fill_when_no_baseline_fits(monkeyp
     cluster = pt.Cluster([pt.Device(G0, memory=8 * KIB), pt.Device(G1, memory=24 * KIB)], bandwidth=1e30)
     assert not any(b(graph, cluster).fits_memory for b in pt.baselines.BASELINES.values())
     monkeypatch.setattr(solver_module, "_place_units", lambda *args, **kwargs: None)  # the units find nothing
-    plan = pt.solve(graph, cluster, time_limit_s=10, options=COARSE)
+    given = dataclasses.replace(COARSE, device_order="given")  # the fill runs in the cluster's order
+    plan = pt.solve(graph, cluster, time_limit_s=10, options=given)
     assert plan.method == "cp-sat+coarsen"
     assert plan.nodes_on(G0) == ["l0", "l1"]
     pt.validate_plan(plan, graph, cluster)

@@ -37,14 +37,15 @@ def brute_force_chain(graph, cluster, **kwargs) -> tuple[float, int] | None:
 @settings(max_examples=200, deadline=None)
 @given(problem=chain_problems())
 def test_exact_chain_equals_brute_force(problem):
+    """In the given order (tests/partitioner/test_order.py holds the search over orders to brute force)."""
     graph, cluster, num_microbatches = problem
     expected = brute_force_chain(graph, cluster, num_microbatches=num_microbatches)
     if expected is None:
         event("infeasible")
         with pytest.raises(InfeasiblePlanError):
-            pt.exact_chain(graph, cluster, num_microbatches=num_microbatches)
+            pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
         return
-    plan = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches)
+    plan = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
     event(f"{plan.num_stages} of {cluster.num_devices} devices used")
     best, fewest_bytes = expected
     assert plan.bottleneck_s == pytest.approx(best, rel=1e-12)
@@ -93,12 +94,12 @@ def test_exact_chain_memory_infeasible_one_layer():
 def test_exact_chain_faster_device_gets_more_layers():
     graph = chain([1e12] * 8)
     devices = [pt.Device(G0, memory="1GiB", flops_per_s=1e12), pt.Device(G1, memory="1GiB", flops_per_s=3e12)]
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=1e30))
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=1e30), device_order="given")
     assert len(plan.nodes_on(G0)) == 2
     assert len(plan.nodes_on(G1)) == 6
     assert plan.bottleneck_s == pytest.approx(2.0)
     # The other way round, the fast device comes first and still takes six.
-    plan = pt.exact_chain(graph, pt.Cluster(devices[::-1], bandwidth=1e30))
+    plan = pt.exact_chain(graph, pt.Cluster(devices[::-1], bandwidth=1e30), device_order="given")
     assert len(plan.nodes_on(G1)) == 6
 
 
@@ -107,12 +108,12 @@ def test_exact_chain_avoids_a_slow_link():
     # stages of two layers are best; with a slow 0 -> 1 link (0.1 GB/s, 10 s) the plan must not cut across it.
     graph = chain([1e12] * 6, edge_bytes=[10**9] * 5)
     devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(3)]
-    fast = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=100e9))
+    fast = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=100e9), device_order="given")
     assert [len(fast.nodes_on(d)) for d in (G0, G1, G2)] == [2, 2, 2]
     assert fast.bottleneck_s == pytest.approx(2.02)  # the activation in, its gradient back
 
     slow = [[0, 0.1e9, 100e9], [100e9, 0, 100e9], [100e9, 100e9, 0]]  # row = sender
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=slow))
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=slow), device_order="given")
     sends = {(plan.assignment[u], plan.assignment[v]) for u, v in graph.edges}
     assert (G0, G1) not in sends
     assert plan.num_stages == 2
@@ -124,7 +125,7 @@ def test_exact_chain_slow_link_as_a_mapping():
     devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(3)]
     links = {(a.name, b.name): 100e9 for a in devices for b in devices if a != b}
     links[G1, G2] = 0.1e9
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=links))
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=links), device_order="given")
     sends = {(plan.assignment[u], plan.assignment[v]) for u, v in graph.edges}
     assert (G1, G2) not in sends
     assert plan.bottleneck_s == pytest.approx(3.02)

@@ -9,7 +9,7 @@ import networkx as nx
 import pytest
 from graphs import add_layer, chain, diamond, random_dag, shared_layer_graph
 
-from partitioner.errors import GraphError
+from partitioner.errors import GraphError, InputError
 from partitioner.graph import (
     GRAPH_SCHEMA_VERSION,
     chain_graph,
@@ -18,6 +18,7 @@ from partitioner.graph import (
     graph_to_dict,
     is_chain,
     load_graph,
+    rescale_graph,
     save_graph,
     topological_order,
     validate_graph,
@@ -290,3 +291,78 @@ def test_chain_graph_builds_the_contract():
 def test_chain_graph_lengths_must_match():
     with pytest.raises(GraphError, match=r"one flops/param/activation value per layer and one edge fewer"):
         chain_graph([1e9, 1e9], edge_bytes=[1, 2])
+
+
+# ---------------------------------------------------------------- rescaling to another batch size
+
+
+def _profiled() -> nx.DiGraph:
+    """Costs per micro-batch of 4 samples (batch 32 in 8 micro-batches), as the profiler records them."""
+    graph = chain_graph([3e9, 6e9], param_bytes=[400, 800], activation_bytes=[1024, 2048], edge_bytes=[512])
+    graph.nodes["layer_0"].update(forward_flops=1e9, trainable_param_bytes=0, time_s=0.5)
+    graph.graph.update(model_name="m", batch_size=32, num_microbatches=8, micro_batch_size=4)
+    return graph
+
+
+def test_rescale_graph_scales_per_sample_costs_and_keeps_weights():
+    scaled = rescale_graph(_profiled(), batch_size=64, num_microbatches=2)  # 32 samples per micro-batch: x8
+    first, second = scaled.nodes["layer_0"], scaled.nodes["layer_1"]
+    assert (first["flops"], first["forward_flops"], first["time_s"]) == (24e9, 8e9, 4.0)
+    assert (first["activation_bytes"], second["activation_bytes"]) == (8 * 1024, 8 * 2048)
+    assert scaled.edges["layer_0", "layer_1"]["bytes"] == 8 * 512
+    assert (first["param_bytes"], first["trainable_param_bytes"], second["param_bytes"]) == (400, 0, 800)
+    assert scaled.graph == {"model_name": "m", "batch_size": 64, "num_microbatches": 2, "micro_batch_size": 32}
+    validate_graph(scaled)
+
+
+def test_rescale_graph_leaves_the_input_unchanged():
+    graph = _profiled()
+    rescale_graph(graph, batch_size=8)
+    assert graph.nodes["layer_0"]["flops"] == 3e9 and graph.graph["micro_batch_size"] == 4
+
+
+def test_rescale_graph_rounds_micro_batches_up():
+    scaled = rescale_graph(_profiled(), batch_size=10, num_microbatches=4)  # ceil(10 / 4) = 3 samples
+    assert scaled.graph["micro_batch_size"] == 3
+    assert scaled.nodes["layer_1"]["activation_bytes"] == 3 * 2048 // 4
+
+
+def test_rescale_graph_reads_older_profiles_without_micro_batch_size():
+    graph = _profiled()
+    del graph.graph["micro_batch_size"]  # ceil(32 / 8) = 4, as the profiler measured
+    assert rescale_graph(graph, batch_size=4).nodes["layer_1"]["flops"] == 6e9
+
+
+def test_rescale_graph_refuses_a_graph_without_a_batch_size():
+    with pytest.raises(GraphError, match="does not record the batch size its costs were measured at"):
+        rescale_graph(chain_graph([1e9, 1e9]), batch_size=64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"batch_size": 4, "num_microbatches": 8}, "must not exceed batch_size"),
+        ({"batch_size": 4, "num_microbatches": 1.5}, "num_microbatches must be an integer"),
+    ],
+)
+def test_rescale_graph_rejects_bad_numbers(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        rescale_graph(_profiled(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("micro_batch_size", 0), ("batch_size", 2.5), ("compute_dtype", ""), ("compute_dtype", 16)]
+)
+def test_validate_graph_rejects_bad_graph_attributes(key, value):
+    graph = _profiled()
+    graph.graph[key] = value
+    with pytest.raises(GraphError, match=key):
+        validate_graph(graph)
+
+
+def test_graph_json_round_trip_keeps_batch_and_dtype(tmp_path):
+    graph = _profiled()
+    graph.graph["compute_dtype"] = "bfloat16"
+    save_graph(graph, tmp_path / "g.json")
+    assert load_graph(tmp_path / "g.json").graph == graph.graph

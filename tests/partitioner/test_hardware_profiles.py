@@ -34,6 +34,8 @@ DEVICE_FIELDS = {
     "vendor",
     "memory_bytes",
     "peak_flops_per_s",
+    "efficiency",
+    "efficiency_source",
     "memory_bandwidth_bytes_per_s",
     "interconnect",
     "source",
@@ -117,6 +119,46 @@ def test_dense_datasheet_peaks(name: str, dtype: str, tflops: float) -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "efficiency", "cited"),
+    [
+        ("H100-SXM-80GB", 0.4, "arXiv:2407.21783"),
+        ("A100-SXM-80GB", 0.5, "arXiv:2104.04473"),
+        ("A100-SXM-40GB", 0.5, "arXiv:2104.04473"),
+        ("V100-SXM2-32GB", 0.3, "arXiv:1909.08053"),
+        ("TPUv3-core-16GB", 0.32, "arXiv:2204.02311"),
+        ("T4-16GB", 0.25, "assumption"),
+        ("L4-24GB", 0.3, "assumption"),
+        ("Xeon-Platinum-8480+", 0.4, "assumption"),
+    ],
+)
+def test_device_efficiency_and_its_source(name: str, efficiency: float, cited: str) -> None:
+    profile = load_device_profile(name)
+    assert profile["efficiency"] == efficiency
+    assert cited in profile["efficiency_source"]
+
+
+@pytest.mark.parametrize("value", [0, 1.5, "high", True])
+def test_cluster_rejects_a_bad_efficiency(value: object) -> None:
+    data = {
+        "schema_version": 1,
+        "kind": "cluster",
+        "device_profile": "H100-SXM-80GB",
+        "num_devices": 2,
+        "bandwidth_bytes_per_s": 16e9,
+        "efficiency": value,
+    }
+    with pytest.raises(ClusterError, match=r"efficiency is the share of peak FLOP/s reached in training, in \(0, 1\]"):
+        Cluster.from_dict(data)
+
+
+def test_cluster_devices_keep_the_profile_peaks() -> None:
+    device = Cluster.from_json("8xH100-nvlink").devices[0]
+    assert dict(device.peak_flops_per_s) == load_device_profile("H100-SXM-80GB")["peak_flops_per_s"]
+    assert device.efficiency == 0.4
+    assert device.flops_per_s == pytest.approx(989.4e12 * 0.4)  # the file's dtype, bfloat16
+
+
+@pytest.mark.parametrize(
     ("name", "gib"), [("A100-SXM-40GB", 40), ("A100-SXM-80GB", 80), ("T4-16GB", 16), ("TPUv3-core-16GB", 16)]
 )
 def test_device_memory_sizes(name: str, gib: int) -> None:
@@ -169,7 +211,8 @@ def test_cluster_devices_come_from_the_profile(name: str) -> None:
     cluster = Cluster.from_json(name)
     profile = load_device_profile(data["device_profile"])
     prefix = data.get("device_prefix", "/GPU:")
-    expected_flops = profile["peak_flops_per_s"][data.get("dtype", "float32")] * data.get("efficiency", 1.0)
+    efficiency = data.get("efficiency", profile["efficiency"])
+    expected_flops = profile["peak_flops_per_s"][data.get("dtype", "float32")] * efficiency
     assert cluster.num_devices == data["num_devices"]
     assert cluster.names == [f"{prefix}{i}" for i in range(data["num_devices"])]
     for device in cluster.devices:

@@ -295,7 +295,7 @@ def test_exact_chain_with_recompute_equals_brute_force(problem, recompute):
     graph, cluster, m = problem
     expected = _brute_force_chain(graph, cluster, num_microbatches=m, recompute=recompute)
     try:
-        plan = pt.exact_chain(graph, cluster, num_microbatches=m, recompute=recompute)
+        plan = pt.exact_chain(graph, cluster, num_microbatches=m, recompute=recompute, device_order="given")
     except InfeasiblePlanError:
         assert expected is None
         event("infeasible")
@@ -312,7 +312,7 @@ def test_exact_chain_with_recompute_equals_brute_force(problem, recompute):
 def test_cp_sat_with_recompute_matches_brute_force(problem, recompute):
     graph, cluster, m = problem
     expected = brute_force(graph, cluster, num_microbatches=m, recompute=recompute)
-    options = pt.SolverOptions(exact_chains=False, num_workers=1, shortest_step=False)
+    options = pt.SolverOptions(exact_chains=False, num_workers=1, shortest_step=False, device_order="given")
     try:
         plan = pt.solve(graph, cluster, num_microbatches=m, recompute=recompute, options=options, time_limit_s=20)
     except InfeasiblePlanError:

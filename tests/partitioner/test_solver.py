@@ -34,7 +34,9 @@ G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
 # The model counts time in steps of (slowest device running everything + every transfer) / 1e6, and each
 # stage sums up to ~15 rounded terms here, so CP-SAT's optimum is exact to about 1e-5 of the bottleneck.
 RESOLUTION = 1e-4
-CP_SAT_ONLY = pt.SolverOptions(exact_chains=False, hint=False, shortest_step=False)  # the bottleneck-optimal plan
+# the bottleneck-optimal plan, stages in the cluster's order
+CP_SAT_ONLY = pt.SolverOptions(exact_chains=False, hint=False, shortest_step=False, device_order="given")
+GIVEN = pt.SolverOptions(device_order="given")  # the default search, stages in the cluster's order
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -54,7 +56,7 @@ def _devices_of(plan: pt.Plan, nodes) -> list[str]:
 def test_solve_matches_exact_chain_on_random_chains(problem):
     graph, cluster, num_microbatches = problem
     try:
-        expected = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches)
+        expected = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
     except InfeasiblePlanError:
         event("infeasible")
         with pytest.raises(InfeasiblePlanError) as raised:
@@ -226,7 +228,7 @@ def _two_nodes_of_two(inter_node: float) -> pt.Cluster:
     return pt.Cluster(devices, bandwidth=matrix)
 
 
-@pytest.mark.parametrize("options", [CP_SAT_ONLY, pt.SolverOptions()], ids=["cp-sat", "default"])
+@pytest.mark.parametrize("options", [CP_SAT_ONLY, GIVEN], ids=["cp-sat", "default"])
 def test_solve_avoids_cutting_across_a_slow_link(options):
     # Eight 1-second layers, 1 GB between layers: 10 ms inside a machine, 10 s across machines.
     graph = chain([1e12] * 8, edge_bytes=[10**9] * 7)
@@ -263,7 +265,7 @@ def test_solve_breaks_ties_by_bytes_sent():
     # l0 takes 4 s alone; the 3 s left fit anywhere. Spreading them costs more transfers for no gain.
     graph = chain([4e12, 1e12, 1e12, 1e12], edge_bytes=[10**6] * 3)
     cluster = _cluster(3, bandwidth=1e9)
-    for options in (CP_SAT_ONLY, pt.SolverOptions()):
+    for options in (CP_SAT_ONLY, GIVEN):
         plan = pt.solve(graph, cluster, time_limit_s=10, options=options)
         assert plan.bottleneck_s == pytest.approx(4.0)
         assert plan.transfer_bytes == 10**6
@@ -348,6 +350,18 @@ def test_solve_pins_contradicting_the_order():
         match=r"Pins contradict the pipeline order: 'l0' is pinned to /GPU:1 but .*'l1' to the earlier",
     ):
         pt.solve(graph, _cluster(2), pins={"l0": G1, "l1": G0}, time_limit_s=10)
+
+
+def test_solve_pins_splitting_a_shared_layer_group():
+    graph = shared_layer_graph()  # input -> dense_call0 -> mid_0 -> mid_1 -> dense_call1 -> head
+    message = (
+        r"Pins split shared layer 'dense': its calls \['dense_call0', 'dense_call1'\] share weights, .* the 4 "
+        r"layers from its first call to its last run there too; but 'dense_call0' is pinned to /GPU:0 and "
+        r"'mid_1' to /GPU:1"
+    )
+    with pytest.raises(InfeasiblePlanError, match=message):
+        pt.solve(graph, _cluster(2), pins={"dense_call0": G0, "mid_1": G1}, time_limit_s=10)
+    pt.solve(graph, _cluster(2), pins={"dense_call0": G0, "head": G1}, time_limit_s=10)  # after the group: fine
 
 
 def test_solve_pinned_layer_too_big_for_its_device():

@@ -8,6 +8,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from partitioner.cluster import Cluster  # noqa: E402
+from partitioner.cost import CostModel, forward_share  # noqa: E402
 from partitioner.errors import InputError, ProfileError  # noqa: E402
 from partitioner.graph import topological_order, validate_graph  # noqa: E402
 from profiles import load_profile, profile_model, save_profile  # noqa: E402
@@ -129,7 +131,13 @@ def test_profile_model_mlp_bytes_by_hand():
     assert [graph.nodes[n]["param_bytes"] for n in graph] == [0, (16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
     assert graph.nodes["x"] == {"layer_type": "InputLayer", "flops": 0.0, "param_bytes": 0, "activation_bytes": 0}
     assert graph.nodes["hidden"]["layer_type"] == "Dense"
-    assert graph.graph == {"model_name": "mlp", "batch_size": 32, "num_microbatches": 4}
+    assert graph.graph == {
+        "model_name": "mlp",
+        "batch_size": 32,
+        "num_microbatches": 4,
+        "micro_batch_size": 8,
+        "compute_dtype": "float32",
+    }
 
 
 def test_profile_model_micro_batch_rounds_up():
@@ -237,6 +245,68 @@ def test_profile_model_mixed_precision_bytes():
     assert graph.nodes["half"]["param_bytes"] == (16 * 8 + 8) * 4  # float32 variables
 
 
+def test_profile_model_frozen_layer_has_no_trainable_bytes_and_costs_twice_forward():
+    model = mlp()
+    model.get_layer("hidden").trainable = False
+    graph = _profile(model, batch_size=4, num_microbatches=1)
+    frozen, trained = graph.nodes["hidden"], graph.nodes["logits"]
+    assert frozen["param_bytes"] == (16 * 32 + 32) * 4
+    assert frozen["trainable_param_bytes"] == 0
+    assert frozen["flops"] == 2 * frozen["forward_flops"]  # gradients for the inputs only
+    assert trained["trainable_param_bytes"] == trained["param_bytes"] == (32 * 8 + 8) * 4
+    assert trained["flops"] == 3 * trained["forward_flops"]
+    # The cost model splits forward and backward by the profiler's own figures.
+    assert forward_share(frozen) == pytest.approx(1 / 2)
+    assert forward_share(trained) == pytest.approx(1 / 3)
+
+
+def test_profile_model_frozen_layer_is_charged_its_weights_only():
+    model = mlp()
+    model.get_layer("hidden").trainable = False
+    costs = CostModel(_profile(model, batch_size=4, num_microbatches=1), Cluster.uniform(1, memory="1GiB"))
+    assert costs.weight_bytes("hidden") == (16 * 32 + 32) * 4  # no gradients, no Adam slots
+    assert costs.weight_bytes("logits") == (32 * 8 + 8) * 4 * (1 + 1 + 2)  # weights, gradients, two Adam slots
+
+
+def test_profile_model_batch_norm_statistics_are_not_trainable():
+    graph = _profile(cnn(), batch_size=4, num_microbatches=1)
+    bn = graph.nodes["bn"]
+    assert bn["param_bytes"] == 4 * 16 * 4  # gamma, beta, moving mean and variance
+    assert bn["trainable_param_bytes"] == 2 * 16 * 4  # gamma and beta
+
+
+def test_profile_model_shared_layer_second_call_keeps_the_split():
+    graph = _profile(shared(), batch_size=4, num_microbatches=1)
+    second = graph.nodes["shared:1"]
+    assert second["param_bytes"] == second["trainable_param_bytes"] == 0  # counted on the first call
+    assert forward_share(second) == pytest.approx(1 / 3)  # its backward still computes weight gradients
+
+
+@pytest.mark.parametrize(
+    ("policy", "dtype", "itemsize"), [("mixed_bfloat16", "bfloat16", 2), ("float32", "float32", 4)]
+)
+def test_profile_model_records_compute_dtype(policy, dtype, itemsize):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = mlp()
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    graph = _profile(model, batch_size=4, num_microbatches=1)
+    assert graph.graph["compute_dtype"] == dtype
+    assert graph.nodes["hidden"]["activation_bytes"] == 4 * 32 * itemsize  # outputs in the compute dtype
+    assert graph.nodes["hidden"]["param_bytes"] == (16 * 32 + 32) * 4  # variables stay float32
+    assert graph.nodes["hidden"]["trainable_param_bytes"] == (16 * 32 + 32) * 4
+
+
+def test_profile_model_compute_dtype_follows_most_flops():
+    inputs = keras.Input((16,), name="x")
+    h = layers.Dense(256, dtype="mixed_float16", name="big")(inputs)
+    outputs = layers.Dense(2, dtype="float32", name="small")(h)
+    graph = _profile(keras.Model(inputs, outputs), batch_size=4, num_microbatches=1)
+    assert graph.graph["compute_dtype"] == "float16"
+
+
 def test_profile_model_progress_reports_every_node():
     seen = []
     graph = _profile(mlp(), progress=lambda done, total, name: seen.append((done, total, name)))
@@ -327,7 +397,8 @@ def test_profile_model_rejects_bad_numbers(kwargs, message):
 def test_profile_model_rejects_unknown_dimensions():
     inputs = keras.Input((None, 4), name="tokens")
     model = keras.Model(inputs, layers.Dense(2)(inputs))
-    with pytest.raises(ProfileError, match=r"unknown dimensions beyond the batch axis.*keras\.Input\(shape="):
+    message = r"unknown dimensions beyond the batch axis.*sequence_length=128.*input_shapes=\{'tokens': \(128, 4\)\}"
+    with pytest.raises(ProfileError, match=message):
         profile_model(model, measure_time=False)
 
 

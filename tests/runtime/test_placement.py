@@ -18,6 +18,7 @@ from zoo import ZOO
 import partitioner as pt
 from profiles import profile_model
 from runtime import executed_placement, wrap
+from runtime.devices import canonical
 
 CASES = [
     ("mlp", 2, "gpipe", "never", False),
@@ -72,3 +73,26 @@ def test_executed_placement_sees_work_on_the_wrong_device(virtual_devices) -> No
     assert not report.ok
     assert report.optimizer[1].on_device < report.optimizer[1].total
     assert any("computed on another device" in line for line in report.off_device)
+
+
+def test_a_plan_that_reverses_the_device_order_runs_each_stage_on_its_planned_device(virtual_devices) -> None:
+    """Plan.devices is the pipeline order the planner chose: stage 0 runs on the plan's first device,
+    also when that is the cluster's last."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["mlp"]()
+    x, y = make_batch(8, 1)
+    graph = profile_model(model, batch_size=8, num_microbatches=2, measure_time=False)
+    first, second = virtual_devices[:2]
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in (second, first)])  # reversed
+    plan = pt.baselines.uniform(graph, cluster, num_microbatches=2)
+    assert plan.stages == (second, first)
+    pt.validate_plan(plan, graph, pt.Cluster([pt.Device(d, memory="4GiB") for d in (first, second)]))
+    wrapped = wrap(model, plan, validate=True)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+
+    report = executed_placement(wrapped, x, y)
+
+    assert report.ok, report.off_device[:10]
+    assert report.stages == (canonical(second), canonical(first))  # stage 0 on the cluster's second device
+    for forward in report.forward:
+        assert forward.total > 0 and forward.on_device == forward.total

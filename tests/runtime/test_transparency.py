@@ -402,3 +402,16 @@ def test_masked_output_beside_an_unmasked_one_is_refused(virtual_devices) -> Non
     model = keras.Model(tokens, [keras.layers.Dense(5, name="tags")(h), keras.layers.Dense(2, name="label")(pooled)])
     with pytest.raises(ProfileError, match=r"masked output\(s\) \['tags'\] among the outputs \['tags', 'label'\]"):
         wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)
+
+
+def test_masked_output_with_layer_losses_is_refused(virtual_devices) -> None:
+    """The valid-steps correction scales the summed gradients; a layer loss's gradients are in the same sums."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    h = keras.layers.LSTM(8, return_sequences=True, activity_regularizer="l2", name="lstm")(h)
+    model = keras.Model(tokens, keras.layers.Dense(5, name="tags")(h))
+    x, y = _padded_tokens(BATCH)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 2), validate=False)
+    wrapped.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    with pytest.raises(pt.InputError, match=r"carries a Keras mask and its layers add losses.*Expected one of the two"):
+        wrapped.train_on_batch(x, y)

@@ -1,0 +1,83 @@
+"""Losses layers add while they run (activity regularizers, add_loss): the wrapped model's loss,
+evaluation and weights after training steps equal the original's."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from partitioner.errors import InputError
+from runtime import plan_and_wrap
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class MeanPenalty(keras.layers.Layer):  # type: ignore[misc]  # keras ships no type hints
+    """Adds half the mean of its input to the loss (a loss made with add_loss), returns the input."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.mean(x) * 0.5)
+        return x
+
+
+def _model(add_loss: bool) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L1L2(0.1, 0.2), name="first")(inputs)
+    if add_loss:
+        h = MeanPenalty(name="penalty")(h)
+    h = keras.layers.Dense(6, activity_regularizer="l2", name="second")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+
+
+def _data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(batch)
+    return rng.random((batch, 4), dtype=np.float32), rng.random((batch, 2), dtype=np.float32)
+
+
+def _assert_wrapped_matches(model, devices, batch, num_microbatches, **wrap_options) -> None:
+    x, y = _data(batch)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile("sgd", "mse")
+    expected_eval = reference.evaluate(x, y, verbose=0)
+    expected = [reference.train_on_batch(x, y) for _ in range(2)]
+    wrapped = plan_and_wrap(
+        model, devices=devices[:2], batch_size=batch, num_microbatches=num_microbatches, **wrap_options
+    )
+    wrapped.compile("sgd", "mse")
+    assert wrapped.evaluate(x, y, verbose=0) == pytest.approx(expected_eval, rel=1e-5)
+    assert [wrapped.train_on_batch(x, y) for _ in range(2)] == pytest.approx(expected, rel=1e-5)
+    for want, got in zip(reference.get_weights(), wrapped.unwrap().get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_add_loss_and_activity_regularizers_count_at_one_microbatch(virtual_devices) -> None:
+    _assert_wrapped_matches(_model(add_loss=True), virtual_devices, batch=8, num_microbatches=1)
+
+
+@pytest.mark.parametrize(
+    ("batch", "num_microbatches", "options"),
+    [
+        (8, 2, {}),
+        (7, 3, {}),  # a remainder: the last micro-batch repeats a row, left out of its regularizer
+        (8, 4, {"schedule": "1f1b"}),
+        (7, 2, {"recompute": "always"}),
+    ],
+)
+def test_activity_regularizers_split_exactly_over_microbatches(
+    batch: int, num_microbatches: int, options: dict, virtual_devices
+) -> None:
+    _assert_wrapped_matches(_model(add_loss=False), virtual_devices, batch, num_microbatches, **options)
+
+
+def test_add_loss_with_microbatches_is_refused_but_predicts(virtual_devices) -> None:
+    model = _model(add_loss=True)
+    x, y = _data(8)
+    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
+    wrapped.compile("sgd", "mse")
+    np.testing.assert_allclose(wrapped.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"Layer 'penalty' adds a loss .* cannot be split over 2 micro-batches"):
+        wrapped.train_on_batch(x, y)
+    with pytest.raises(InputError, match="Use num_microbatches=1"):
+        wrapped.evaluate(x, y, verbose=0)
