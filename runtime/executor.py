@@ -35,12 +35,13 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend import set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
 from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update_moving_statistics
 from runtime.rebuild import seed_states
-from runtime.stages import Stage
+from runtime.stages import Stage, output_masks
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -309,18 +310,26 @@ class Executor:
                 f"recompute has {len(options.recompute)} entries for {len(self.stages)} stages: give one per stage."
             )
         self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
+        # the one Keras mask every model output carries (runtime.rebuild refuses others), or None
+        self.mask = next(iter(output_masks(model)), None)
+        loss_tensors = (*model.outputs, *(() if self.mask is None else (self.mask,)))
         last = len(self.stages) - 1
         self.programs = [
-            StageProgram(s, (*s.outputs, *(model.outputs if s.index == last else ())), options) for s in self.stages
+            StageProgram(s, (*s.outputs, *(loss_tensors if s.index == last else ())), options) for s in self.stages
         ]
         self._loss_functions: dict[Any, Any] = {}
 
     def loss_function(self, loss_fn: Any, scale_loss: Any) -> Any:
-        """f(y, flat_predictions, sample_weight, rows, share) -> (a micro-batch's loss as its share of the
-        batch's, the gradient of its scaled loss for each floating prediction).
+        """f(y, flat_predictions, mask, sample_weight, rows, share) -> (a micro-batch's loss as its share of
+        the batch's, the gradient of its scaled loss for each floating prediction, [valid steps, steps]).
 
         The loss is ``loss_fn`` over the micro-batch's own first ``rows`` rows, summed (a micro-batch with
-        no rows of its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. The
+        no rows of its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. With
+        an output ``mask`` (None without), Keras' loss is the mean over the micro-batch's valid steps;
+        times the share of its steps that are valid, it becomes the sum over its valid steps divided by
+        the batch's steps, and ``_TrainStep.finish`` divides the step's sum by the share of the batch's
+        steps that are valid: the mean over the batch's valid steps, as the original computes it (the
+        mean of the micro-batches' means is not, when they hold different numbers of valid steps). The
         gradient of ``scale_loss(loss)`` (the optimizer's loss scaling) is taken inside, so the last
         stage's backward starts from it and the step graph holds no backward of this function: one
         function, traced once, called once per micro-batch. (Differentiated from outside, its backward
@@ -331,22 +340,33 @@ class Executor:
             structure = self.model._outputs_struct
 
             def microbatch_loss(
-                y: Any, flat: list[tf.Tensor], sample_weight: Any, rows: tf.Tensor, share: tf.Tensor
+                y: Any, flat: list[tf.Tensor], mask: Any, sample_weight: Any, rows: tf.Tensor, share: tf.Tensor
             ) -> Any:
                 floating = [t for t in flat if t.dtype.is_floating]
+                steps = None
                 with tf.GradientTape() as tape:
                     tape.watch(floating)
-                    y_pred = keras.tree.pack_sequence_as(structure, flat)
+                    predictions = [t[:rows] for t in flat]
+                    if mask is not None:
+                        own_mask = mask[:rows]
+                        for t in predictions:
+                            set_keras_mask(t, own_mask)
+                        valid = tf.reduce_sum(tf.cast(own_mask, tf.float32))
+                        steps = tf.stack([valid, tf.cast(tf.size(own_mask), tf.float32)])
+                        share = share * tf.math.divide_no_nan(valid, steps[1])
                     own = [
                         None if part is None else keras.tree.map_structure(lambda t: t[:rows], part)
-                        for part in (y, y_pred, sample_weight)
+                        for part in (y, sample_weight)
                     ]
-                    loss = tf.reduce_sum(tf.cast(loss_fn(*own), tf.float32)) * share
+                    y_pred = keras.tree.pack_sequence_as(structure, predictions)
+                    loss = tf.reduce_sum(tf.cast(loss_fn(own[0], y_pred, own[1]), tf.float32)) * share
                     scaled = scale_loss(loss)
                 gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                return loss, gradients
+                return loss, gradients, steps
 
-            self._loss_functions[key] = tf.function(microbatch_loss, experimental_attributes={"_noinline": True})
+            self._loss_functions[key] = tf.function(
+                microbatch_loss, autograph=False, experimental_attributes={"_noinline": True}
+            )
         return self._loss_functions[key]
 
     @property
@@ -431,6 +451,9 @@ class Executor:
                     values[(id(symbolic), m)] = value
                 last_op[stage.index] = outputs
             outputs = [values[(id(t), m)] for t in self.model.outputs]
+            if self.mask is not None:
+                for output in outputs:
+                    set_keras_mask(output, values[(id(self.mask), m)])
             predictions.append(keras.tree.pack_sequence_as(self.model._outputs_struct, outputs))
         return predictions, valid, (tf.add_n(layer_losses) if layer_losses else None)
 
@@ -491,6 +514,7 @@ class _TrainStep:
         # outputs (last stage) or None)
         self.kept: dict[tuple[int, int], Any] = {}
         self.losses: list[Any] = [None] * num  # unscaled loss of each micro-batch, its share of the batch
+        self.steps: list[Any] = [None] * num  # with an output mask: [valid steps, steps] of each micro-batch
         self.layer_losses: list[tf.Tensor] = []  # every stage's layer losses, each micro-batch's part
         self.predictions: list[Any] = [None] * num
         self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
@@ -514,11 +538,15 @@ class _TrainStep:
         executor = self.executor
         if s != len(executor.stages) - 1:
             return None
-        stage = executor.stages[s]
-        flat = list(outputs[len(stage.outputs) :])
-        self.predictions[m] = keras.tree.pack_sequence_as(executor.model._outputs_struct, flat)
+        start = len(executor.stages[s].outputs)
+        flat = list(outputs[start : start + len(executor.model.outputs)])
+        mask = None if executor.mask is None else outputs[-1]
         loss_fn = executor.loss_function(self.loss_fn, self.scale_loss)
-        loss, gradients = loss_fn(self.y[m], flat, self.weights[m], self.rows[m], self.share[m])
+        loss, gradients, self.steps[m] = loss_fn(self.y[m], flat, mask, self.weights[m], self.rows[m], self.share[m])
+        if mask is not None:
+            for output in flat:
+                set_keras_mask(output, mask)
+        self.predictions[m] = keras.tree.pack_sequence_as(executor.model._outputs_struct, flat)
         self.losses[m] = loss
         return list(gradients)
 
@@ -558,7 +586,8 @@ class _TrainStep:
             targets.append(layer_loss)
             output_gradients.append(tf.cast(self.scale_loss(tf.ones([], tf.float32)), tf.float32))
         if loss_gradients is not None:  # the last stage: from the loss's gradients for the model's outputs
-            predictions = [t for t in outputs[len(stage.outputs) :] if t.dtype.is_floating]
+            start = len(stage.outputs)
+            predictions = [t for t in outputs[start : start + len(self.executor.model.outputs)] if t.dtype.is_floating]
             targets += predictions
             output_gradients += loss_gradients
         for symbolic, value in zip(stage.outputs, outputs):
@@ -593,7 +622,23 @@ class _TrainStep:
         """After the last action, per stage on its device: the weights' regularization (once per step,
         with its gradients) and the deferred batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
-        losses = [x for x in self.losses if x is not None] + self.layer_losses
+        losses = [x for x in self.losses if x is not None]
+        if executor.mask is not None:  # sum over valid steps / batch's steps -> the mean over valid steps
+            if self.layer_losses:
+                raise InputError(
+                    "The model's output carries a Keras mask and its layers add losses (add_loss, activity "
+                    "regularizers): the pipelined step weights the output loss by the batch's valid steps after "
+                    "the backward and cannot keep the layer losses' gradients apart. Expected one of the two: "
+                    "drop the mask before the output, or the layer losses."
+                )
+            with tf.device(executor.stages[-1].device):
+                valid, steps = tf.unstack(tf.add_n(self.steps))
+                correction = tf.math.divide_no_nan(steps, valid)
+                losses = [tf.add_n(losses) * correction]
+            for stage, grads in zip(executor.stages, self.gradients):
+                with tf.device(stage.device):
+                    grads[:] = [None if g is None else g * tf.cast(correction, g.dtype) for g in grads]
+        losses += self.layer_losses
         gradients = []
         for stage, grads in zip(executor.stages, self.gradients):
             with tf.device(stage.device), tf.control_dependencies(self.last_op[stage.index] or []):

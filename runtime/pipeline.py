@@ -7,6 +7,7 @@ optimizer update whose arithmetic runs on each variable's device. The loss is th
 batch, so a step equals one step of the original model on the whole batch::
 
     loss = sum over m of loss(micro-batch m) * size(m) / batch size        (Keras' mean over the batch)
+    masked outputs:  sum over m of loss(m) * valid(m) / valid of the batch  (Keras' mean over valid steps)
 
     clock →   t0    t1    t2    t3    t4    t5    t6    t7
     stage 0   F0    F1    F2    F3                      B3 ...
@@ -20,11 +21,12 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
 from runtime.executor import ExecutionOptions, Executor
-from runtime.optimizer_state import compile_like, place_updates
+from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
 from runtime.stages import cut_stages
 
@@ -51,8 +53,19 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
 
 
 def _concat(parts: list[Any], batch: tf.Tensor) -> Any:
-    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped)."""
-    return keras.tree.map_structure(lambda *xs: tf.concat(xs, axis=0)[:batch], *parts)
+    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped), with their Keras masks."""
+
+    def one(*xs: tf.Tensor) -> tf.Tensor:
+        output = tf.concat(xs, axis=0)[:batch]
+        masks = [get_keras_mask(x) for x in xs]
+        if masks[0] is not None:
+            set_keras_mask(output, tf.concat(masks, axis=0)[:batch])
+        return output
+
+    return keras.tree.map_structure(one, *parts)
+
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
@@ -121,7 +134,17 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
                 "activity regularizers) are added to it; they cannot stand in for it."
             )
-        return self._compile_loss(y, y_pred, sample_weight)
+        loss = self._compile_loss(y, y_pred, sample_weight)
+        if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
+            for entry in self._compile_loss._flat_losses or []:
+                reduction = getattr(entry.loss, "reduction", None)
+                if reduction not in _MEAN_REDUCTIONS:
+                    raise InputError(
+                        f"The loss {getattr(entry.loss, 'name', entry.loss)!r} of a masked output reduces with "
+                        f"reduction={reduction!r}: the pipelined step can match Keras' mean over the valid steps "
+                        f"only. Expected one of {_MEAN_REDUCTIONS}: compile with such a loss (Keras' default)."
+                    )
+        return loss
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """One pipelined forward and backward of a batch, without an update.
@@ -219,22 +242,59 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> plain = wrapped.unwrap()        # doctest: +SKIP
             >>> plain.save("trained.keras")     # doctest: +SKIP
         """
+        plain, layers = self._plain_twin()
+        copy_weights(layers)
+        compile_like(self, plain, _weight_pairs(layers))
+        return plain
+
+    def _plain_twin(self) -> tuple[Any, list[tuple[Any, Any]]]:
+        """A new model of the original architecture, and (clone of this model, its layer there) pairs."""
         original = self._state.original
         plain = _copy_architecture(original)
         places = _layer_pairs(original, plain)
-        layers = [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
-        copy_weights(layers)
-        compile_like(self, plain, [(a, b) for clone, target in layers for a, b in zip(clone.weights, target.weights)])
-        return plain
+        return plain, [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
 
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes the original architecture with the current weights (and optimizer state, when
         compiled): a ``.keras`` file that ``keras.models.load_model`` loads without this library."""
         self.unwrap().save(filepath, overwrite=overwrite, **kwargs)
 
+    def save_weights(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
+        """Writes the current weights as the original architecture's (and the optimizer state, when
+        compiled, as Keras does): ``original.load_weights(filepath)`` reads the file without this
+        library, and so does ``load_weights`` of any model wrapped from that architecture.
+        ``ModelCheckpoint(save_weights_only=True)`` calls this.
+
+        Example:
+            >>> wrapped.save_weights("step.weights.h5")     # doctest: +SKIP
+            >>> original.load_weights("step.weights.h5")    # doctest: +SKIP
+        """
+        self.unwrap().save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath: Any, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Reads weights saved from the original architecture (by ``save_weights`` of this model, of
+        another model wrapped from it, or of the plain model itself; a ``.keras`` file works too), and
+        the optimizer state the file holds when this model is compiled. Needs no step to have run.
+
+        Example:
+            >>> fresh = runtime.wrap(model, plan)            # doctest: +SKIP
+            >>> fresh.load_weights("step.weights.h5")        # doctest: +SKIP
+        """
+        plain, layers = self._plain_twin()
+        compile_like(self, plain, [])  # an optimizer of the same kind, for the state the file holds
+        plain.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        copy_weights([(target, clone) for clone, target in layers])
+        if getattr(plain, "optimizer", None) is not None and plain.optimizer.built and self.optimizer is not None:
+            copy_optimizer_state(plain.optimizer, self.optimizer, [(b, a) for a, b in _weight_pairs(layers)])
+
     def sync_original(self) -> None:
         """Copies the current weights back into the model that was wrapped."""
         copy_weights([(clone, orig) for orig, clone in self._state.rebuilt.origin])
+
+
+def _weight_pairs(layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """(variable of a clone, the same variable of the plain model) for every weight of the layer pairs."""
+    return [(a, b) for clone, target in layers for a, b in zip(clone.weights, target.weights)]
 
 
 def _unscaled(loss: tf.Tensor) -> tf.Tensor:

@@ -6,8 +6,10 @@ and called on the symbolic inputs, both under ``tf.device(device)`` (which creat
 there), and given the original's weights. Nested models are flattened; a shared layer is cloned
 once and called at every call site. Masks need no special care: Keras records a mask a layer reads
 as an argument of its call, computed by an op node (``NotEqual`` for ``Embedding(mask_zero=True)``),
-so it is an ordinary tensor of the flat graph and crosses stages like any other. The result is a
-flat functional model plus a map from each cloned operation to its device.
+so it is an ordinary tensor of the flat graph and crosses stages like any other. A masked model
+output goes through a ``MaskCarrier`` that takes its mask as an argument, so the mask is a tensor
+of the flat graph too, and the last stage returns it for the loss. The result is a flat functional
+model plus a map from each cloned operation to its device.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     inputs = keras.tree.map_structure(new_tensor, functional._inputs_struct)
     outputs = keras.tree.map_structure(new_tensor, functional._outputs_struct)
     _check_output_masks(model.name, keras.tree.flatten(outputs))
+    outputs = keras.tree.map_structure(masks.output, outputs)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     copy_weights(origin)
     return Rebuilt(flat, device_of, origin, node_of)
@@ -162,6 +165,16 @@ class _Masks:
         mask = getattr(tensor, "_keras_mask", None)
         if mask is None or self.device.get(id(tensor), device) == device:
             return tensor
+        return self._carry(tensor, mask, device)
+
+    def output(self, tensor: Any) -> Any:
+        """A model output as the flat model returns it: a masked one through a carrier on its own device,
+        which takes the mask as an argument, so the mask's ops are nodes of the flat graph (a stage can
+        return the mask, and the loss read it) even where no layer of the model reads it."""
+        mask = getattr(tensor, "_keras_mask", None)
+        return tensor if mask is None else self._carry(tensor, mask, self.device[id(tensor)])
+
+    def _carry(self, tensor: Any, mask: Any, device: str) -> Any:
         key = (id(tensor), device)
         if key not in self.carriers:
             import tensorflow as tf
@@ -205,20 +218,26 @@ def _mask_carrier_class() -> type:
 
 
 def _check_output_masks(model_name: str, outputs: list[Any]) -> None:
-    """Raises ProfileError for a model output that carries a Keras mask (the loss would ignore it).
+    """Raises ProfileError for masked outputs the pipelined loss cannot weight as Keras does.
 
-    Read on the flat graph: a nested model's output carries no mask symbolically, but at run time
-    it carries the mask of the layer that made it, and so does the flat graph's tensor.
+    Keras' mean loss over a masked output is the mean over its valid steps; the runtime makes each
+    micro-batch's loss count its valid steps (``runtime.executor``), which is exact when every output
+    carries one same mask (or none does). Read on the flat graph: a nested model's output carries
+    no mask symbolically, but at run time it carries the mask of the layer that made it, and so does
+    the flat graph's tensor.
     """
-    masked = [t._keras_history[0].name for t in outputs if getattr(t, "_keras_mask", None) is not None]
-    if masked:
-        raise ProfileError(
-            f"Model '{model_name}' returns the masked output(s) of {masked} (a mask from "
-            "Embedding(mask_zero=True) or Masking reaches the output): Keras' loss skips masked steps, and "
-            "the pipelined loss cannot see the mask yet, so it would differ from the original's. Expected "
-            "outputs without a mask: drop it before the output (e.g. an LSTM with return_sequences=False or "
-            "a pooling layer reading it), or weight the loss with fit(..., sample_weight=...) instead."
-        )
+    masks = [getattr(t, "_keras_mask", None) for t in outputs]
+    if all(m is None for m in masks) or all(m is masks[0] for m in masks):
+        return
+    names = [t._keras_history[0].name for t in outputs]
+    masked = [n for n, m in zip(names, masks) if m is not None]
+    raise ProfileError(
+        f"Model '{model_name}' returns the masked output(s) {masked} among the outputs {names}, with "
+        "different masks or beside unmasked outputs: the pipelined loss can count the valid steps of one "
+        "mask only, so it would differ from the original's. Expected every output masked by the same mask, "
+        "or none: drop the masks before the outputs (e.g. a pooling layer reading them) and weight the loss "
+        "with fit(..., sample_weight=...) instead."
+    )
 
 
 def _clone_names(calls: list[LayerCall]) -> dict[int, str]:

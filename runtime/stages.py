@@ -7,7 +7,8 @@ outputs. A skip edge that crosses several stages goes straight from its producer
 consumer's: every boundary tensor is a (producer stage, consumer stage) pair of names, nothing is
 relayed through the stages in between.
 
-The last stage also reads every model output produced elsewhere: the loss is computed there.
+The last stage also reads every model output produced elsewhere, and the masks of masked outputs:
+the loss is computed there.
 
     stage 0:  inputs [features]          -> outputs [dense_1]
     stage 1:  inputs [dense_1]           -> outputs [dense_3]          (a model output)
@@ -33,6 +34,12 @@ class Stage:
     outputs: tuple[Any, ...]  # symbolic tensors later stages (or the loss) read
     trainable_variables: tuple[Any, ...]  # the stage's trainable weights, each once
     operations: tuple[Any, ...]  # the distinct layers the stage calls (Keras ops hold no weights, seeds or losses)
+
+
+def output_masks(model: Any) -> list[Any]:
+    """The distinct Keras masks the flat model's outputs carry (symbolic tensors of its graph), in order."""
+    masks = [getattr(t, "_keras_mask", None) for t in model.outputs]
+    return list({id(m): m for m in masks if m is not None}.values())
 
 
 def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) -> list[Stage]:
@@ -77,7 +84,7 @@ def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) ->
             for tensor in node.input_tensors:
                 if producer[id(tensor)] != stage:
                     reads[stage].setdefault(id(tensor), tensor)
-    for tensor in model.outputs:
+    for tensor in [*model.outputs, *output_masks(model)]:
         if producer[id(tensor)] != last:
             reads[last].setdefault(id(tensor), tensor)
 

@@ -132,6 +132,24 @@ def mobilenet_v2() -> Entry:
     return model, _images((32, 32, 3), 5), keras.losses.SparseCategoricalCrossentropy()
 
 
+def tagger() -> Entry:
+    """A sequence tagger whose output carries a Keras mask (Embedding(mask_zero=True) -> LSTM -> Dense):
+    Keras' loss is the mean over the valid steps, and micro-batches hold different numbers of them."""
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(12, 8, mask_zero=True, embeddings_initializer="normal")(tokens)
+    h = keras.layers.LSTM(8, return_sequences=True)(h)
+    outputs = keras.layers.Dense(5)(h)
+
+    def make(batch_size: int, seed: int) -> Batch:
+        rng = np.random.default_rng(seed)
+        x = rng.integers(1, 12, (batch_size, 6))
+        for row in range(batch_size):  # 1 to 6 tokens, then padding (0)
+            x[row, 1 + (row * 5) % 6 :] = 0
+        return x, rng.integers(0, 5, (batch_size, 6))
+
+    return keras.Model(tokens, outputs, name="tagger"), make, SCCE
+
+
 ZOO: dict[str, Callable[[], Entry]] = {
     "mlp": mlp,
     "cifar_cnn": cifar_cnn,
@@ -140,6 +158,7 @@ ZOO: dict[str, Callable[[], Entry]] = {
     "shared_layer": shared_layer,
     "nested_sequential": nested_sequential,
     "mobilenet_v2": mobilenet_v2,
+    "tagger": tagger,
 }
 
 

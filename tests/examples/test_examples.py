@@ -79,3 +79,16 @@ def test_plan_demo_prints_measured_and_predicted_step() -> None:
     assert "predicted step, plan.step_time_s" in out
     assert "gpipe schedule, 4 stages x" in out and "/device:CPU:0 -> /device:CPU:1 |" in out  # the text timeline
     assert "every variable on its planned device: True" in out
+
+
+def test_char_gpt_learns_stdlib_text() -> None:
+    out = run_example("char_gpt.py", "--steps", "3")
+    assert "REAL text, the source of the standard-library modules" in out
+    match = re.search(r"loss fell from ([0-9.]+) to ([0-9.]+)", out)
+    assert match is not None, out[-3000:]
+    first, last = map(float, match.groups())
+    assert last < first
+    assert len(re.findall(r"^stage \d on ", out, flags=re.MULTILINE)) == 4
+    assert re.search(r"^stage 0 on .*\bcumsum\b.*\badd\b", out, flags=re.MULTILINE)  # keras.ops and tok + pos, placed
+    assert re.search(r"^greedy continuation: '.{60}'$", out, flags=re.MULTILINE)
+    assert number_after("largest logit difference:", out) < 1e-4

@@ -27,6 +27,7 @@ CASES = [
     ("resnet_style", 4, "gpipe", "always", False),
     ("two_in_two_out", 4, "1f1b", "never", False),
     ("shared_layer", 2, "gpipe", "never", True),
+    ("tagger", 4, "1f1b", "always", False),
 ]
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 from zoo import ZOO, has_batch_norm
 
 import partitioner as pt
+from partitioner.errors import ProfileError
 from profiles import profile_model
 from runtime import placement_report, wrap
 from runtime.rebuild import seed_states
@@ -114,8 +115,13 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
         assert_close(after, expected)
 
 
+# An LSTM's while loop inside a stage compiled with XLA: its TensorList intermediates, which the stage's
+# recorded forward returns for the backward, cannot leave the XLA cluster (TensorFlow's UnimplementedError).
+_RNN_UNDER_XLA = pytest.mark.xfail(
+    reason="TensorList crossing the XLA/TF boundary is not implemented (LSTM in a jit-compiled stage)", strict=True
+)
 CASES = [(name, k, m, "gpipe", "never", False) for name in ZOO for k in (2, 4) for m in (1, 4)] + [
-    (name, 4, 4, schedule, recompute, jit)
+    pytest.param(name, 4, 4, schedule, recompute, jit, marks=[_RNN_UNDER_XLA] if jit and name == "tagger" else [])
     for name in ZOO
     for schedule, recompute, jit in (
         ("1f1b", "never", False),
@@ -169,9 +175,10 @@ def test_transparency_matches_original(
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit_compile)
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
-    ref_grads = dict(
-        zip([id(v) for v in reference.trainable_weights], tape.gradient(ref_loss, reference.trainable_weights))
-    )
+    ref_grads = {  # an embedding's gradient comes as IndexedSlices: made dense to compare
+        id(v): tf.convert_to_tensor(g)
+        for v, g in zip(reference.trainable_weights, tape.gradient(ref_loss, reference.trainable_weights))
+    }
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
     original_index = {id(v): i for i, v in enumerate(model.trainable_weights)}
@@ -284,3 +291,127 @@ def test_recompute_draws_the_same_dropout_masks(schedule: str, virtual_devices) 
         assert_close(recomputed, kept)
     for recomputed, kept in zip(seeds["always"], seeds["never"]):
         np.testing.assert_array_equal(recomputed, kept)
+
+
+# ----- masked outputs: Keras' loss is the mean over the valid steps ---------------------------------
+
+
+def _tagger(nested: bool = False) -> keras.Model:
+    """Embedding(mask_zero=True) -> LSTM(return_sequences=True) -> Dense: the output carries the mask.
+    Nested, the output carries it only at run time (and no layer of the outer graph reads it)."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True, embeddings_initializer="normal", name="embed")(tokens)
+    h = keras.layers.LSTM(8, return_sequences=True, name="lstm")(h)
+    logits = keras.layers.Dense(5, kernel_initializer=keras.initializers.RandomNormal(stddev=2.0), name="tagger")(h)
+    model = keras.Model(tokens, logits, name="tagger_model")
+    if nested:
+        outer = keras.Input((6,), dtype="int32")
+        model = keras.Model(outer, model(outer))
+    return model
+
+
+def _padded_tokens(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of 1 to 6 tokens then padding (0): micro-batches hold different numbers of valid steps."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(1, 12, (batch, 6))
+    for row, length in enumerate([1, 6, 2, 5, 3, 4, 6, 1, 2][:batch]):
+        x[row, length:] = 0
+    return x, rng.integers(0, 5, (batch, 6))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_masked_output_matches_original(nested: bool, num_microbatches: int, schedule: str, virtual_devices) -> None:
+    """8 rows in M = 3 micro-batches of 3 + 3 + 2 rows holding 9, 12 and 7 valid steps: the loss is the
+    mean over the batch's 28 valid steps (not the mean of the micro-batches' means), and the gradients,
+    the weights after a step, evaluate and the outputs' masks are the original's."""
+    keras.utils.set_random_seed(0)
+    model = _tagger(nested)
+    x, y = _padded_tokens(BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plan = _plan(model, virtual_devices, 2, num_microbatches)
+    wrapped = wrap(model, plan, validate=False, schedule=schedule)
+    expected_mask = np.asarray(model(x)._keras_mask)
+    np.testing.assert_array_equal(np.asarray(wrapped(x)._keras_mask), expected_mask)
+
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, num_microbatches)
+    # what the loss would be without the mask, or as the mean of the micro-batches' means
+    wrong = [keras.ops.mean(loss.call(y, reference(x)))]
+    if num_microbatches > 1:
+        wrong.append(
+            sum(
+                reference.compute_loss(y=y[a:b], y_pred=reference(x[a:b])) * (b - a) / BATCH
+                for a, b in ((0, 3), (3, 6), (6, 8))
+            )
+        )
+    assert all(abs(float(ref_loss) - float(w)) > 1e-4 for w in wrong)  # far above the tolerance of 1e-5
+    ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
+    pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
+    assert_close(float(pipe_loss), float(ref_loss))
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
+    assert len(pairs) == len(model.trainable_weights)
+    for original, clone in pairs:
+        assert_close(clone_grad[id(clone)], tf.convert_to_tensor(ref_grads[index[id(original)]]))
+    assert_close(wrapped.evaluate(x, y, batch_size=BATCH, verbose=0), float(ref_loss))
+
+    wrapped = wrap(model, plan, validate=False, schedule=schedule)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, num_microbatches)
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+def test_masked_output_with_sample_weights_matches_original(virtual_devices) -> None:
+    """Keras multiplies the sample weights by the mask and still divides by the valid steps: so does the step."""
+    keras.utils.set_random_seed(0)
+    model = _tagger()
+    x, y = _padded_tokens(BATCH)
+    weights = np.linspace(0.5, 2.0, BATCH * 6).reshape(BATCH, 6).astype("float32")  # one per step, as Keras takes
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 3), validate=False, schedule="1f1b")
+    reference = _copy(model)
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    expected = reference.train_on_batch(x, y, sample_weight=weights)
+    assert_close(wrapped.train_on_batch(x, y, sample_weight=weights), expected)
+    for after, want in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+        assert_close(after, want)
+
+
+def test_masked_output_with_a_sum_reduction_is_refused(virtual_devices) -> None:
+    model = _tagger()
+    x, y = _padded_tokens(BATCH)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 3), validate=False)
+    wrapped.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True, reduction="sum"))
+    with pytest.raises(pt.InputError, match=r"reduction='sum'.*Expected one of \('sum_over_batch_size', 'mean'\)"):
+        wrapped.train_on_batch(x, y)
+
+
+def test_masked_output_beside_an_unmasked_one_is_refused(virtual_devices) -> None:
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.LSTM(8, return_sequences=True, name="lstm")(keras.layers.Embedding(12, 8, mask_zero=True)(tokens))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pooled")(h)  # reads the mask, returns none
+    model = keras.Model(tokens, [keras.layers.Dense(5, name="tags")(h), keras.layers.Dense(2, name="label")(pooled)])
+    with pytest.raises(ProfileError, match=r"masked output\(s\) \['tags'\] among the outputs \['tags', 'label'\]"):
+        wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)
+
+
+def test_masked_output_with_layer_losses_is_refused(virtual_devices) -> None:
+    """The valid-steps correction scales the summed gradients; a layer loss's gradients are in the same sums."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    h = keras.layers.LSTM(8, return_sequences=True, activity_regularizer="l2", name="lstm")(h)
+    model = keras.Model(tokens, keras.layers.Dense(5, name="tags")(h))
+    x, y = _padded_tokens(BATCH)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 2), validate=False)
+    wrapped.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    with pytest.raises(pt.InputError, match=r"carries a Keras mask and its layers add losses.*Expected one of the two"):
+        wrapped.train_on_batch(x, y)

@@ -113,6 +113,79 @@ def test_training_resumes_from_a_checkpoint(tmp_path, virtual_devices) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _assert_same_weights(actual: list, expected: list) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_weights_only_checkpoint_loads_into_the_original_architecture(tmp_path, virtual_devices) -> None:
+    """ModelCheckpoint(save_weights_only=True) and save_weights on the wrapped model write the original
+    architecture's weights (a nested model included): the original and a fresh copy of it read them."""
+    model, x, y, loss = _model_and_data("nested_sequential")
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices, num_devices=3), validate=False)
+    wrapped.compile(optimizer="adam", loss=loss)
+    checkpoint = tmp_path / "epoch.weights.h5"
+    callback = keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)
+    wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+    trained = wrapped.unwrap().get_weights()
+    direct = tmp_path / "direct.weights.h5"
+    wrapped.save_weights(direct)
+    for path in (checkpoint, direct):
+        fresh = keras.models.clone_model(model)  # untrained weights of its own
+        assert not np.allclose(fresh.get_weights()[0], trained[0])
+        fresh.load_weights(path)
+        _assert_same_weights(fresh.get_weights(), trained)
+    model.load_weights(checkpoint)  # the very model that was wrapped
+    _assert_same_weights(model.get_weights(), trained)
+
+
+def test_fresh_wrapped_model_loads_weights_before_any_step(tmp_path, virtual_devices) -> None:
+    """A file saved from the wrapped model, and one saved from the plain model, load into a model just
+    wrapped (no predict, no fit before), which then predicts what the trained model predicts."""
+    model, x, y, loss = _model_and_data("nested_sequential")
+    plan = _uniform_plan(model, virtual_devices, num_devices=3)
+    wrapped = wrap(model, plan, validate=False)
+    wrapped.compile(optimizer="adam", loss=loss)
+    wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    from_wrapped = tmp_path / "wrapped.weights.h5"
+    wrapped.save_weights(from_wrapped)
+    plain = keras.models.clone_model(model)
+    plain.compile(optimizer="adam", loss=loss)
+    plain.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    from_plain = tmp_path / "plain.weights.h5"
+    plain.save_weights(from_plain)
+    for path, source in ((from_wrapped, wrapped.unwrap()), (from_plain, plain)):
+        fresh = wrap(model, plan, validate=False)
+        fresh.load_weights(path)
+        _assert_same_weights(fresh.unwrap().get_weights(), source.get_weights())
+        np.testing.assert_allclose(fresh.predict(x, verbose=0), source.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_training_resumes_from_a_weights_only_checkpoint(tmp_path, virtual_devices) -> None:
+    """2 steps, save_weights, load_weights into a fresh wrapped model, 1 step == 3 steps straight: the
+    file holds Adam's slots and step count as Keras writes them for the plain model."""
+    model, x, y, loss = _model_and_data(batch=16)
+    plan = _uniform_plan(model, virtual_devices)
+    straight = wrap(model, plan, validate=False)
+    straight.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    straight_losses = [float(straight.train_on_batch(x, y)) for _ in range(3)]
+
+    first = wrap(model, plan, validate=False)
+    first.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    losses = [float(first.train_on_batch(x, y)) for _ in range(2)]
+    path = tmp_path / "step2.weights.h5"
+    first.save_weights(path)
+    resumed = wrap(model, plan, validate=False)
+    resumed.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    resumed.load_weights(path)
+    assert int(resumed.optimizer.iterations) == 2
+    losses.append(float(resumed.train_on_batch(x, y)))
+    np.testing.assert_allclose(losses, straight_losses, rtol=1e-6)
+    assert straight_losses[2] != straight_losses[1]
+    _assert_same_weights(resumed.unwrap().get_weights(), straight.unwrap().get_weights())
+
+
 def test_early_stopping_stops(virtual_devices) -> None:
     model, x, y, loss = _model_and_data()
     wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
