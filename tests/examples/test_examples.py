@@ -92,3 +92,16 @@ def test_char_gpt_learns_stdlib_text() -> None:
     assert re.search(r"^stage 0 on .*\bcumsum\b.*\badd\b", out, flags=re.MULTILINE)  # keras.ops and tok + pos, placed
     assert re.search(r"^greedy continuation: '.{60}'$", out, flags=re.MULTILINE)
     assert number_after("largest logit difference:", out) < 1e-4
+
+
+def test_keras_hub_gpt2_pipelines_a_backbone() -> None:
+    pytest.importorskip("keras_hub")
+    out = run_example("keras_hub_gpt2.py", "--steps", "3")
+    match = re.search(r"loss fell from ([0-9.]+) to ([0-9.]+)", out)
+    assert match is not None, out[-3000:]
+    assert float(match.group(2)) < float(match.group(1))
+    stages = re.findall(r"^stage \d on .*$", out, flags=re.MULTILINE)
+    assert len(stages) == 4 and all("transformer_layer_" in s for s in stages)  # the backbone's layers split
+    assert "every variable on its planned device: True" in out
+    assert number_after("wrapped vs unwrapped, largest logit difference", out) < 1e-4  # another length
+    assert number_after("reloaded as Functional: largest logit difference", out) < 1e-4
