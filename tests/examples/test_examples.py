@@ -103,5 +103,5 @@ def test_keras_hub_gpt2_pipelines_a_backbone() -> None:
     stages = re.findall(r"^stage \d on .*$", out, flags=re.MULTILINE)
     assert len(stages) == 4 and all("transformer_layer_" in s for s in stages)  # the backbone's layers split
     assert "every variable on its planned device: True" in out
-    assert number_after("wrapped vs unwrapped, largest logit difference", out) < 1e-4  # another length
-    assert number_after("reloaded as Functional: largest logit difference", out) < 1e-4
+    differences = re.findall(r"largest logit difference ([0-9.]+e[-+][0-9]+)", out)
+    assert len(differences) == 2 and all(float(d) < 1e-4 for d in differences)  # another length; the saved file
