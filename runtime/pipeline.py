@@ -247,12 +247,20 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         compile_like(self, plain, _weight_pairs(layers))
         return plain
 
-    def _plain_twin(self) -> tuple[Any, list[tuple[Any, Any]]]:
-        """A new model of the original architecture, and (clone of this model, its layer there) pairs."""
+    def _plain_twin(self, every_place: bool = True) -> tuple[Any, list[tuple[Any, Any]]]:
+        """A new model of the original architecture, and (clone of this model, its layer there) pairs.
+
+        A layer the original uses at two nesting levels (at the top and inside a nested model) is two
+        layers in the copy (Keras' cloning and loading make the nested model anew): with
+        ``every_place`` each of them is paired with the clone, else only the last one."""
         original = self._state.original
         plain = _copy_architecture(original)
         places = _layer_pairs(original, plain)
-        return plain, [(clone, places[id(orig)]) for orig, clone in self._state.rebuilt.origin]
+        return plain, [
+            (clone, target)
+            for orig, clone in self._state.rebuilt.origin
+            for target in (places[id(orig)] if every_place else places[id(orig)][-1:])
+        ]
 
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes the original architecture with the current weights (and optimizer state, when
@@ -280,7 +288,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> fresh = runtime.wrap(model, plan)            # doctest: +SKIP
             >>> fresh.load_weights("step.weights.h5")        # doctest: +SKIP
         """
-        plain, layers = self._plain_twin()
+        plain, layers = self._plain_twin(every_place=False)
         compile_like(self, plain, [])  # an optimizer of the same kind, for the state the file holds
         plain.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
         copy_weights([(target, clone) for clone, target in layers])
@@ -312,20 +320,25 @@ def _copy_architecture(model: Any) -> Any:
     ``keras.models.clone_model``: a functional model of the same layers.
     """
     from keras.src.models.functional import Functional
+    from keras.src.saving.serialization_lib import SafeModeScope
 
-    if type(model) not in (keras.Model, Functional, keras.Sequential):
-        try:
-            return type(model).from_config(model.get_config())
-        except (TypeError, ValueError, KeyError, NotImplementedError):
-            pass
-    return keras.models.clone_model(model)
+    # the user's own model, in memory: a Lambda's Python function is theirs, not an untrusted file's
+    with SafeModeScope(False):
+        if type(model) not in (keras.Model, Functional, keras.Sequential):
+            try:
+                return type(model).from_config(model.get_config())
+            except (TypeError, ValueError, KeyError, NotImplementedError):
+                pass
+        return keras.models.clone_model(model)
 
 
-def _layer_pairs(original: Any, copy: Any) -> dict[int, Any]:
-    """{id(layer of original): the layer at the same place in copy}, nested models included."""
-    pairs: dict[int, Any] = {}
+def _layer_pairs(original: Any, copy: Any, pairs: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
+    """{id(layer of original): every layer at its places in copy}, nested models included."""
+    pairs = {} if pairs is None else pairs
     for a, b in zip(original.layers, copy.layers):
-        pairs[id(a)] = b
+        places = pairs.setdefault(id(a), [])
+        if not any(b is p for p in places):
+            places.append(b)
         if isinstance(a, keras.Model):
-            pairs.update(_layer_pairs(a, b))
+            _layer_pairs(a, b, pairs)
     return pairs
