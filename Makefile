@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules partitioner  # the docstrings' examples
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

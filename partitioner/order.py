@@ -208,7 +208,7 @@ def by_speed(cluster: Cluster) -> tuple[int, ...]:
     """Devices fastest first (then most memory, then as listed).
 
     Example:
-        >>> by_speed(pt.Cluster([pt.Device("a", "1GiB", 1e12), pt.Device("b", "1GiB", 4e12)]))
+        >>> by_speed(Cluster([Device("a", "1GiB", 1e12), Device("b", "1GiB", 4e12)]))
         (1, 0)
     """
     devices = cluster.devices
@@ -231,7 +231,7 @@ def fastest_on_heaviest(cluster: Cluster, stage_work: Sequence[float]) -> tuple[
         InputError: when there are more stages than devices.
 
     Example:
-        >>> fastest_on_heaviest(pt.Cluster([pt.Device("a", "1GiB", 1e12), pt.Device("b", "1GiB", 4e12)]), [1.0, 3.0])
+        >>> fastest_on_heaviest(Cluster([Device("a", "1GiB", 1e12), Device("b", "1GiB", 4e12)]), [1.0, 3.0])
         (0, 1)
     """
     if len(stage_work) > cluster.num_devices:
