@@ -287,6 +287,19 @@ class CostModel:
         size = self.out_bytes[node]
         return size / self.cluster.bandwidth(sender, receiver) + size / self.cluster.bandwidth(receiver, sender)
 
+    def on(self, cluster: Cluster) -> CostModel:
+        """The same graph and settings (M, optimizer slots, cost source, schedule, recompute) on
+        ``cluster``: the devices in another order, or a prefix of them."""
+        return CostModel(
+            self.graph,
+            cluster,
+            num_microbatches=self.num_microbatches,
+            optimizer_slots=self.optimizer_slots,
+            cost=self.cost,
+            schedule=self.schedule,
+            recompute=self.recompute,
+        )
+
     def serial_step_s(self) -> float:
         """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory."""
         fastest = max(range(len(self.devices)), key=self.flops_per_s.__getitem__)

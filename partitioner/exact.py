@@ -39,7 +39,7 @@ from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.order import candidate_orders, check_device_order, every_order_searched, reorder
 from partitioner.plan import Plan
-from partitioner.score import score_assignment
+from partitioner.score import score_assignment, shorter_step
 
 
 class _Mode(NamedTuple):
@@ -127,7 +127,7 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
     bound = np.inf
     for order in candidate_orders(cluster):
         identity = list(order) == list(range(cluster.num_devices))
-        permuted = costs if identity else _costs_on(costs, reorder(cluster, order))
+        permuted = costs if identity else costs.on(reorder(cluster, order))
         best, order_bound = _prefix_plans(permuted, best)
         bound = min(bound, order_bound)
     if best is None:
@@ -139,19 +139,6 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
         status="optimal" if proven and best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
         lower_bound_s=min(lower_bound, best.bottleneck_s),
         solve_time_s=time.perf_counter() - started,
-    )
-
-
-def _costs_on(costs: CostModel, cluster: Cluster) -> CostModel:
-    """``costs`` for the same graph and settings on another cluster (another order or a prefix)."""
-    return CostModel(
-        costs.graph,
-        cluster,
-        num_microbatches=costs.num_microbatches,
-        optimizer_slots=costs.optimizer_slots,
-        cost=costs.cost,
-        schedule=costs.schedule,
-        recompute=costs.recompute,
     )
 
 
@@ -177,7 +164,7 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
     least = np.inf
     for sizes in sizes_by_budget.values():
         top = sizes[0]
-        prefix = costs if top == num_devices else _costs_on(costs, costs.cluster.take(top))
+        prefix = costs if top == num_devices else costs.on(costs.cluster.take(top))
         tables = _tables(prefix)
         table, _ = _dynamic_program(*tables)
         for s in sizes:
@@ -191,23 +178,9 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
                 continue
             assignment = _rebuild(prefix, _prefix_tables(tables, s), bottleneck)
             plan = score_assignment(assignment, costs, method="exact_chain", status="feasible")
-            if best is None or _shorter(plan, best):
+            if best is None or shorter_step(plan, best):
                 best = plan
     return best, float(least)
-
-
-def _shorter(plan: Plan, than: Plan) -> bool:
-    """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
-    for a, b in (
-        (plan.step_time_s, than.step_time_s),
-        (plan.bottleneck_s, than.bottleneck_s),
-        (plan.transfer_bytes, than.transfer_bytes),
-    ):
-        if a < b * (1 - 1e-9):
-            return True
-        if a > b * (1 + 1e-9):
-            return False
-    return False
 
 
 class _Tables(NamedTuple):

@@ -153,6 +153,24 @@ def micro_batch_size(graph: nx.DiGraph) -> int | None:
     return math.ceil(int(batch) / int(graph.graph.get("num_microbatches") or 1))
 
 
+def check_batch(batch_size: Any, num_microbatches: Any) -> None:
+    """Raises InputError unless ``batch_size`` and ``num_microbatches`` are integers >= 1 and every
+    micro-batch gets at least one sample (the profiler and ``rescale_graph`` take these two).
+
+    Example:
+        >>> check_batch(32, 8)
+    """
+    for name, value in (("batch_size", batch_size), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
+    if num_microbatches > batch_size:
+        raise InputError(
+            f"num_microbatches must not exceed batch_size: each micro-batch needs at least one sample. "
+            f"Received: batch_size={batch_size}, num_microbatches={num_microbatches}. "
+            "Lower num_microbatches or raise batch_size."
+        )
+
+
 def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1) -> nx.DiGraph:
     """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
 
@@ -177,14 +195,7 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
         >>> rescale_graph(g, batch_size=64, num_microbatches=4).nodes["layer_0"]["activation_bytes"]
         16384
     """
-    for name, value in (("batch_size", batch_size), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
-    if num_microbatches > batch_size:
-        raise InputError(
-            f"num_microbatches must not exceed batch_size: each micro-batch needs at least one sample. "
-            f"Received: batch_size={batch_size}, num_microbatches={num_microbatches}."
-        )
+    check_batch(batch_size, num_microbatches)
     validate_graph(graph)
     measured = micro_batch_size(graph)
     if measured is None:

@@ -79,3 +79,17 @@ def score_assignment(
         schedule=costs.schedule,
         recompute=ev.recompute,
     )
+
+
+def shorter_step(plan: Plan, than: Plan) -> bool:
+    """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
+    for a, b in (
+        (plan.step_time_s, than.step_time_s),
+        (plan.bottleneck_s, than.bottleneck_s),
+        (plan.transfer_bytes, than.transfer_bytes),
+    ):
+        if a < b * (1 - 1e-9):
+            return True
+        if a > b * (1 + 1e-9):
+            return False
+    return False

@@ -69,7 +69,7 @@ from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.order import by_speed, check_device_order, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
-from partitioner.score import score_assignment
+from partitioner.score import score_assignment, shorter_step
 
 # TensorFlow loads its runtime with RTLD_GLOBAL. Imported before OR-Tools, its abseil and protobuf
 # symbols win over OR-Tools' own and CP-SAT crashes in Solve (google/or-tools#3230; here with
@@ -281,7 +281,7 @@ def _search_orders(
         now = time.perf_counter()
         share = max((deadline - now) / (len(candidates) - i), 0.05)
         permuted = (
-            costs if order == tuple(range(len(costs.devices))) else _costs_on(costs, reorder(costs.cluster, order))
+            costs if order == tuple(range(len(costs.devices))) else costs.on(reorder(costs.cluster, order))
         )
         try:
             plan = _solve_in_order(
@@ -300,26 +300,12 @@ def _search_orders(
         except InfeasiblePlanError as err:
             first_error = first_error or err
             continue
-        if best is None or _shorter(plan, best):
+        if best is None or shorter_step(plan, best):
             best = plan
     if best is None:
         assert first_error is not None
         raise first_error
     return dataclasses.replace(best, solve_time_s=time.perf_counter() - started)
-
-
-def _shorter(plan: Plan, than: Plan) -> bool:
-    """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
-    for a, b in (
-        (plan.step_time_s, than.step_time_s),
-        (plan.bottleneck_s, than.bottleneck_s),
-        (plan.transfer_bytes, than.transfer_bytes),
-    ):
-        if a < b * (1 - 1e-9):
-            return True
-        if a > b * (1 + 1e-9):
-            return False
-    return False
 
 
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
@@ -381,23 +367,10 @@ def _coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None
     groups = colocation_groups(costs.graph).values()
     if any(assignment[v] != d for v, d in pins.items()) or any(len({assignment[v] for v in g}) > 1 for g in groups):
         return None
-    permuted = _costs_on(costs, reorder(costs.cluster, list(plan.devices)))
+    permuted = costs.on(reorder(costs.cluster, list(plan.devices)))
     if not permuted.fits(permuted.evaluate(assignment)):
         return None
     return score_assignment(assignment, permuted, method="exact_chain on runs")
-
-
-def _costs_on(costs: CostModel, cluster: Cluster) -> CostModel:
-    """``costs`` for the same graph and settings on ``cluster`` (the same devices in another order)."""
-    return CostModel(
-        costs.graph,
-        cluster,
-        num_microbatches=costs.num_microbatches,
-        optimizer_slots=costs.optimizer_slots,
-        cost=costs.cost,
-        schedule=costs.schedule,
-        recompute=costs.recompute,
-    )
 
 
 def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:

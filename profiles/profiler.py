@@ -62,7 +62,7 @@ import networkx as nx
 
 from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError
-from partitioner.graph import load_graph, save_graph, validate_graph
+from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, flatten_calls
@@ -407,15 +407,7 @@ def _op_output_bytes(op: Any) -> float:
 
 
 def _check_numbers(batch_size: Any, num_microbatches: Any, repeats: Any, warmup: Any) -> None:
-    for name, value in (("batch_size", batch_size), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be an integer >= 1. Received: {name}={value!r}.")
-    if num_microbatches > batch_size:
-        raise InputError(
-            f"num_microbatches must not exceed batch_size: each micro-batch needs at least one sample. "
-            f"Received: batch_size={batch_size}, num_microbatches={num_microbatches}. "
-            "Lower num_microbatches or raise batch_size."
-        )
+    check_batch(batch_size, num_microbatches)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InputError(f"repeats must be an integer >= 1. Received: repeats={repeats!r}.")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

@@ -115,6 +115,7 @@ class StageProgram:
         count = len(self.stage.inputs)
         valid = flat[count] if self.takes_mask else None
         batch = flat[count + 1] if self.regularized else None
+        own_rows = tf.reduce_sum(tf.cast(valid, tf.int32)) if self.regularized else None  # repeats come last
         values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
         terms: list[tf.Tensor] = []
         self.unsplittable[kind] = None
@@ -134,14 +135,14 @@ class StageProgram:
                     operation.activity_regularizer = regularizer
             else:
                 outputs = operation(*args, **kwargs)
-            terms += self._layer_losses(kind, operation, outputs, regularizer, valid, batch)
+            terms += self._layer_losses(kind, operation, outputs, regularizer, own_rows, batch)
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
         self.returns_layer_loss[kind] = bool(terms)
         return [values[id(t)] for t in self.returns], (tf.add_n(terms) if terms else None)
 
     def _layer_losses(
-        self, kind: str, operation: Any, outputs: Any, regularizer: Any, valid: Any, batch: Any
+        self, kind: str, operation: Any, outputs: Any, regularizer: Any, rows: Any, batch: Any
     ) -> list[tf.Tensor]:
         """The losses one call added (``add_loss``, activity regularizers), as this micro-batch's part of
         the batch's: Keras divides an activity regularizer's value by the batch size, so the stage
@@ -158,7 +159,6 @@ class StageProgram:
             elif added:
                 terms += [tf.reduce_sum(tf.cast(x, tf.float32)) for x in added]
         if regularizer is not None:
-            rows = tf.reduce_sum(tf.cast(valid, tf.int32))
             for output in keras.tree.flatten(outputs):
                 if not tf.is_tensor(output):
                     continue
@@ -386,8 +386,9 @@ class Executor:
 
     def microbatch_rows(self, structure: Any) -> int | None:
         """ceil(B / M) where the batch's size B is static (the shape the stage functions are traced for)."""
-        sizes = [tf.convert_to_tensor(t).shape[0] for t in keras.tree.flatten(structure)]
-        return -(-sizes[0] // self.num_microbatches) if sizes and sizes[0] is not None else None
+        leaves = keras.tree.flatten(structure)
+        size = tf.convert_to_tensor(leaves[0]).shape[0] if leaves else None
+        return None if size is None else -(-size // self.num_microbatches)
 
     def split(self, batch: tf.Tensor, structure: Any) -> list[Any]:
         """Each leaf [B, ...] -> M micro-batches [ceil(B/M), ...]; rows past B repeat real rows."""
@@ -429,6 +430,7 @@ class Executor:
         micro_inputs = self.split(batch, list(inputs))
         valid = self.valid_rows(batch, self.microbatch_rows(list(inputs)))
         layer_losses: list[tf.Tensor] = []
+        kind = "forward" if training else "inference"
         values: dict[tuple[int, int], tf.Tensor] = {}
         last_op: list[Any] = [None] * len(self.stages)
         for m in range(self.num_microbatches):
@@ -441,7 +443,6 @@ class Executor:
                 with tf.device(stage.device), tf.control_dependencies(last_op[stage.index] or []):
                     fn = program.forward(training)
                     results = fn(*program.arguments([values[(id(t), m)] for t in stage.inputs], valid[m], rows))
-                    kind = "forward" if training else "inference"
                     if losses:
                         _check_splittable(program, kind)
                     outputs, layer_loss, _, _ = program.split(results, kind)
