@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner import coarsen
+from partitioner import coarsen, multilevel
 from partitioner import solver as solver_module
 from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
@@ -254,7 +254,7 @@ def test_coarsen_auto_keeps_small_graphs_fine_and_coarsens_large_ones():
 
 def test_coarsened_solve_falls_back_to_the_fine_model(monkeypatch):
     # Nothing found on the units and no baseline to start from: the fine model still answers.
-    monkeypatch.setattr(solver_module, "_place_units", lambda *args, **kwargs: None)
+    monkeypatch.setattr(multilevel, "_place_units", lambda *args, **kwargs: None)
     graph = random_dag(random.Random(4), 14, skip_prob=0.5)
     assert not is_chain(graph)
     plan = pt.solve(graph, _cluster(3), time_limit_s=10, options=dataclasses.replace(COARSE, hint=False))
@@ -269,7 +269,7 @@ def test_coarsened_solve_starts_from_a_memory_fill_when_no_baseline_fits(monkeyp
     graph.add_edge("l0", "l3", bytes=10)  # not a chain: the CP-SAT path
     cluster = pt.Cluster([pt.Device(G0, memory=8 * KIB), pt.Device(G1, memory=24 * KIB)], bandwidth=1e30)
     assert not any(b(graph, cluster).fits_memory for b in pt.baselines.BASELINES.values())
-    monkeypatch.setattr(solver_module, "_place_units", lambda *args, **kwargs: None)  # the units find nothing
+    monkeypatch.setattr(multilevel, "_place_units", lambda *args, **kwargs: None)  # the units find nothing
     given = dataclasses.replace(COARSE, device_order="given")  # the fill runs in the cluster's order
     plan = pt.solve(graph, cluster, time_limit_s=10, options=given)
     assert plan.method == "cp-sat+coarsen"

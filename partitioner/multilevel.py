@@ -1,0 +1,173 @@
+"""Places a large graph in two levels: runs of nodes first, then the nodes near the stage boundaries.
+
+
+Large graphs are coarsened first (``SolverOptions.coarsen``; multilevel partitioning after Karypis
+and Kumar, SIAM J. Sci. Comput. 1998): the runs of partitioner.coarsen.segments are placed whole,
+then the nodes near the stage boundaries are placed again one by one with the rest held in place,
+for as long as that improves the plan. Such a plan is not proven optimal: its lower bound is the
+cost model's (total work over total speed, or the costliest node), since a bound proven on units
+does not hold for the nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from partitioner.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
+from partitioner.cost import CostModel
+from partitioner.cpsat import _add_hint, _run, build_model, cp_model, decode
+from partitioner.errors import PartitionerError
+from partitioner.graph import colocation_groups
+from partitioner.order import reorder
+from partitioner.plan import Plan
+from partitioner.score import score_assignment
+from partitioner.starts import _best_start, _better, _Candidate, _fill_start
+
+if TYPE_CHECKING:
+    from partitioner.solver import SolverOptions
+
+# Runs per device in the coarse model: CP-SAT (a sketch for the refinement) and the chain DP (exact).
+COARSE_UNITS_PER_DEVICE = 16
+COARSE_UNITS_PER_DEVICE_DP = 32
+
+
+def _solve_coarsened(
+    costs: CostModel,
+    pins: Mapping[str, str],
+    options: SolverOptions,
+    legal: Sequence[Plan],
+    *,
+    chain: bool,
+    started: float,
+    deadline: float,
+) -> Plan | None:
+    """Places runs of nodes, then refines near the stage boundaries; None if that found no plan.
+
+    Chains (without pins or shared layers) place their units with the exact DP, everything else
+    with CP-SAT. The plan is never worse than the best legal baseline, which is also the start
+    when the coarse units find nothing better.
+    """
+    num_nodes, num_devices = len(costs.order), len(costs.devices)
+    pinned = {v: costs.cluster.index(d) for v, d in pins.items()}
+    reserve_s = 0.1 + 5e-5 * num_nodes  # scoring the final plan
+    lower_bound = costs.lower_bound_s()
+    best = None
+    if options.hint:
+        start = _best_start(legal)
+        if start is not None:
+            best = _Candidate(start.bottleneck_s, start.transfer_bytes, start.assignment)
+        else:
+            best = _fill_start(costs, pins)
+
+    def good_enough(found: _Candidate) -> bool:
+        return found.bottleneck_s * (1 - options.relative_gap) <= lower_bound * (1 + 1e-9)
+
+    # Coarse: a dozen or two runs per device, none straddling a stage boundary of the start (which is
+    # then a placement of runs: a complete hint). The DP takes more runs; CP-SAT only needs a sketch
+    # and a short time, as the refinement does the fine work.
+    per_device, most = (COARSE_UNITS_PER_DEVICE_DP, 400) if chain else (COARSE_UNITS_PER_DEVICE, 256)
+    num_units = min(num_nodes, per_device * num_devices, most)
+    cuts = []
+    if best is not None:
+        where = [best.assignment[v] for v in costs.order]
+        cuts = [i for i in range(1, num_nodes) if where[i] != where[i - 1]]
+    coarse = segments(costs, num_units, pinned, cuts=cuts)
+    share = 0.15 if best is not None else 0.5
+    until = time.perf_counter() + share * (deadline - reserve_s - time.perf_counter())
+    found = _place_chain_units(costs, coarse) if chain else _place_units(costs, coarse, best, until, options)
+    best = _better(costs, best, found)
+
+    # Refine: nodes within about one run's length of a boundary move one by one, while that gains.
+    radius = max(12, math.ceil(num_nodes / coarse.num_units))
+    while best is not None and not good_enough(best) and deadline - time.perf_counter() - reserve_s > 0.2:
+        units = around_boundaries(costs, best.assignment, radius, pinned)
+        if chain:
+            found = _place_chain_units(costs, units)
+        else:
+            found = _place_units(costs, units, best, deadline - reserve_s, options)
+        better = _better(costs, best, found)
+        if better is best:
+            break
+        best = better
+    if best is None:
+        return None
+    return score_assignment(
+        best.assignment,
+        costs,
+        method="exact_chain+coarsen" if chain else "cp-sat+coarsen",
+        status="optimal" if best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
+        lower_bound_s=lower_bound,
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _place_units(
+    costs: CostModel, units: Coarsening, start: _Candidate | None, until: float, options: SolverOptions
+) -> dict[str, str] | None:
+    """CP-SAT on ``units``, hinted with ``start``, done by ``until`` (perf_counter); the placement found, or None."""
+    m = build_model(costs, {}, options, units=units)
+    if start is not None:
+        _add_hint(m, costs, start.assignment)
+    time_limit_s = until - time.perf_counter()
+    if time_limit_s < 0.05:
+        return None
+    status, solver = _run(m, time_limit_s, options, relative_gap=options.relative_gap)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return decode(m, solver, costs)
+
+
+def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | None:
+    """The exact DP on the chain of ``units``; the placement found, or None when none fits."""
+    from partitioner.exact import exact_chain
+
+    try:
+        plan = exact_chain(
+            chain_quotient(costs.graph, units, cost=costs.cost),
+            costs.cluster,
+            num_microbatches=costs.num_microbatches,
+            optimizer_slots=costs.optimizer_slots,
+            cost=costs.cost,
+            schedule=costs.schedule,
+            recompute=costs.recompute,
+            device_order="given",  # the order is chosen outside (solve's search)
+        )
+    except PartitionerError:
+        return None
+    return {v: plan.assignment[unit[0]] for unit in units.units for v in unit}
+
+
+def _coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
+    """The chain DP's plan (order and devices searched) on runs of the topological order, scored on the
+    graph itself in the order it chose; None when it does not fit, splits a shared layer or moves a pin."""
+    from partitioner.exact import exact_chain
+
+    num_units = min(len(costs.order), COARSE_UNITS_PER_DEVICE_DP * len(costs.devices), 400)
+    units = segments(costs, num_units)
+    cut = cut_bytes(costs)
+    starts = list(itertools.accumulate(len(u) for u in units.units))[:-1]
+    quotient = chain_quotient(costs.graph, units, cost=costs.cost, edge_bytes=[cut[i] for i in starts])
+    try:
+        plan = exact_chain(
+            quotient,
+            costs.cluster,
+            num_microbatches=costs.num_microbatches,
+            optimizer_slots=costs.optimizer_slots,
+            cost=costs.cost,
+            schedule=costs.schedule,
+            recompute=costs.recompute,
+        )
+    except PartitionerError:
+        return None
+    assignment = {v: plan.assignment[unit[0]] for unit in units.units for v in unit}
+    groups = colocation_groups(costs.graph).values()
+    if any(assignment[v] != d for v, d in pins.items()) or any(len({assignment[v] for v in g}) > 1 for g in groups):
+        return None
+    permuted = costs.on(reorder(costs.cluster, list(plan.devices)))
+    if not permuted.fits(permuted.evaluate(assignment)):
+        return None
+    return score_assignment(assignment, permuted, method="exact_chain on runs")
