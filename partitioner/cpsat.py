@@ -61,7 +61,7 @@ DETERMINISTIC_TIME_PER_S = 0.4
 
 
 @dataclass
-class _Model:
+class PlacementModel:
     """The CP-SAT model and the handles decode() needs."""
 
     model: cp_model.CpModel
@@ -78,30 +78,9 @@ class _Model:
     sender_matters: set[int]  # receiving devices whose receive time depends on the sender's device
 
 
-def _run(
-    m: _Model, time_limit_s: float, options: SolverOptions, *, relative_gap: float
-) -> tuple[Any, cp_model.CpSolver]:
-    """Solves ``m`` within ``time_limit_s``; returns CP-SAT's status and the solver holding the answer."""
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    if options.deterministic:
-        solver.parameters.max_deterministic_time = float(time_limit_s) * DETERMINISTIC_TIME_PER_S
-    solver.parameters.num_workers = (
-        1 if options.deterministic else options.num_workers or min(8, (os.cpu_count() or 1) * 4)
-    )
-    solver.parameters.random_seed = options.seed
-    solver.parameters.log_search_progress = options.log
-    solver.parameters.relative_gap_limit = relative_gap
-    # Measured on random DAGs of 200-1000 nodes: symmetry detection and probing in presolve cost
-    # seconds and never paid back (benchmarks/planner_speed).
-    solver.parameters.symmetry_level = 0
-    solver.parameters.cp_model_probing_level = 0
-    return solver.solve(m.model), solver
-
-
 def build_model(
     costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, units: Coarsening | None = None
-) -> _Model:
+) -> PlacementModel:
     """Returns the CP-SAT model of placing ``units`` (default: every node alone) on ``costs.cluster``.
 
     ``pins`` apply to the default units; a coarsening carries its pins in its domains.
@@ -265,7 +244,7 @@ def build_model(
     byte_terms = [round(costs.out_bytes[u] / byte_unit) * r[u, k] for (u, k) in r]
     weight = options.byte_resolution + len(r) + 1
     model.minimize(bottleneck * weight + sum(byte_terms))
-    return _Model(model, units, uc, x, y, r, z, c, bottleneck, weight, time_unit_s, sender_matters)
+    return PlacementModel(model, units, uc, x, y, r, z, c, bottleneck, weight, time_unit_s, sender_matters)
 
 
 def _name(units: Coarsening, i: int) -> str:
@@ -298,15 +277,7 @@ def _equal(model: cp_model.CpModel, a: cp_model.IntVar | int, b: cp_model.IntVar
         model.add(a == b)
 
 
-def decode(m: _Model, solver: cp_model.CpSolver, costs: CostModel) -> dict[str, str]:
-    """Reads {node: device name} from a solved model."""
-    unit_devices = []
-    for i, (lo, hi) in enumerate(m.units.domains):
-        unit_devices.append(next((k for k in range(lo, hi + 1) if lo == hi or solver.boolean_value(m.x[i, k])), lo))
-    return m.units.expand(unit_devices, costs.devices)
-
-
-def _add_hint(m: _Model, costs: CostModel, assignment: Mapping[str, str]) -> None:
+def add_hint(m: PlacementModel, costs: CostModel, assignment: Mapping[str, str]) -> None:
     """Hints every variable of ``m`` with ``assignment`` (projected on the units where it splits one)."""
     where = m.units.project(assignment, costs.devices)
     for (i, k), var in m.x.items():
@@ -340,3 +311,32 @@ def _add_hint(m: _Model, costs: CostModel, assignment: Mapping[str, str]) -> Non
         sender = where[home_of[u]] if k in m.sender_matters else 0
         stage[k] += round(costs.receive_s(u, sender, k) / m.time_unit_s)
     m.model.add_hint(m.bottleneck, max(stage))
+
+
+def solve_model(
+    m: PlacementModel, time_limit_s: float, options: SolverOptions, *, relative_gap: float
+) -> tuple[Any, cp_model.CpSolver]:
+    """Solves ``m`` within ``time_limit_s``; returns CP-SAT's status and the solver holding the answer."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    if options.deterministic:
+        solver.parameters.max_deterministic_time = float(time_limit_s) * DETERMINISTIC_TIME_PER_S
+    solver.parameters.num_workers = (
+        1 if options.deterministic else options.num_workers or min(8, (os.cpu_count() or 1) * 4)
+    )
+    solver.parameters.random_seed = options.seed
+    solver.parameters.log_search_progress = options.log
+    solver.parameters.relative_gap_limit = relative_gap
+    # Measured on random DAGs of 200-1000 nodes: symmetry detection and probing in presolve cost
+    # seconds and never paid back (benchmarks/planner_speed).
+    solver.parameters.symmetry_level = 0
+    solver.parameters.cp_model_probing_level = 0
+    return solver.solve(m.model), solver
+
+
+def decode(m: PlacementModel, solver: cp_model.CpSolver, costs: CostModel) -> dict[str, str]:
+    """Reads {node: device name} from a solved model."""
+    unit_devices = []
+    for i, (lo, hi) in enumerate(m.units.domains):
+        unit_devices.append(next((k for k in range(lo, hi + 1) if lo == hi or solver.boolean_value(m.x[i, k])), lo))
+    return m.units.expand(unit_devices, costs.devices)

@@ -1,12 +1,12 @@
 """Places a large graph in two levels: runs of nodes first, then the nodes near the stage boundaries.
 
-
-Large graphs are coarsened first (``SolverOptions.coarsen``; multilevel partitioning after Karypis
-and Kumar, SIAM J. Sci. Comput. 1998): the runs of partitioner.coarsen.segments are placed whole,
-then the nodes near the stage boundaries are placed again one by one with the rest held in place,
-for as long as that improves the plan. Such a plan is not proven optimal: its lower bound is the
-cost model's (total work over total speed, or the costliest node), since a bound proven on units
-does not hold for the nodes.
+Multilevel partitioning after Karypis and Kumar, "A fast and high quality multilevel scheme for
+partitioning irregular graphs" (SIAM J. Sci. Comput. 1998), used by ``solve`` above a size
+(``SolverOptions.coarsen``): the runs of partitioner.coarsen.segments are placed whole (by the exact
+chain DP on chains, by the CP-SAT model of partitioner.cpsat otherwise), then the nodes near the stage
+boundaries are placed again one by one with the rest held in place, for as long as that improves the
+plan. Such a plan is not proven optimal: its lower bound is the cost model's (total work over total
+speed, or the costliest node), since a bound proven on units does not hold for the nodes.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from partitioner.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
 from partitioner.cost import CostModel
-from partitioner.cpsat import _add_hint, _run, build_model, cp_model, decode
+from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import PartitionerError
 from partitioner.graph import colocation_groups
 from partitioner.order import reorder
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
-from partitioner.starts import _best_start, _better, _Candidate, _fill_start
+from partitioner.starts import Candidate, best_of, best_start, fill_start
 
 if TYPE_CHECKING:
     from partitioner.solver import SolverOptions
@@ -35,7 +35,7 @@ COARSE_UNITS_PER_DEVICE = 16
 COARSE_UNITS_PER_DEVICE_DP = 32
 
 
-def _solve_coarsened(
+def solve_coarsened(
     costs: CostModel,
     pins: Mapping[str, str],
     options: SolverOptions,
@@ -57,13 +57,13 @@ def _solve_coarsened(
     lower_bound = costs.lower_bound_s()
     best = None
     if options.hint:
-        start = _best_start(legal)
+        start = best_start(legal)
         if start is not None:
-            best = _Candidate(start.bottleneck_s, start.transfer_bytes, start.assignment)
+            best = Candidate(start.bottleneck_s, start.transfer_bytes, start.assignment)
         else:
-            best = _fill_start(costs, pins)
+            best = fill_start(costs, pins)
 
-    def good_enough(found: _Candidate) -> bool:
+    def good_enough(found: Candidate) -> bool:
         return found.bottleneck_s * (1 - options.relative_gap) <= lower_bound * (1 + 1e-9)
 
     # Coarse: a dozen or two runs per device, none straddling a stage boundary of the start (which is
@@ -79,7 +79,7 @@ def _solve_coarsened(
     share = 0.15 if best is not None else 0.5
     until = time.perf_counter() + share * (deadline - reserve_s - time.perf_counter())
     found = _place_chain_units(costs, coarse) if chain else _place_units(costs, coarse, best, until, options)
-    best = _better(costs, best, found)
+    best = best_of(costs, best, found)
 
     # Refine: nodes within about one run's length of a boundary move one by one, while that gains.
     radius = max(12, math.ceil(num_nodes / coarse.num_units))
@@ -89,7 +89,7 @@ def _solve_coarsened(
             found = _place_chain_units(costs, units)
         else:
             found = _place_units(costs, units, best, deadline - reserve_s, options)
-        better = _better(costs, best, found)
+        better = best_of(costs, best, found)
         if better is best:
             break
         best = better
@@ -106,16 +106,16 @@ def _solve_coarsened(
 
 
 def _place_units(
-    costs: CostModel, units: Coarsening, start: _Candidate | None, until: float, options: SolverOptions
+    costs: CostModel, units: Coarsening, start: Candidate | None, until: float, options: SolverOptions
 ) -> dict[str, str] | None:
     """CP-SAT on ``units``, hinted with ``start``, done by ``until`` (perf_counter); the placement found, or None."""
     m = build_model(costs, {}, options, units=units)
     if start is not None:
-        _add_hint(m, costs, start.assignment)
+        add_hint(m, costs, start.assignment)
     time_limit_s = until - time.perf_counter()
     if time_limit_s < 0.05:
         return None
-    status, solver = _run(m, time_limit_s, options, relative_gap=options.relative_gap)
+    status, solver = solve_model(m, time_limit_s, options, relative_gap=options.relative_gap)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return decode(m, solver, costs)
@@ -141,7 +141,7 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
     return {v: plan.assignment[unit[0]] for unit in units.units for v in unit}
 
 
-def _coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
+def coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
     """The chain DP's plan (order and devices searched) on runs of the topological order, scored on the
     graph itself in the order it chose; None when it does not fit, splits a shared layer or moves a pin."""
     from partitioner.exact import exact_chain

@@ -19,15 +19,15 @@ import networkx as nx
 from partitioner.baselines import check_stage_count
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
-from partitioner.cpsat import _add_hint, _run, build_model, cp_model, decode
+from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
-from partitioner.multilevel import _coarse_chain_plan, _solve_coarsened
+from partitioner.multilevel import coarse_chain_plan, solve_coarsened
 from partitioner.order import by_speed, check_device_order, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
-from partitioner.starts import _best_start, _exact_chain_start, _fill_start, _fits_with_recompute, _legal_baselines
+from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
 # below them the fine model is solved (or the chain DP runs) in a few seconds.
@@ -42,10 +42,11 @@ class SolverOptions:
     num_workers: int = 8  # parallel search workers (with deterministic=False); 0 = CP-SAT's default here
     seed: int = 0  # random seed, for reproducible runs
     # True: one CP-SAT worker that stops on a deterministic time budget (CP-SAT's own count of work,
-    # DETERMINISTIC_TIME_PER_S per second of the limit), so the same input gives the same plan; the wall-clock
-    # limit still holds and, on a machine so loaded that it ends the search first, runs can differ. Parallel
-    # workers never repeat (whichever finds a solution first wins), and CP-SAT's deterministic interleaved
-    # search spends its whole budget even on tiny models. False: num_workers in parallel, more search per second.
+    # partitioner.cpsat.DETERMINISTIC_TIME_PER_S per second of the limit), so the same input gives the same
+    # plan; the wall-clock limit still holds and, on a machine so loaded that it ends the search first, runs
+    # can differ. Parallel workers never repeat (whichever finds a solution first wins), and CP-SAT's
+    # deterministic interleaved search spends its whole budget even on tiny models. False: num_workers in
+    # parallel, more search per second.
     deterministic: bool = True
     # "search": the planner chooses which device runs which stage (partitioner.order; Plan.devices is the
     # order chosen); "given": stages follow the cluster's order, for pipelines wired by hand.
@@ -144,7 +145,7 @@ def solve(
             recompute=recompute,
             device_order=options.device_order,
         )
-        return _shortest_step(plan, costs, _legal_baselines(costs, pins), started) if options.shortest_step else plan
+        return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
     if options.device_order == "search":
         return _search_orders(
             costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
@@ -168,11 +169,11 @@ def _solve_in_order(
     """The plan with stages in ``costs.cluster``'s order: CP-SAT (coarsened or not), or the best legal
     baseline or plan of ``starts`` when its simulated step is shorter."""
     # The baselines that fit serve twice: as the search's start, and as rivals of its answer on the simulated step.
-    legal = [*starts, *_legal_baselines(costs, pins)] if options.hint or options.shortest_step else []
+    legal = [*starts, *legal_baselines(costs, pins)] if options.hint or options.shortest_step else []
     deadline = started + float(time_limit_s)
     found = None
     if coarsen:
-        found = _solve_coarsened(costs, pins, options, legal, chain=chain, started=started, deadline=deadline)
+        found = solve_coarsened(costs, pins, options, legal, chain=chain, started=started, deadline=deadline)
         if found is None and time.perf_counter() >= deadline:
             raise _timeout_error(costs, time_limit_s, pins)
     plan = found or _solve_fine(costs, pins, options, legal, time_limit_s=time_limit_s, started=started)
@@ -242,13 +243,13 @@ def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[t
     num_devices = len(costs.devices)
     orders: list[tuple[int, ...]] = [tuple(range(num_devices))]
     starts: dict[tuple[int, ...], Plan] = {}
-    coarse = _coarse_chain_plan(costs, pins)
+    coarse = coarse_chain_plan(costs, pins)
     if coarse is not None:
         order = tuple(cluster.index(d) for d in coarse.devices)
         orders.append(order)
         starts[order] = coarse
     orders.append(by_speed(cluster))
-    legal = _legal_baselines(costs, pins)
+    legal = legal_baselines(costs, pins)
     if legal and len({d.flops_per_s for d in cluster.devices}) > 1:  # equal speeds: no device is the fastest
         base = min(legal, key=lambda p: (p.step_time_s, p.bottleneck_s))
         work = [sum(float(costs.graph.nodes[v]["flops"]) for v in base.nodes_on(d)) for d in base.stages]
@@ -301,13 +302,13 @@ def _solve_fine(
     """One CP-SAT model with a unit per node; its bound is a bound of the layer graph."""
     m = build_model(costs, pins, options)
     if options.hint:
-        hint = _best_start([*legal, *_exact_chain_start(costs, pins)]) or _fill_start(costs, pins)
+        hint = best_start([*legal, *exact_chain_start(costs, pins)]) or fill_start(costs, pins)
         if hint is not None:
-            _add_hint(m, costs, hint.assignment)
+            add_hint(m, costs, hint.assignment)
     left_s = max(started + time_limit_s - time.perf_counter(), 0.01)
-    status, solver = _run(m, left_s, options, relative_gap=options.relative_gap)
+    status, solver = solve_model(m, left_s, options, relative_gap=options.relative_gap)
     if status == cp_model.INFEASIBLE:
-        raise explain_infeasible(costs, pins, fits_with_recompute=_fits_with_recompute(costs, pins))
+        raise explain_infeasible(costs, pins, fits_with_recompute=fits_with_recompute(costs, pins))
     if status == cp_model.MODEL_INVALID:
         raise PartitionerError(f"Internal error: the CP-SAT model is invalid ({m.model.validate()}). Please report it.")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -329,7 +330,7 @@ def _timeout_error(costs: CostModel, time_limit_s: float, pins: Mapping[str, str
     recompute = (
         " A plan fits with recompute='auto' (stages run their forward again in the backward instead of "
         "keeping activations): plan with it."
-        if _fits_with_recompute(costs, pins)
+        if fits_with_recompute(costs, pins)
         else ""
     )
     return SolverTimeoutError(

@@ -1,4 +1,8 @@
-"""Legal start solutions for the solvers: the baselines that fit, the exact chain DP, a greedy memory fill."""
+"""Legal start solutions for the solvers: the baselines that fit, the exact chain DP, a greedy memory fill.
+
+They serve as CP-SAT's hint (partitioner.cpsat.add_hint), as the multilevel driver's first plan, as rivals
+of the solver's plan on the simulated step, and as the quick check behind "a plan fits with recompute".
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,32 @@ from partitioner.graph import colocation_groups, is_chain
 from partitioner.plan import Plan
 
 
-def _best_start(candidates: Sequence[Plan]) -> Plan | None:
+class Candidate(NamedTuple):
+    """A legal placement found on the way, with what decides between two of them."""
+
+    bottleneck_s: float
+    transfer_bytes: int
+    assignment: dict[str, str]
+
+
+def best_of(costs: CostModel, best: Candidate | None, assignment: dict[str, str] | None) -> Candidate | None:
+    """``best`` or ``assignment``, whichever has the smaller bottleneck (then fewer bytes sent)."""
+    if assignment is None:
+        return best
+    found = costs.evaluate(assignment)
+    if not costs.fits(found):
+        return best
+    if best is None or (found.bottleneck_s, found.transfer_bytes) < best[:2]:
+        return Candidate(found.bottleneck_s, found.transfer_bytes, dict(assignment))
+    return best
+
+
+def best_start(candidates: Sequence[Plan]) -> Plan | None:
     """The least bottleneck (then fewest bytes) among legal plans, as a search hint."""
     return min(candidates, key=lambda p: (p.bottleneck_s, p.transfer_bytes), default=None)
 
 
-def _legal_baselines(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
+def legal_baselines(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     """The baselines' plans, scored with ``costs``, that fit, keep the pins and keep shared layers together."""
     groups = colocation_groups(costs.graph).values()
     return [
@@ -31,7 +55,7 @@ def _legal_baselines(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     ]
 
 
-def _exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
+def exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     """The exact DP's plan (it fits) when the graph is a chain without shared layers and the plan keeps the pins."""
     from partitioner.exact import exact_chain
 
@@ -52,7 +76,7 @@ def _exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     return []
 
 
-def _fits_with_recompute(costs: CostModel, pins: Mapping[str, str]) -> bool:
+def fits_with_recompute(costs: CostModel, pins: Mapping[str, str]) -> bool:
     """True iff a plan that fits exists when stages may recompute ("auto"), for a problem planned with
     recompute="never" that has none: a legal baseline or the greedy fill fits (a quick check, not a search)."""
     if costs.recompute != "never":
@@ -66,10 +90,10 @@ def _fits_with_recompute(costs: CostModel, pins: Mapping[str, str]) -> bool:
         schedule=costs.schedule,
         recompute="auto",
     )
-    return bool(_legal_baselines(auto, pins)) or _fill_start(auto, pins) is not None
+    return bool(legal_baselines(auto, pins)) or fill_start(auto, pins) is not None
 
 
-def _fill_start(costs: CostModel, pins: Mapping[str, str]) -> _Candidate | None:
+def fill_start(costs: CostModel, pins: Mapping[str, str]) -> Candidate | None:
     """Runs of the topological order, each device filled up to a time target and its memory: a legal
     start where no baseline fits (they balance work or layers, not memory); None if none is legal.
 
@@ -91,7 +115,7 @@ def _fill_start(costs: CostModel, pins: Mapping[str, str]) -> _Candidate | None:
             runs.append([v])
     capacity = [d.memory_bytes for d in costs.cluster.devices]
     last = len(capacity) - 1
-    best: _Candidate | None = None
+    best: Candidate | None = None
     for slack in (0.02, 0.1, 0.3, math.inf):
         target = costs.lower_bound_s() * (1 + slack)
         k, load, held = 0, 0.0, 0
@@ -109,25 +133,5 @@ def _fill_start(costs: CostModel, pins: Mapping[str, str]) -> _Candidate | None:
             held += need
         else:
             if all(assignment[v] == d for v, d in pins.items()):
-                best = _better(costs, best, assignment)
-    return best
-
-
-class _Candidate(NamedTuple):
-    """A legal placement found on the way, with what decides between two of them."""
-
-    bottleneck_s: float
-    transfer_bytes: int
-    assignment: dict[str, str]
-
-
-def _better(costs: CostModel, best: _Candidate | None, assignment: dict[str, str] | None) -> _Candidate | None:
-    """``best`` or ``assignment``, whichever has the smaller bottleneck (then fewer bytes sent)."""
-    if assignment is None:
-        return best
-    found = costs.evaluate(assignment)
-    if not costs.fits(found):
-        return best
-    if best is None or (found.bottleneck_s, found.transfer_bytes) < best[:2]:
-        return _Candidate(found.bottleneck_s, found.transfer_bytes, dict(assignment))
+                best = best_of(costs, best, assignment)
     return best

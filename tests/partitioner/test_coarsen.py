@@ -278,7 +278,7 @@ def test_coarsened_solve_starts_from_a_memory_fill_when_no_baseline_fits(monkeyp
 
 
 def test_coarsened_solve_times_out_when_nothing_is_found_in_time(monkeypatch):
-    monkeypatch.setattr(solver_module, "_solve_coarsened", lambda *args, **kwargs: time.sleep(0.2))
+    monkeypatch.setattr(solver_module, "solve_coarsened", lambda *args, **kwargs: time.sleep(0.2))
     graph = random_dag(random.Random(4), 14, skip_prob=0.5)
     with pytest.raises(SolverTimeoutError, match=r"found no feasible plan within time_limit_s=0.1 for 14 nodes on 3"):
         pt.solve(graph, _cluster(3), time_limit_s=0.1, options=COARSE)
