@@ -330,7 +330,7 @@ class Cluster:
 
         Two forms are read. Explicit: ``devices`` (name, memory_bytes, flops_per_s, and optionally
         peak_flops_per_s and efficiency) and ``bandwidth_bytes_per_s`` (a number or a matrix). From a
-        profile: ``device_profile`` (a file under profiles/hardware/devices), ``num_devices``,
+        profile: ``device_profile`` (a file under partitioner/hardware/devices), ``num_devices``,
         optionally ``dtype`` (the compute dtype assumed for a graph that does not say its own; default
         float32) and ``efficiency`` (overrides the profile's share of peak), and either
         ``bandwidth_bytes_per_s`` or ``topology`` with ``devices_per_node``,
@@ -512,16 +512,16 @@ def _positive_int(value: Any, name: str, source: str) -> int:
 
 
 def _hardware_dir() -> Path:
-    return Path(str(resources.files("profiles") / "hardware"))
+    return Path(str(resources.files("partitioner") / "hardware"))
 
 
 def bundled_clusters() -> list[str]:
-    """Names of the cluster files shipped in profiles/hardware."""
+    """Names of the cluster files shipped in partitioner/hardware."""
     return sorted(p.stem for p in _hardware_dir().glob("*.json"))
 
 
 def bundled_device_profiles() -> list[str]:
-    """Names of the device profiles shipped in profiles/hardware/devices."""
+    """Names of the device profiles shipped in partitioner/hardware/devices."""
     return sorted(p.stem for p in (_hardware_dir() / "devices").glob("*.json"))
 
 

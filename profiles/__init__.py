@@ -1,4 +1,4 @@
-"""The profiler: Keras model -> layer graph with measured costs; plus bundled hardware profiles (JSON).
+"""The profiler: Keras model -> layer graph with measured costs (hardware profiles live in partitioner/hardware).
 
 Importing this package does not import TensorFlow; ``profile_model`` does, on first use.
 

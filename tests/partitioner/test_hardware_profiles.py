@@ -1,4 +1,4 @@
-"""Bundled hardware files: device profiles (profiles/hardware/devices) and clusters (profiles/hardware)."""
+"""Bundled hardware files: device profiles (partitioner/hardware/devices) and clusters (partitioner/hardware)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from partitioner.cluster import Cluster, bundled_clusters, bundled_device_profiles, load_device_profile
 from partitioner.errors import ClusterError
 
-HARDWARE_DIR = Path(str(resources.files("profiles") / "hardware"))
+HARDWARE_DIR = Path(str(resources.files("partitioner") / "hardware"))
 
 # Names that docs and other tests use; they must keep shipping.
 EXPECTED_CLUSTERS = {"8xH100-nvlink", "4xA100-nvlink", "4xT4-pcie", "2x8xH100-ib", "2xCPU", "8xTPUv3-core"}

@@ -30,6 +30,20 @@ def test_purity_import_partitioner_loads_no_tensorflow_or_keras():
     assert loaded == []
 
 
+def test_purity_bundled_hardware_is_read_without_the_profiler_package():
+    # The pure core owns the hardware profiles it reads (partitioner/hardware): a bundled cluster loads
+    # without importing the TensorFlow-side `profiles` package.
+    code = (
+        "import json, sys\n"
+        "import partitioner as pt\n"
+        "cluster = pt.Cluster.from_json('2xT4+2xA100')\n"
+        "print(json.dumps({'modules': sorted(sys.modules), 'status': str(cluster.num_devices)}))\n"
+    )
+    report = _modules_after(code)
+    assert report["status"] == "4"
+    assert "profiles" not in report["modules"]
+
+
 def test_purity_solver_runs_after_tensorflow_is_imported():
     # TensorFlow imported first used to crash CP-SAT's Solve (google/or-tools#3230); the planner must
     # work in a process that already holds TensorFlow, as in `profile_model` followed by `solve`.
