@@ -79,7 +79,8 @@ def candidate_microbatches(batch_size: int, num_microbatches: int | str = AUTO) 
         return [m for m in range(1, min(batch_size, MAX_MICROBATCHES) + 1) if batch_size % m == 0]
     if isinstance(num_microbatches, str):
         raise InputError(
-            f"num_microbatches must be 'auto' (the planner chooses M) or an integer >= 1. Received: {num_microbatches!r}."
+            "num_microbatches must be 'auto' (the planner chooses M) or an integer >= 1. "
+            f"Received: {num_microbatches!r}."
         )
     check_batch(batch_size, num_microbatches)
     return [num_microbatches]
@@ -178,9 +179,6 @@ def choose(
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
-    for reserved in ("num_microbatches", "schedule", "graph", "cluster"):
-        if reserved in solve_options:
-            raise InputError(f"choose() sets {reserved} itself; remove it from the solve options.")
     if batch_size is None:
         batch_size = graph.graph.get("batch_size")
         if batch_size is None:

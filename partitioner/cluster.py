@@ -318,15 +318,24 @@ class Cluster:
         memory: int | float | str | None = None,
         flops_per_s: float | str | None = None,
         bandwidth: Any = None,
+        action_overhead_s: float = 0.0,
     ) -> Cluster:
         """The devices TensorFlow sees here: logical GPUs if any, else logical CPU devices.
 
         Imports TensorFlow. Memory comes from a virtual device's memory limit, else ``memory``,
-        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given.
+        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given;
+        ``action_overhead_s`` (each device's fixed seconds per forward or backward of a stage) is 0
+        unless given.
         """
         from profiles.local import local_cluster  # lazy: TensorFlow side
 
-        return local_cluster(num_devices, memory=memory, flops_per_s=flops_per_s, bandwidth=bandwidth)
+        return local_cluster(
+            num_devices,
+            memory=memory,
+            flops_per_s=flops_per_s,
+            bandwidth=bandwidth,
+            action_overhead_s=action_overhead_s,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the explicit JSON-ready form (every device, the full bandwidth matrix)."""
