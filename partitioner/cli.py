@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--bandwidth", default=str(DEFAULT_BANDWIDTH), help="bytes/s of every link, e.g. 50GB/s (default: %(default)s)"
     )
+    where.add_argument(
+        "--action-overhead-s",
+        type=float,
+        default=0.0,
+        help="fixed seconds each forward or backward of a stage costs per micro-batch, e.g. 20e-6: what makes more "
+        "micro-batches not free (default: %(default)s)",
+    )
     _add_profile_options(plan)
     _add_traceback_option(plan)
     plan.add_argument(
@@ -244,15 +251,24 @@ def _stdout() -> Console:
 
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster:
-        if args.devices or args.memory:
-            raise InputError("Pass either --cluster or --devices/--memory, not both.")
+        if args.devices or args.memory or args.action_overhead_s:
+            raise InputError(
+                "Pass either --cluster or --devices/--memory (and --action-overhead-s), not both; a cluster file "
+                "gives each device's action_overhead_s."
+            )
         return Cluster.from_json(args.cluster)
     if args.devices is None or args.memory is None:
         raise InputError(
             "Say which devices to plan for: --devices N --memory SIZE (e.g. --devices 4 --memory 16GiB) "
             f"or --cluster with a JSON file or one of {bundled_clusters()}."
         )
-    return Cluster.uniform(args.devices, memory=args.memory, flops_per_s=args.flops_per_s, bandwidth=args.bandwidth)
+    return Cluster.uniform(
+        args.devices,
+        memory=args.memory,
+        flops_per_s=args.flops_per_s,
+        bandwidth=args.bandwidth,
+        action_overhead_s=args.action_overhead_s,
+    )
 
 
 def _require_tensorflow(args: argparse.Namespace) -> None:

@@ -124,4 +124,3 @@ def test_choose_needs_a_batch_size() -> None:
         choose(graph, _cluster(2))
     with pytest.raises(pt.GraphError, match="does not record the batch size"):
         choose(graph, _cluster(2), batch_size=8)
-
