@@ -7,6 +7,12 @@ M (the divisors of B up to :data:`MAX_MICROBATCHES`) and schedule ("gpipe", "1f1
 Ties go to fewer micro-batches, then to GPipe. A user may fix either: an int M or a named schedule
 is the only candidate of its kind.
 
+The time budget: a chain (the exact DP, milliseconds) solves every candidate, each with an equal share.
+A DAG (CP-SAT, which needs seconds) is first screened: each candidate's best baseline split (uniform,
+by parameters, by time, on the first 1, 2, 4, ... devices) that fits is simulated, and only the
+:data:`SOLVED_DAG_CANDIDATES` of the shortest screened steps are solved, each with an equal share of
+the budget. Shares are fixed, not what earlier candidates left, so the same input gives the same plan.
+
 What makes the choice more than "the most micro-batches": the bubble, (K - 1) / (M + K - 1), shrinks
 as M grows, but each forward and backward of a stage pays its device's fixed ``action_overhead_s``
 once per micro-batch (docs/cost-model.md), so M x 2 x overhead grows; and activations held per stage
@@ -33,14 +39,17 @@ from typing import Any
 
 import networkx as nx
 
+from partitioner import baselines
 from partitioner.cluster import Cluster
+from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
-from partitioner.graph import check_batch, rescale_graph
+from partitioner.graph import check_batch, colocation_groups, is_chain, rescale_graph
 from partitioner.plan import Plan
 from partitioner.schedule import SCHEDULES, check_schedule_name
 from partitioner.solver import solve
 
 MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries: beyond it the overhead outweighs the bubble saved
+SOLVED_DAG_CANDIDATES = 3  # candidates CP-SAT solves on a DAG: those of the shortest screened steps
 AUTO = "auto"
 
 
@@ -51,7 +60,8 @@ class Candidate:
     num_microbatches: int  # M
     schedule: str  # "gpipe" or "1f1b"
     step_time_s: float | None  # the plan's simulated step; None when no plan was found
-    error: str | None  # why no plan was found (the planner's message), else None
+    error: str | None  # why no plan was found (the planner's message, or why it was not solved), else None
+    screened_step_s: float | None = None  # DAGs: the best fitting baseline's simulated step (None: none fits)
 
 
 @dataclass(frozen=True)
@@ -161,8 +171,9 @@ def choose(
         num_microbatches: "auto" (the divisors of ``batch_size`` up to MAX_MICROBATCHES) or a fixed M.
         schedule: "auto" (GPipe and 1F1B), "gpipe" or "1f1b".
         recompute: "never", "always" or "auto", passed to every ``solve``.
-        time_limit_s: the whole budget, shared equally by the candidates (a fixed share each, so the
-            same input gives the same plan; an exact chain DP takes milliseconds of its share).
+        time_limit_s: the whole budget, shared equally by the candidates solved (every one on a chain,
+            the SOLVED_DAG_CANDIDATES best screened on a DAG; a fixed share each, so the same input gives
+            the same plan).
         **solve_options: the other arguments of :func:`partitioner.solve` (optimizer_slots, cost, pins,
             options).
 
@@ -188,42 +199,90 @@ def choose(
             )
     counts = candidate_microbatches(batch_size, num_microbatches)
     schedules = candidate_schedules(schedule)
-    share_s = time_limit_s / (len(counts) * len(schedules))
+    scaled = {m: rescale_graph(graph, batch_size=batch_size, num_microbatches=m) for m in counts}
+    pairs = [(m, name) for m in counts for name in schedules]
+    screened: dict[tuple[int, str], float | None] = {}
+    chain = is_chain(graph) and not colocation_groups(graph) and not solve_options.get("pins")
+    if chain or len(pairs) <= SOLVED_DAG_CANDIDATES:
+        chosen = pairs
+    else:
+        for m, name in pairs:
+            screened[(m, name)] = _screen(scaled[m], cluster, m, name, recompute, solve_options)
+        # Shortest screened step first; where no baseline fits, the most micro-batches (1F1B) first: they hold least.
+        ranked = sorted(
+            pairs,
+            key=lambda p: (
+                (0, screened[p], p[0], schedules.index(p[1]))
+                if screened[p] is not None
+                else (1, 0.0, -p[0], -schedules.index(p[1]))
+            ),
+        )
+        chosen = sorted(ranked[:SOLVED_DAG_CANDIDATES], key=pairs.index)
+    share_s = time_limit_s / len(chosen)
     best: tuple[Plan, nx.DiGraph] | None = None
     tried: list[Candidate] = []
-    failures: list[PartitionerError] = []
-    for m in counts:
-        scaled = rescale_graph(graph, batch_size=batch_size, num_microbatches=m)
-        for name in schedules:
-            try:
-                plan = solve(
-                    scaled,
-                    cluster,
-                    num_microbatches=m,
-                    schedule=name,
-                    recompute=recompute,
-                    time_limit_s=share_s,
-                    **solve_options,
-                )
-            except InfeasiblePlanError as error:  # SolverTimeoutError included
-                tried.append(Candidate(m, name, None, str(error)))
-                failures.append(error)
-                continue
-            tried.append(Candidate(m, name, plan.step_time_s, None))
-            if best is None or plan.step_time_s < best[0].step_time_s * (1 - 1e-9):
-                best = (plan, scaled)
+    failures: list[tuple[Candidate, PartitionerError]] = []
+    for m, name in pairs:
+        screen = screened.get((m, name))
+        if (m, name) not in chosen:
+            tried.append(Candidate(m, name, None, f"not solved: {len(chosen)} others screened shorter", screen))
+            continue
+        try:
+            plan = solve(
+                scaled[m],
+                cluster,
+                num_microbatches=m,
+                schedule=name,
+                recompute=recompute,
+                time_limit_s=share_s,
+                **solve_options,
+            )
+        except InfeasiblePlanError as error:  # SolverTimeoutError included
+            tried.append(Candidate(m, name, None, str(error), screen))
+            failures.append((tried[-1], error))
+            continue
+        tried.append(Candidate(m, name, plan.step_time_s, None, screen))
+        if best is None or plan.step_time_s < best[0].step_time_s * (1 - 1e-9):
+            best = (plan, scaled[m])
     if best is None:
-        raise _no_candidate_fits(tried, failures[-1], batch_size)
+        raise _no_candidate_fits(tried, failures, batch_size)
     return Choice(plan=best[0], graph=best[1], candidates=tuple(tried))
 
 
-def _no_candidate_fits(tried: Sequence[Candidate], closest: PartitionerError, batch_size: int) -> InfeasiblePlanError:
+def _screen(
+    graph: nx.DiGraph, cluster: Cluster, num_microbatches: int, schedule: str, recompute: str, solve_options: Any
+) -> float | None:
+    """The shortest simulated step of a baseline split that fits on the first 1, 2, 4, ... devices, or None."""
+    costs = CostModel(
+        graph,
+        cluster,
+        num_microbatches=num_microbatches,
+        optimizer_slots=solve_options.get("optimizer_slots", 2),
+        cost=solve_options.get("cost", "flops"),
+        schedule=schedule,
+        recompute=recompute,
+    )
+    sizes = sorted({min(2**i, cluster.num_devices) for i in range(cluster.num_devices.bit_length() + 1)})
+    steps = []
+    for size in sizes:
+        if size > graph.number_of_nodes():
+            break
+        prefix = costs.on(cluster.take(size)) if size < cluster.num_devices else costs
+        steps += [
+            p.step_time_s for p in (baselines.split_with(prefix, b) for b in baselines.BASELINES) if p.fits_memory
+        ]
+    return min(steps, default=None)
+
+
+def _no_candidate_fits(
+    tried: Sequence[Candidate], failures: Sequence[tuple[Candidate, PartitionerError]], batch_size: int
+) -> InfeasiblePlanError:
     """One error for a choice where no candidate has a plan: the candidates, then the closest one's message."""
-    last = tried[-1]
+    closest, error = failures[-1]  # candidates are tried M ascending, GPipe first: the last holds the fewest
     counts = sorted({c.num_microbatches for c in tried})
     schedules = list(dict.fromkeys(c.schedule for c in tried))
-    kind = SolverTimeoutError if isinstance(closest, SolverTimeoutError) else InfeasiblePlanError
+    kind = SolverTimeoutError if isinstance(error, SolverTimeoutError) else InfeasiblePlanError
     return kind(
-        f"No plan for batch {batch_size} with M in {counts} and schedule(s) {schedules}. "
-        f"The one holding the fewest activations, M={last.num_microbatches} with {last.schedule}: {last.error}"
+        f"No plan for batch {batch_size} with M in {counts} and schedule(s) {schedules}. The one holding the "
+        f"fewest activations of those solved, M={closest.num_microbatches} with {closest.schedule}: {error}"
     )

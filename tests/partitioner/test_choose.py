@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import partitioner as pt
-from partitioner.choose import MAX_MICROBATCHES, candidate_microbatches, choose, plan_for_batch
+from partitioner.choose import MAX_MICROBATCHES, SOLVED_DAG_CANDIDATES, candidate_microbatches, choose, plan_for_batch
+from partitioner.synthetic import random_dag
 
 MiB = 2**20
 
@@ -85,6 +86,23 @@ def test_choose_plan_is_for_the_rescaled_graph_and_repeats() -> None:
     assert again.plan.assignment == choice.plan.assignment and again.candidates == choice.candidates
 
 
+def test_choose_screens_a_dag_and_solves_the_best_screened_candidates() -> None:
+    graph = random_dag(30, seed=2)
+    graph.graph.update(batch_size=16, num_microbatches=1)
+    cluster = _cluster(4, overhead_s=50e-6)
+    choice = choose(graph, cluster, batch_size=16, time_limit_s=6)
+    solved = [c for c in choice.candidates if not (c.error or "").startswith("not solved")]
+    assert len(choice.candidates) == 10 and len(solved) == SOLVED_DAG_CANDIDATES
+    assert all(c.screened_step_s is not None for c in choice.candidates)  # 16 GiB: every baseline fits
+    worst_solved = max(c.screened_step_s for c in solved)
+    assert all(c.screened_step_s >= worst_solved for c in choice.candidates if c not in solved)
+    assert (choice.plan.num_microbatches, choice.plan.schedule) in {(c.num_microbatches, c.schedule) for c in solved}
+    assert choice.plan.step_time_s == min(c.step_time_s for c in solved if c.step_time_s is not None)
+    pt.validate_plan(choice.plan, choice.graph, cluster)
+    again = choose(graph, cluster, batch_size=16, time_limit_s=6)
+    assert again.plan.assignment == choice.plan.assignment and again.candidates == choice.candidates
+
+
 def test_choose_takes_the_batch_size_from_the_graph() -> None:
     plan = plan_for_batch(_chain(4e11, MiB, batch_size=16), _cluster(2), time_limit_s=5)
     assert 16 % plan.num_microbatches == 0
@@ -96,7 +114,7 @@ def test_choose_reports_the_closest_candidate_when_nothing_fits() -> None:
     with pytest.raises(
         pt.InfeasiblePlanError,
         match=r"No plan for batch 8 with M in \[1, 2, 4, 8\] and schedule\(s\) \['gpipe', '1f1b'\]\. "
-        r"The one holding the fewest activations, M=8 with 1f1b: .*",
+        r"The one holding the fewest activations of those solved, M=8 with 1f1b: .*",
     ):
         choose(graph, _cluster(2, memory="100MiB"), batch_size=8, time_limit_s=5)
 
