@@ -48,7 +48,7 @@ from partitioner.plan import Plan
 from partitioner.schedule import SCHEDULES, check_schedule_name
 from partitioner.solver import solve
 
-MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries: beyond it the overhead outweighs the bubble saved
+MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries (the runtime calls each stage 2 x M times a step)
 SOLVED_DAG_CANDIDATES = 3  # candidates CP-SAT solves on a DAG: those of the shortest screened steps
 AUTO = "auto"
 
@@ -225,7 +225,9 @@ def choose(
     for m, name in pairs:
         screen = screened.get((m, name))
         if (m, name) not in chosen:
-            tried.append(Candidate(m, name, None, f"not solved: {len(chosen)} others screened shorter", screen))
+            tried.append(
+                Candidate(m, name, None, f"not solved: {len(chosen)} candidates were screened ahead of it", screen)
+            )
             continue
         try:
             plan = solve(
