@@ -62,6 +62,7 @@ class Candidate:
     step_time_s: float | None  # the plan's simulated step; None when no plan was found
     error: str | None  # why no plan was found (the planner's message, or why it was not solved), else None
     screened_step_s: float | None = None  # DAGs: the best fitting baseline's simulated step (None: none fits)
+    solved: bool = True  # False: screened out on a DAG, never given to the planner
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,8 @@ def choose(
     for m, name in pairs:
         screen = screened.get((m, name))
         if (m, name) not in chosen:
-            tried.append(
-                Candidate(m, name, None, f"not solved: {len(chosen)} candidates were screened ahead of it", screen)
-            )
+            note = f"not solved: {len(chosen)} candidates were screened ahead of it"
+            tried.append(Candidate(m, name, None, note, screen, solved=False))
             continue
         try:
             plan = solve(

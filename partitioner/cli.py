@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from partitioner import baselines as baseline_methods
-from partitioner.choose import AUTO, choose
+from partitioner.choose import AUTO, Choice, choose
 from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InputError, PartitionerError
@@ -458,15 +458,22 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
-def _choice_note(choice: Any) -> str:
-    """'M = 8 and gpipe chosen: the shortest simulated step of 12 candidates (M in 1..32; 1 did not fit)'."""
+def _choice_note(choice: Choice) -> str:
+    """'M = 8 and gpipe chosen: the shortest simulated step of 14 candidates (M in [1, 2, 4, 8, 16, 32, 64],
+    gpipe/1f1b)', saying which candidates were screened out (DAGs) and which had no plan."""
     tried = choice.candidates
+    solved = [c for c in tried if c.solved]
     counts = sorted({c.num_microbatches for c in tried})
-    failed = sorted({c.num_microbatches for c in tried if c.step_time_s is None})
     schedules = "/".join(dict.fromkeys(c.schedule for c in tried))
+    failed = [f"M = {c.num_microbatches} {c.schedule}" for c in solved if c.step_time_s is None]
+    how_many = (
+        f"{len(tried)} candidates"
+        if len(solved) == len(tried)
+        else f"{len(solved)} candidates solved, the best screened of {len(tried)}"
+    )
     return (
         f"M = {choice.plan.num_microbatches} and {choice.plan.schedule} chosen: the shortest simulated step of "
-        f"{len(tried)} candidates (M in {counts}, {schedules})" + (f"; no plan for M in {failed}" if failed else "")
+        f"{how_many} (M in {counts}, {schedules})" + (f"; no plan for {', '.join(failed)}" if failed else "")
     )
 
 

@@ -405,6 +405,7 @@ def run_choose(name: str, cluster_name: str, time_limit_s: float) -> dict[str, A
                     "step_time_s": c.step_time_s,
                     "screened_step_s": c.screened_step_s,
                     "error": c.error,
+                    "solved": c.solved,
                 }
                 for c in choice.candidates
             ],
@@ -438,7 +439,7 @@ def choose_tables(results: dict[str, Any]) -> str:
         fixed_k = str(fixed["num_stages"]) if "step_time_s" in fixed else "-"
         fixed_step = f"{fixed['step_time_s'] * 1e3:.2f}" if "step_time_s" in fixed else "does not fit"
         if "step_time_s" in auto:
-            tried = [c for c in auto["candidates"] if not (c["error"] or "").startswith("not solved")]
+            tried = [c for c in auto["candidates"] if c["solved"]]
             planned = [c for c in tried if c["step_time_s"] is not None]
             chosen = (
                 f"{auto['num_microbatches']} | {auto['schedule']} | {auto['num_stages']} "

@@ -208,6 +208,19 @@ def test_cli_plan_chooses_microbatches_and_schedule(batched_profile_file, capsys
     assert (fixed.num_microbatches, fixed.schedule) == (4, "1f1b")
 
 
+def test_cli_plan_chooses_on_a_dag_after_screening(tmp_path, capsys) -> None:
+    graph = random_dag(20, seed=5)
+    graph.graph.update(batch_size=16, num_microbatches=1)
+    path = tmp_path / "dag.json"
+    pt.save_graph(graph, path)
+    argv = ["plan", str(path), "--devices", "4", "--memory", "16GiB", "--action-overhead-s", "1e-4"]
+    argv += ["--micro-batches", "auto", "--schedule", "auto", "--summary", "--no-compare", "--time-limit", "3"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "chosen: the shortest simulated step of 3 candidates solved, the best screened of 10" in out
+    assert "(M in [1, 2, 4, 8, 16], gpipe/1f1b)" in out and "batch 16 in" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
