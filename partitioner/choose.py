@@ -12,6 +12,7 @@ A DAG (CP-SAT, which needs seconds) is first screened: each candidate's best bas
 by parameters, by time, on the first 1, 2, 4, ... devices) that fits is simulated, and only the
 :data:`SOLVED_DAG_CANDIDATES` of the shortest screened steps are solved, each with an equal share of
 the budget. Shares are fixed, not what earlier candidates left, so the same input gives the same plan.
+The screen itself runs outside the budget (about 1 s per candidate on a 10,000-node DAG, docs/cost-model.md).
 
 What makes the choice more than "the most micro-batches": the bubble, (K - 1) / (M + K - 1), shrinks
 as M grows, but each forward and backward of a stage pays its device's fixed ``action_overhead_s``
@@ -46,6 +47,7 @@ from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import check_batch, colocation_groups, is_chain, rescale_graph
 from partitioner.plan import Plan
 from partitioner.schedule import SCHEDULES, check_schedule_name
+from partitioner.simulate import simulate_assignment
 from partitioner.solver import solve
 
 MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries (the runtime calls each stage 2 x M times a step)
@@ -207,8 +209,10 @@ def choose(
     if chain or len(pairs) <= SOLVED_DAG_CANDIDATES:
         chosen = pairs
     else:
+        splits = _baseline_splits(scaled[counts[0]], cluster, solve_options)
         for m, name in pairs:
-            screened[(m, name)] = _screen(scaled[m], cluster, m, name, recompute, solve_options)
+            costs = _costs(scaled[m], cluster, m, name, recompute, solve_options)
+            screened[(m, name)] = _screen(costs, splits)
         # Shortest screened step first; where no baseline fits, the most micro-batches (1F1B) first: they hold least.
         ranked = sorted(
             pairs,
@@ -251,11 +255,11 @@ def choose(
     return Choice(plan=best[0], graph=best[1], candidates=tuple(tried))
 
 
-def _screen(
+def _costs(
     graph: nx.DiGraph, cluster: Cluster, num_microbatches: int, schedule: str, recompute: str, solve_options: Any
-) -> float | None:
-    """The shortest simulated step of a baseline split that fits on the first 1, 2, 4, ... devices, or None."""
-    costs = CostModel(
+) -> CostModel:
+    """The cost model ``solve`` builds for these arguments."""
+    return CostModel(
         graph,
         cluster,
         num_microbatches=num_microbatches,
@@ -264,15 +268,34 @@ def _screen(
         schedule=schedule,
         recompute=recompute,
     )
+
+
+def _baseline_splits(graph: nx.DiGraph, cluster: Cluster, solve_options: Any) -> list[dict[str, str]]:
+    """The baseline splits (uniform, by parameters, by time) on the first 1, 2, 4, ... devices, each once.
+
+    They are the same for every M and schedule: a split balances counts, weights or compute, and the
+    compute of every node scales alike with the micro-batch.
+    """
+    costs = _costs(graph, cluster, 1, "gpipe", "never", solve_options)
     sizes = sorted({min(2**i, cluster.num_devices) for i in range(cluster.num_devices.bit_length() + 1)})
-    steps = []
-    for size in sizes:
-        if size > graph.number_of_nodes():
-            break
+    splits: list[dict[str, str]] = []
+    for size in (k for k in sizes if k <= graph.number_of_nodes()):
         prefix = costs.on(cluster.take(size)) if size < cluster.num_devices else costs
-        steps += [
-            p.step_time_s for p in (baselines.split_with(prefix, b) for b in baselines.BASELINES) if p.fits_memory
-        ]
+        for name in baselines.BASELINES:
+            assignment = baselines.split_with(prefix, name).assignment
+            if assignment not in splits:
+                splits.append(assignment)
+    return splits
+
+
+def _screen(costs: CostModel, splits: Sequence[dict[str, str]]) -> float | None:
+    """The shortest simulated step under ``costs`` of the splits that fit, or None when none fits."""
+    capacity = {d.name: d.memory_bytes for d in costs.cluster.devices}
+    steps = []
+    for assignment in splits:
+        simulation = simulate_assignment(costs, assignment)
+        if all(simulation.peak_memory_bytes[d] <= capacity[d] for d in simulation.stages):
+            steps.append(simulation.step_time_s)
     return min(steps, default=None)
 
 
