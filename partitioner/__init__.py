@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from partitioner import baselines
+from partitioner.choose import plan_for_batch
 from partitioner.cluster import Cluster, Device
 from partitioner.cost import CostModel
 from partitioner.errors import (
@@ -63,6 +64,7 @@ __all__ = [
     "exact_chain",
     "load_graph",
     "plan_and_wrap",
+    "plan_for_batch",
     "rescale_graph",
     "save_graph",
     "simulate",

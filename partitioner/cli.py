@@ -7,6 +7,7 @@
     partitioner plan ResNet50 --cluster 4xA100-nvlink --timeline timeline.png   # or --timeline - for text
     partitioner plan ResNet50 --devices 4 --memory 2GiB --schedule 1f1b         # fewer activations held
     partitioner plan ResNet50 --devices 4 --memory 1GiB --recompute auto        # recompute where it must
+    partitioner plan profile.json --cluster 4xA100-nvlink --batch-size 256 --micro-batches auto --schedule auto
     partitioner placement ResNet50 --devices 2 --input-size 64                  # where one step's ops ran
     partitioner profile InceptionV3 --batch-size 64 --out profile.json
 
@@ -29,6 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from partitioner import baselines as baseline_methods
+from partitioner.choose import AUTO, Choice, choose
 from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InputError, PartitionerError
@@ -71,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--bandwidth", default=str(DEFAULT_BANDWIDTH), help="bytes/s of every link, e.g. 50GB/s (default: %(default)s)"
     )
+    where.add_argument(
+        "--action-overhead-s",
+        type=float,
+        default=0.0,
+        help="fixed seconds each forward or backward of a stage costs per micro-batch, e.g. 20e-6: what makes more "
+        "micro-batches not free (default: %(default)s)",
+    )
     _add_profile_options(plan)
     _add_traceback_option(plan)
     plan.add_argument(
@@ -89,9 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=(*SCHEDULES, AUTO),
         default="gpipe",
-        help="pipeline schedule to plan for (activation memory), simulate and draw (default: gpipe)",
+        help="pipeline schedule to plan for (activation memory), simulate and draw; auto: the planner picks the "
+        "one of the shorter step (default: gpipe)",
     )
     plan.add_argument(
         "--device-order",
@@ -147,9 +157,10 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--micro-batches",
-        type=int,
-        help=f"micro-batches per step, M: the batch is split into M (default: {DEFAULT_MICROBATCHES}; for a "
-        "profile .json, its own)",
+        type=_microbatches,
+        help=f"micro-batches per step, M: the batch is split into M, or auto: the planner picks M among the "
+        f"divisors of the batch size, by the shortest step (default: {DEFAULT_MICROBATCHES}; for a profile .json, "
+        "its own)",
     )
     parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
     parser.add_argument(
@@ -164,6 +175,16 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="the size to plan for of every unknown non-batch dimension of every input (keras-hub models)",
     )
+
+
+def _microbatches(text: str) -> int | str:
+    """--micro-batches: an integer, or "auto"."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def _shape_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,15 +251,24 @@ def _stdout() -> Console:
 
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster:
-        if args.devices or args.memory:
-            raise InputError("Pass either --cluster or --devices/--memory, not both.")
+        if args.devices or args.memory or args.action_overhead_s:
+            raise InputError(
+                "Pass either --cluster or --devices/--memory (and --action-overhead-s), not both; a cluster file "
+                "gives each device's action_overhead_s."
+            )
         return Cluster.from_json(args.cluster)
     if args.devices is None or args.memory is None:
         raise InputError(
             "Say which devices to plan for: --devices N --memory SIZE (e.g. --devices 4 --memory 16GiB) "
             f"or --cluster with a JSON file or one of {bundled_clusters()}."
         )
-    return Cluster.uniform(args.devices, memory=args.memory, flops_per_s=args.flops_per_s, bandwidth=args.bandwidth)
+    return Cluster.uniform(
+        args.devices,
+        memory=args.memory,
+        flops_per_s=args.flops_per_s,
+        bandwidth=args.bandwidth,
+        action_overhead_s=args.action_overhead_s,
+    )
 
 
 def _require_tensorflow(args: argparse.Namespace) -> None:
@@ -298,6 +328,9 @@ def _profile_graph(args: argparse.Namespace) -> nx.DiGraph:
     without either flag they are used as they are, with the profile's M (8 if it records none).
     """
     graph = load_graph(args.model)
+    if args.micro_batches == AUTO:  # choose() rescales to each candidate M
+        _check_batch_recorded(graph, args)
+        return graph
     if args.batch_size is None and args.micro_batches is None:
         graph.graph.setdefault("num_microbatches", DEFAULT_MICROBATCHES)
         return graph
@@ -321,6 +354,20 @@ def _profile_graph(args: argparse.Namespace) -> nx.DiGraph:
     return rescale_graph(graph, batch_size=batch_size, num_microbatches=num_microbatches)
 
 
+def _check_batch_recorded(graph: nx.DiGraph, args: argparse.Namespace) -> None:
+    """InputError unless a profile's batch can be split into micro-batches of --micro-batches auto."""
+    if micro_batch_size(graph) is None:
+        raise InputError(
+            f"'{args.model}' does not record the batch size its costs were measured at, so --micro-batches auto "
+            "cannot rescale them to each M. Profile the model again with 'partitioner profile' (it records the "
+            "batch), or pass an integer --micro-batches."
+        )
+    if args.batch_size is None and graph.graph.get("batch_size") is None:
+        raise InputError(
+            f"--micro-batches auto needs the global batch size, and '{args.model}' records none. Pass --batch-size."
+        )
+
+
 def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.DiGraph:
     if args.model.endswith(".json"):
         return _profile_graph(args)
@@ -340,7 +387,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
         return profile_model(
             model,
             batch_size=args.batch_size,
-            num_microbatches=args.micro_batches,
+            num_microbatches=1 if args.micro_batches == AUTO else args.micro_batches,  # auto: the whole batch
             measure_time=measure_time,
             progress=update,
             **_shape_options(args),
@@ -355,15 +402,30 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     cluster = _cluster(args)
     graph = _graph(args, err, measure_time=args.cost == "time")
     options: dict[str, Any] = {
-        "num_microbatches": int(graph.graph["num_microbatches"]),
         "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
         "cost": args.cost,
-        "schedule": args.schedule,
         "recompute": args.recompute,
     }
+    chosen = ""
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
-        plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
+        if AUTO in (args.micro_batches, args.schedule):
+            choice = choose(
+                graph,
+                cluster,
+                batch_size=args.batch_size,
+                num_microbatches=graph.graph["num_microbatches"] if args.micro_batches is None else args.micro_batches,
+                schedule=args.schedule,
+                time_limit_s=args.time_limit,
+                options=search,
+                **options,
+            )
+            plan, graph = choice.plan, choice.graph
+            chosen = _choice_note(choice)
+        else:
+            options.update(num_microbatches=int(graph.graph["num_microbatches"]), schedule=args.schedule)
+            plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
+    options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
     if args.out:
         Path(args.out).write_text(plan.to_json())
@@ -384,6 +446,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         + _batch_note(graph)
         + "".join(f"; stage {s} recomputes its forward" for s, again in enumerate(plan.recompute) if again)
     )
+    if chosen:
+        out.print(chosen, highlight=False, markup=False)
     out.print(render(plan, graph, others, placement=not args.summary))
     if simulation is not None and args.timeline == "-":
         out.print(text_timeline(simulation, width=max(40, min(out.width - 30, 120))), highlight=False, markup=False)
@@ -392,6 +456,25 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if args.out:
         out.print(f"plan written to {args.out}", highlight=False, markup=False)
     return 0
+
+
+def _choice_note(choice: Choice) -> str:
+    """'M = 8 and gpipe chosen: the shortest simulated step of 14 candidates (M in [1, 2, 4, 8, 16, 32, 64],
+    gpipe/1f1b)', saying which candidates were screened out (DAGs) and which had no plan."""
+    tried = choice.candidates
+    solved = [c for c in tried if c.solved]
+    counts = sorted({c.num_microbatches for c in tried})
+    schedules = "/".join(dict.fromkeys(c.schedule for c in tried))
+    failed = [f"M = {c.num_microbatches} {c.schedule}" for c in solved if c.step_time_s is None]
+    how_many = (
+        f"{len(tried)} candidates"
+        if len(solved) == len(tried)
+        else f"{len(solved)} candidates solved, the best screened of {len(tried)}"
+    )
+    return (
+        f"M = {choice.plan.num_microbatches} and {choice.plan.schedule} chosen: the shortest simulated step of "
+        f"{how_many} (M in {counts}, {schedules})" + (f"; no plan for {', '.join(failed)}" if failed else "")
+    )
 
 
 def _batch_note(graph: nx.DiGraph) -> str:
@@ -464,6 +547,11 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
 
 
 def _profile(args: argparse.Namespace, err: Console) -> int:
+    if args.micro_batches == AUTO:
+        raise InputError(
+            "'partitioner profile' measures costs for one micro-batch size: give an integer --micro-batches "
+            "(or leave it out), and choose M when planning: 'partitioner plan profile.json --micro-batches auto'."
+        )
     graph = _graph(args, err, measure_time=not args.no_time)
     if args.out:
         save_graph(graph, args.out)

@@ -32,6 +32,9 @@ DEFAULT_BANDWIDTH = 50e9  # bytes/s, about PCIe 4.0 x16 in both directions
 class Device:
     """One device: its TensorFlow name, memory and sustained FLOP/s.
 
+    ``action_overhead_s`` is the fixed time each forward or backward of one micro-batch on a stage
+    costs beyond its FLOPs (docs/cost-model.md); 0 unless given or read from a hardware profile.
+
     A device from a hardware profile also keeps its peak FLOP/s per dtype and the share of peak it
     reaches (``efficiency``): the cost model asks :meth:`flops_per_s_for` with the model's compute
     dtype, so one cluster serves float32 and bfloat16 models alike. A device given one
@@ -51,6 +54,7 @@ class Device:
     hardware: str | None = None  # the hardware profile it came from, e.g. "H100-SXM-80GB"
     peak_flops_per_s: tuple[tuple[str, float], ...] = ()  # (dtype, peak FLOP/s), sorted; () for one rate
     efficiency: float = 1.0  # share of the peak reached in training, in (0, 1]
+    action_overhead_s: float = 0.0  # fixed seconds per forward or backward of a stage (per micro-batch)
 
     def __init__(
         self,
@@ -63,6 +67,7 @@ class Device:
         peak_flops_per_s: Mapping[str, float] | None = None,
         efficiency: float = 1.0,
         dtype: str = "float32",  # with peaks and no flops_per_s: the dtype whose speed flops_per_s is
+        action_overhead_s: float = 0.0,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ClusterError(f"A device needs a non-empty name such as '/GPU:0'. Received: {name!r}.")
@@ -72,6 +77,15 @@ class Device:
             raise ClusterError(
                 f"Device '{name}': efficiency is the share of peak FLOP/s reached in training, in (0, 1]. "
                 f"Received: {efficiency!r}."
+            )
+        if (
+            isinstance(action_overhead_s, bool)
+            or not isinstance(action_overhead_s, (int, float))
+            or not 0 <= action_overhead_s < math.inf
+        ):
+            raise ClusterError(
+                f"Device '{name}': action_overhead_s is the fixed seconds a stage's forward or backward of one "
+                f"micro-batch costs beyond its FLOPs, a finite number >= 0. Received: {action_overhead_s!r}."
             )
         peaks = tuple(
             sorted(
@@ -86,6 +100,7 @@ class Device:
         object.__setattr__(self, "hardware", hardware)
         object.__setattr__(self, "peak_flops_per_s", peaks)
         object.__setattr__(self, "efficiency", float(efficiency))
+        object.__setattr__(self, "action_overhead_s", float(action_overhead_s))
         if flops_per_s is None and peaks:
             try:
                 flops_per_s = self.flops_per_s_for(dtype)
@@ -142,6 +157,8 @@ class Device:
         if self.peak_flops_per_s:
             data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
             data["efficiency"] = self.efficiency
+        if self.action_overhead_s:
+            data["action_overhead_s"] = self.action_overhead_s
         return data
 
 
@@ -277,6 +294,7 @@ class Cluster:
         bandwidth: Any = DEFAULT_BANDWIDTH,
         prefix: str = "/GPU:",
         name: str | None = None,
+        action_overhead_s: float = 0.0,
     ) -> Cluster:
         """A cluster of ``num_devices`` identical devices named ``/GPU:0`` ... with one link speed.
 
@@ -286,7 +304,10 @@ class Cluster:
         """
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ClusterError(f"num_devices must be an integer >= 1. Received: {num_devices!r}.")
-        devices = [Device(f"{prefix}{i}", memory=memory, flops_per_s=flops_per_s) for i in range(num_devices)]
+        devices = [
+            Device(f"{prefix}{i}", memory=memory, flops_per_s=flops_per_s, action_overhead_s=action_overhead_s)
+            for i in range(num_devices)
+        ]
         return cls(devices, bandwidth=bandwidth, name=name or f"{num_devices}x uniform")
 
     @classmethod
@@ -297,15 +318,24 @@ class Cluster:
         memory: int | float | str | None = None,
         flops_per_s: float | str | None = None,
         bandwidth: Any = None,
+        action_overhead_s: float = 0.0,
     ) -> Cluster:
         """The devices TensorFlow sees here: logical GPUs if any, else logical CPU devices.
 
         Imports TensorFlow. Memory comes from a virtual device's memory limit, else ``memory``,
-        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given.
+        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given;
+        ``action_overhead_s`` (each device's fixed seconds per forward or backward of a stage) is 0
+        unless given.
         """
         from profiles.local import local_cluster  # lazy: TensorFlow side
 
-        return local_cluster(num_devices, memory=memory, flops_per_s=flops_per_s, bandwidth=bandwidth)
+        return local_cluster(
+            num_devices,
+            memory=memory,
+            flops_per_s=flops_per_s,
+            bandwidth=bandwidth,
+            action_overhead_s=action_overhead_s,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the explicit JSON-ready form (every device, the full bandwidth matrix)."""
@@ -373,6 +403,7 @@ class Cluster:
                         hardware=d.get("hardware"),
                         peak_flops_per_s=d.get("peak_flops_per_s"),
                         efficiency=d.get("efficiency", 1.0),
+                        action_overhead_s=d.get("action_overhead_s", 0.0),
                     )
                     for d in data["devices"]
                 ]
@@ -458,6 +489,7 @@ def _profile_devices(
             peak_flops_per_s=peaks,
             efficiency=efficiency,
             dtype=dtype,
+            action_overhead_s=profile.get("action_overhead_s", 0.0),
         )
         for i in range(first, first + _positive_int(num_devices, "num_devices", source))
     ]

@@ -11,7 +11,8 @@ one place node costs combine into a stage's is :func:`mode_cost`: a stage runs i
 with F, B, A summed over the stage's nodes and I the bytes of the tensors it receives, so a stage's
 figures are a node's, a coarsened unit's or a stage's alike (every term is a sum)::
 
-    compute(s)    = forward + backward of the stage's mode, on its device
+    compute(s)    = forward + backward of the stage's mode, on its device, each pass (a forward, a backward,
+                    a recomputed forward) plus the device's fixed action_overhead_s
     receive(d)    = sum over nodes u on another device with a successor on d of
                     out_bytes(u) / bw(dev(u), d) + out_bytes(u) / bw(d, dev(u))   (activation, then its gradient)
     stage_time(d) = compute(d) + receive(d)           bottleneck = max over used devices
@@ -203,6 +204,8 @@ class CostModel:
         # FLOP/s of each device for the model's compute dtype: the one place device speed enters.
         self.compute_dtype: str | None = graph.graph.get("compute_dtype")
         self.flops_per_s = [d.flops_per_s_for(self.compute_dtype) for d in cluster.devices]
+        # Fixed seconds per forward or backward of a stage on each device: what makes micro-batches not free.
+        self.action_overhead_s = [d.action_overhead_s for d in cluster.devices]
         # What the planners budget per node: the most micro-batches any stage holds if every device is a stage.
         self.max_in_flight = max(
             in_flight(schedule, len(self.devices), num_microbatches, s) for s in range(len(self.devices))
@@ -303,15 +306,21 @@ class CostModel:
     def serial_step_s(self) -> float:
         """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory."""
         fastest = max(range(len(self.devices)), key=self.flops_per_s.__getitem__)
-        return self.num_microbatches * sum(self.compute_s[v][fastest] for v in self.order)
+        one = mode_cost(
+            "kept",
+            forward_s=sum(self.forward_s[v][fastest] for v in self.order) + self.action_overhead_s[fastest],
+            backward_s=sum(self.backward_s[v][fastest] for v in self.order) + self.action_overhead_s[fastest],
+        )
+        return self.num_microbatches * one.compute_s
 
     def lower_bound_s(self) -> float:
-        """A bottleneck no placement can beat: the work spread perfectly, or the costliest node (kept)."""
+        """A bottleneck no placement can beat: the work spread perfectly, or the costliest node (kept),
+        plus the least fixed cost of a stage's forward and backward (2 x action_overhead_s)."""
         speed = self.flops_per_s
         fastest = max(range(len(speed)), key=speed.__getitem__)
         total = sum(self.compute_s[v][fastest] for v in self.order) * speed[fastest] / sum(speed)
         single = max(min(row) for row in self.compute_s.values())
-        return max(total, single)
+        return max(total, single) + 2 * min(self.action_overhead_s)
 
     def check_assignment(self, assignment: Mapping[str, str]) -> dict[str, int]:
         """Returns {node: device index}, or raises PlanError if nodes or devices do not match."""
@@ -374,10 +383,12 @@ class CostModel:
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
 
         def cost_of(k: int, mode: str) -> ModeCost:
+            # Each pass a stage runs per micro-batch (forward, backward) pays the device's fixed overhead once;
+            # a recomputed stage's backward runs the forward again, overhead included (mode_cost adds it).
             return mode_cost(
                 mode,
-                forward_s=forward[k],
-                backward_s=backward[k],
+                forward_s=forward[k] + self.action_overhead_s[k],
+                backward_s=backward[k] + self.action_overhead_s[k],
                 weight_bytes=weights[k],
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],

@@ -154,9 +154,9 @@ def candidate_orders(cluster: Cluster, max_orders: int = MAX_ORDERS) -> list[tup
 
 
 def _speeds(device: Device) -> tuple[object, ...]:
-    """Every speed a device may run a model at: its rate, and its peaks per dtype times its efficiency
-    (two devices equal here are equally fast for a model of any compute dtype)."""
-    return (device.flops_per_s, device.peak_flops_per_s, device.efficiency)
+    """Every speed a device may run a model at: its rate, and its peaks per dtype times its efficiency,
+    and its fixed cost per action (two devices equal here are equally fast for a model of any compute dtype)."""
+    return (device.flops_per_s, device.peak_flops_per_s, device.efficiency, device.action_overhead_s)
 
 
 def signature(cluster: Cluster, order: Sequence[int]) -> tuple[object, ...]:

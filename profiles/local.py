@@ -38,6 +38,7 @@ def local_cluster(
     memory: int | float | str | None = None,
     flops_per_s: float | str | None = None,
     bandwidth: Any = None,
+    action_overhead_s: float = 0.0,
 ) -> Cluster:
     """Returns a cluster of TensorFlow's local logical devices: the GPUs if any, else the CPUs.
 
@@ -48,6 +49,8 @@ def local_cluster(
         flops_per_s: FLOP/s of every device; measured per device with a matmul when None.
         bandwidth: bytes/s of every link (anything ``partitioner.Cluster`` accepts); the
             documented constant ``DEFAULT_BANDWIDTH`` (50 GB/s) when None.
+        action_overhead_s: every device's fixed seconds per forward or backward of a stage
+            (``partitioner.Device``); 0, none, unless given.
 
     Returns:
         A ``partitioner.Cluster`` whose device names are TensorFlow's, e.g. '/device:GPU:0'.
@@ -84,7 +87,10 @@ def local_cluster(
     # Measured once, on the first device: logical devices share their physical device, and one
     # figure for all keeps plans from changing with timing noise between runs.
     speed = flops_per_s if flops_per_s is not None else measure_flops_per_s(names[0])
-    devices = [Device(name, memory=size, flops_per_s=speed) for name, size in zip(names, memories, strict=True)]
+    devices = [
+        Device(name, memory=size, flops_per_s=speed, action_overhead_s=action_overhead_s)
+        for name, size in zip(names, memories, strict=True)
+    ]
     return Cluster(
         devices,
         bandwidth=DEFAULT_BANDWIDTH if bandwidth is None else bandwidth,

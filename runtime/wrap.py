@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
+from partitioner.choose import AUTO, candidate_schedules, choose
 from partitioner.cluster import Cluster, Device
 from partitioner.cost import check_recompute
 from partitioner.errors import InputError, PlanError
@@ -21,8 +21,13 @@ from runtime.rebuild import rebuild
 
 
 def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
+    if num_microbatches == AUTO and batch_size is not None:
+        return
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise InputError(f"num_microbatches must be an integer >= 1. Received: {num_microbatches!r}.")
+        raise InputError(
+            f"num_microbatches must be an integer >= 1{' or auto' if batch_size is not None else ''}. "
+            f"Received: {num_microbatches!r}."
+        )
     if batch_size is not None and num_microbatches > batch_size:
         raise InputError(
             f"num_microbatches={num_microbatches} is larger than batch_size={batch_size}: some micro-batches "
@@ -44,7 +49,7 @@ def plan_and_wrap(
     model: Any,
     devices: int | Sequence[str] | Cluster = 2,
     batch_size: int = 32,
-    num_microbatches: int = 4,
+    num_microbatches: int | str = 4,
     memory: int | float | str | None = None,
     *,
     optimizer_slots: int = 2,
@@ -63,14 +68,20 @@ def plan_and_wrap(
         devices: how many local devices to use (GPUs if present, else logical CPU devices), a list
             of TensorFlow device names, or a partitioner.Cluster of local devices.
         batch_size: the global batch size fit() will see.
-        num_microbatches: M, micro-batches per step.
+        num_microbatches: M, micro-batches per step, or "auto": the planner tries the divisors of
+            ``batch_size`` up to 64 and keeps the M of the shortest predicted step
+            (``partitioner.choose``). A local device's fixed cost per forward or backward
+            (``Device.action_overhead_s``) is 0 unless the Cluster you pass gives one, and without
+            it more micro-batches always look faster: give it (e.g. ``Cluster.local(2,
+            action_overhead_s=7e-4)`` on CPU, docs/cost-model.md) when you let the planner choose.
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         optimizer_slots: 2 for Adam, 1 for momentum, 0 for SGD (for the memory check).
         time_limit_s: the solver's time limit.
         pins: {node: device} placements to keep.
         schedule: the pipeline schedule to plan for and train with: "gpipe" (all forwards, then all
             backwards: M micro-batches of activations in flight) or "1f1b" (one forward, one
-            backward: at most K - s in flight on stage s, the same bubble).
+            backward: at most K - s in flight on stage s, the same bubble), or "auto": the one of
+            the shorter predicted step (GPipe on a tie), planned with each M tried.
         recompute: "never" keeps each micro-batch's activations until its backward; "always" keeps
             only each stage's inputs and runs its forward again in the backward (about a third more
             compute for far less activation memory); "auto" lets the planner recompute a stage only
@@ -98,28 +109,39 @@ def plan_and_wrap(
 
     _check_microbatches(num_microbatches, batch_size)
     check_recompute(recompute)
-    options = ExecutionOptions(num_microbatches, schedule=schedule, batch_norm=batch_norm)
+    candidate_schedules(schedule)  # bad options fail before profiling
+    ExecutionOptions(
+        1 if num_microbatches == AUTO else num_microbatches,
+        schedule="gpipe" if schedule == AUTO else schedule,
+        batch_norm=batch_norm,
+    )
     cluster = resolve_devices(devices, memory=memory)
     graph = profile_model(
         model,
         batch_size=batch_size,
-        num_microbatches=num_microbatches,
+        num_microbatches=1 if num_microbatches == AUTO else num_microbatches,  # auto: rescaled to each M tried
         measure_time=False,
         input_shapes=input_shapes,
         sequence_length=sequence_length,
     )
-    plan = solve(
-        graph,
-        cluster,
-        num_microbatches=num_microbatches,
-        optimizer_slots=optimizer_slots,
-        time_limit_s=time_limit_s,
-        pins={k: canonical(v) for k, v in (pins or {}).items()} or None,
-        schedule=schedule,
-        recompute=recompute,
-    )
+    solve_options: dict[str, Any] = {
+        "optimizer_slots": optimizer_slots,
+        "time_limit_s": time_limit_s,
+        "pins": {k: canonical(v) for k, v in (pins or {}).items()} or None,
+        "recompute": recompute,
+    }
+    if AUTO in (num_microbatches, schedule):
+        choice = choose(
+            graph, cluster, batch_size=batch_size, num_microbatches=num_microbatches, schedule=schedule, **solve_options
+        )
+        plan, graph = choice.plan, choice.graph
+    else:
+        plan = solve(graph, cluster, num_microbatches=num_microbatches, schedule=schedule, **solve_options)
     validate_plan(plan, graph, cluster)
-    return _wrap(model, plan, replace(options, recompute=tuple(plan.recompute)))
+    options = ExecutionOptions(
+        plan.num_microbatches, schedule=plan.schedule, recompute=tuple(plan.recompute), batch_norm=batch_norm
+    )
+    return _wrap(model, plan, options)
 
 
 def wrap(

@@ -192,6 +192,56 @@ def test_cli_plan_from_profile_without_a_batch_size_refuses_to_rescale(profile_f
     assert "does not record the batch size its costs were measured at" in err and f"so {named} cannot" in err
 
 
+def test_cli_plan_chooses_microbatches_and_schedule(batched_profile_file, capsys) -> None:
+    """1 s per sample and layer, 1 s per forward or backward of a stage, batch 64 on 2 devices: the
+    step (M + 1) x (128 / M + 2) s is shortest at M = 8; GPipe wins the tie with 1F1B."""
+    argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", "--flops-per-s", "1e12"]
+    argv += ["--action-overhead-s", "1", "--batch-size", "64", "--micro-batches", "auto", "--schedule", "auto"]
+    assert main([*argv, "--summary", "--no-compare"]) == 0
+    assert "M = 8 and gpipe chosen: the shortest simulated step of 14 candidates" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = pt.Plan.from_json(capsys.readouterr().out)
+    assert (plan.num_microbatches, plan.schedule, plan.num_stages) == (8, "gpipe", 2)
+    assert plan.step_time_s == pytest.approx(9 * 18.0, rel=1e-3)
+    assert main([*argv[:-3], "4", "--schedule", "1f1b", "--json"]) == 0  # a fixed M and schedule are kept
+    fixed = pt.Plan.from_json(capsys.readouterr().out)
+    assert (fixed.num_microbatches, fixed.schedule) == (4, "1f1b")
+
+
+def test_cli_plan_chooses_on_a_dag_after_screening(tmp_path, capsys) -> None:
+    graph = random_dag(20, seed=5)
+    graph.graph.update(batch_size=16, num_microbatches=1)
+    path = tmp_path / "dag.json"
+    pt.save_graph(graph, path)
+    argv = ["plan", str(path), "--devices", "4", "--memory", "16GiB", "--action-overhead-s", "1e-4"]
+    argv += ["--micro-batches", "auto", "--schedule", "auto", "--summary", "--no-compare", "--time-limit", "3"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "chosen: the shortest simulated step of 3 candidates solved, the best screened of 10" in out
+    assert "(M in [1, 2, 4, 8, 16], gpipe/1f1b)" in out and "batch 16 in" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "{profile}", "--devices", "2", "--memory", "1GiB", "--micro-batches", "auto"],
+         "does not record the batch size its costs were measured at, so --micro-batches auto"),
+        (["plan", "{profile}", "--cluster", "4xT4-pcie", "--action-overhead-s", "1e-5"], "Pass either --cluster"),
+        (["profile", "mlp", "--micro-batches", "auto"], "measures costs for one micro-batch size"),
+    ],
+)  # fmt: skip
+def test_cli_auto_errors(argv, message, profile_file, capsys) -> None:
+    assert main([a.format(profile=profile_file) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in " ".join(err.split())
+
+
+def test_cli_micro_batches_must_be_a_number_or_auto(profile_file, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", str(profile_file), "--devices", "2", "--memory", "1GiB", "--micro-batches", "many"])
+    assert "expected an integer or 'auto', got 'many'" in capsys.readouterr().err
+
+
 def test_cli_plan_keras_application(capsys, virtual_devices) -> None:
     """A keras.applications name is built with weights=None, profiled and planned."""
     code = main(["plan", "MobileNetV2", "--input-size", "32", "--devices", "4", "--memory", "2GiB", "--summary"])

@@ -279,6 +279,20 @@ def test_cluster_explicit_json_keeps_peaks_and_efficiency():
     assert again.devices[0].flops_per_s_for("float32") == pytest.approx(78e12)
 
 
+@pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan, True, "20us"])
+def test_device_rejects_a_bad_action_overhead(value):
+    with pytest.raises(ClusterError, match=r"action_overhead_s is the fixed seconds .* a finite number >= 0"):
+        Device("/GPU:0", memory="1GiB", action_overhead_s=value)
+
+
+def test_device_action_overhead_round_trips_and_comes_from_profiles():
+    device = Device("/GPU:0", memory="1GiB", action_overhead_s=2e-5)
+    assert Cluster.from_json(Cluster([device]).to_json()).devices == (device,)
+    assert Device("/GPU:0", memory="1GiB").action_overhead_s == 0.0  # none unless given
+    assert Cluster.uniform(2, memory="1GiB", action_overhead_s=1e-3).devices[1].action_overhead_s == 1e-3
+    assert {d.action_overhead_s for d in Cluster.from_json("2xT4+2xA100").devices} == {2e-5}  # the profiles' figure
+
+
 def test_device_default_speed_needs_a_peak_for_its_dtype():
     with pytest.raises(ClusterError, match=r"'/GPU:0' has no float32 peak for its default speed .* Pass dtype="):
         Device("/GPU:0", memory="1GiB", peak_flops_per_s={"bfloat16": 1e15})

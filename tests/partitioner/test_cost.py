@@ -253,7 +253,8 @@ def test_costmodel_bfloat16_graph_runs_faster_than_float32():
     slow = CostModel(_with_dtype(_abc(), "float32"), _one_h100())
     fast = CostModel(_with_dtype(_abc(), "bfloat16"), _one_h100())
     placement = {"l0": G0, "l1": G0, "l2": G0}
-    ratio = slow.evaluate(placement).step_time_s / fast.evaluate(placement).step_time_s
+    overhead = 2 * _one_h100().devices[0].action_overhead_s  # one forward and one backward: not FLOPs
+    ratio = (slow.evaluate(placement).step_time_s - overhead) / (fast.evaluate(placement).step_time_s - overhead)
     assert ratio == pytest.approx(989.4 / 494.7)  # the dense bf16 peak over the tf32 peak
 
 
@@ -291,3 +292,29 @@ def test_costmodel_resnet50_float32_on_h100_is_predicted_at_a_plausible_rate():
     assert 2_000 < images_per_s < 10_000  # tf32 peak x 0.4: about 8,500; measured TF32 training is lower still
     at_bf16_peak = Cluster([Device("/GPU:0", memory="80GiB", flops_per_s=989.4e12)])  # what was predicted before
     assert 64 / CostModel(graph, at_bf16_peak).evaluate(placement).step_time_s > 40_000
+
+
+def test_costmodel_action_overhead_is_paid_once_per_pass() -> None:
+    """A stage pays its device's fixed cost once per forward and once per backward of each micro-batch,
+    and once more for the forward a recomputed stage runs again; the simulator steps by the same figures."""
+    from partitioner.simulate import simulate_assignment
+
+    graph = chain([1e9, 1e9])
+    fast = Device("/GPU:0", memory="1GiB", flops_per_s=1e12, action_overhead_s=1e-3)
+    second = Device("/GPU:1", memory="1GiB", flops_per_s=1e12, action_overhead_s=1e-3)
+    costs = CostModel(graph, Cluster([fast, second]), num_microbatches=4)
+    compute = sum(costs.compute_s[v][0] for v in costs.order)  # FLOPs only
+    one = {v: "/GPU:0" for v in costs.order}
+    assert costs.evaluate(one).compute_times["/GPU:0"] == pytest.approx(compute + 2e-3)
+    assert simulate_assignment(costs, one).step_time_s == pytest.approx(4 * (compute + 2e-3))
+    assert costs.serial_step_s() == pytest.approx(4 * (compute + 2e-3))
+    split = {costs.order[0]: "/GPU:0", costs.order[1]: "/GPU:1"}
+    kept, recomputed = costs.evaluate(split, "never"), costs.evaluate(split, "always")
+    assert recomputed.compute_times["/GPU:0"] - kept.compute_times["/GPU:0"] == pytest.approx(
+        costs.forward_s[costs.order[0]][0] + 1e-3
+    )
+    assert costs.lower_bound_s() == pytest.approx(CostModel(graph, _plain(2)).lower_bound_s() + 2e-3)
+
+
+def _plain(num_devices: int) -> Cluster:
+    return Cluster([Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(num_devices)])

@@ -221,7 +221,8 @@ def test_unknown_devices_are_listed(virtual_devices) -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_microbatches", "message"), [(0, "must be an integer >= 1"), (64, "larger than batch_size")]
+    ("num_microbatches", "message"),
+    [(0, "must be an integer >= 1"), (64, "larger than batch_size"), ("many", "must be an integer >= 1 or auto")],
 )
 def test_bad_microbatch_counts(num_microbatches: int, message: str, virtual_devices) -> None:
     model, _, _, _ = _model_and_data()
@@ -327,4 +328,21 @@ def test_plan_and_wrap_accepts_a_cluster(virtual_devices) -> None:
     cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[1:3]])
     wrapped = plan_and_wrap(model, devices=cluster, batch_size=16, num_microbatches=2)
     assert set(wrapped.plan.devices) == set(virtual_devices[1:3])
+    np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_plan_and_wrap_chooses_microbatches_and_schedule(virtual_devices) -> None:
+    """M and schedule "auto": without a fixed cost per micro-batch (action_overhead_s = 0) the
+    planner takes the most micro-batches the batch splits into, and the runtime runs the plan's M and schedule."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Dense(16, activation="relu", name=f"d{i}")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[:2]])
+    wrapped = plan_and_wrap(model, devices=cluster, batch_size=8, num_microbatches="auto", schedule="auto")
+    assert wrapped.plan.num_microbatches == 8 and wrapped.plan.schedule in ("gpipe", "1f1b")
+    assert (wrapped.num_microbatches, wrapped.options.schedule) == (8, wrapped.plan.schedule)
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
