@@ -135,16 +135,19 @@ def solve(
     if chain and not coarsen:
         from partitioner.exact import exact_chain
 
-        plan = exact_chain(
-            graph,
-            cluster,
-            num_microbatches=num_microbatches,
-            optimizer_slots=optimizer_slots,
-            cost=cost,
-            schedule=schedule,
-            recompute=recompute,
-            device_order=options.device_order,
-        )
+        try:
+            plan = exact_chain(
+                graph,
+                cluster,
+                num_microbatches=num_microbatches,
+                optimizer_slots=optimizer_slots,
+                cost=cost,
+                schedule=schedule,
+                recompute=recompute,
+                device_order=options.device_order,
+            )
+        except InfeasiblePlanError as err:
+            return _fitting_baseline(err, costs, legal_baselines(costs, pins), started)
         return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
     if options.device_order == "search":
         return _search_orders(
@@ -172,11 +175,16 @@ def _solve_in_order(
     legal = [*starts, *legal_baselines(costs, pins)] if options.hint or options.shortest_step else []
     deadline = started + float(time_limit_s)
     found = None
-    if coarsen:
-        found = solve_coarsened(costs, pins, options, legal, chain=chain, started=started, deadline=deadline)
-        if found is None and time.perf_counter() >= deadline:
-            raise _timeout_error(costs, time_limit_s, pins)
-    plan = found or _solve_fine(costs, pins, options, legal, time_limit_s=time_limit_s, started=started)
+    try:
+        if coarsen:
+            found = solve_coarsened(costs, pins, options, legal, chain=chain, started=started, deadline=deadline)
+            if found is None and time.perf_counter() >= deadline:
+                raise _timeout_error(costs, time_limit_s, pins)
+        plan = found or _solve_fine(costs, pins, options, legal, time_limit_s=time_limit_s, started=started)
+    except SolverTimeoutError:
+        raise
+    except InfeasiblePlanError as err:
+        return _fitting_baseline(err, costs, legal or legal_baselines(costs, pins), started)
     return _shortest_step(plan, costs, legal, started) if options.shortest_step else plan
 
 
@@ -276,6 +284,25 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
         method=f"{best.method} (shorter step than {plan.method})",
         status="optimal" if bound is not None and best.bottleneck_s <= bound else "feasible",
         lower_bound_s=bound,
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
+    """The legal baseline of the shortest simulated step when the search found no plan, else ``err``.
+
+    The search budgets every node's activations for the fullest stage (with 1F1B, min(number of devices,
+    M) micro-batches in flight on every stage), while a plan is scored for what each of its stages
+    holds (K - s on stage s): a split the search rules out can fit. The plan then has no bound (status
+    "heuristic"), and its method says why it was chosen.
+    """
+    if not legal:
+        raise err
+    best = min(legal, key=lambda p: (p.step_time_s, p.bottleneck_s))
+    return score_assignment(
+        best.assignment,
+        costs,
+        method=f"{best.method} (fits; the search's memory budget, the fullest stage's for every stage, fit none)",
         solve_time_s=time.perf_counter() - started,
     )
 

@@ -110,8 +110,9 @@ def plan_and_wrap(
     _check_microbatches(num_microbatches, batch_size)
     check_recompute(recompute)
     candidate_schedules(schedule)  # bad options fail before profiling
+    fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
     ExecutionOptions(
-        1 if num_microbatches == AUTO else num_microbatches,
+        fixed_microbatches,
         schedule="gpipe" if schedule == AUTO else schedule,
         batch_norm=batch_norm,
     )
@@ -136,7 +137,7 @@ def plan_and_wrap(
         )
         plan, graph = choice.plan, choice.graph
     else:
-        plan = solve(graph, cluster, num_microbatches=num_microbatches, schedule=schedule, **solve_options)
+        plan = solve(graph, cluster, num_microbatches=fixed_microbatches, schedule=schedule, **solve_options)
     validate_plan(plan, graph, cluster)
     options = ExecutionOptions(
         plan.num_microbatches, schedule=plan.schedule, recompute=tuple(plan.recompute), batch_norm=batch_norm
