@@ -71,6 +71,48 @@ def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.raw_ops.PlaceholderWithDefault(input=tf.shape(inputs[0])[0], shape=[])
 
 
+class _Boundary:
+    """A function the step calls once per micro-batch and TensorFlow never inlines into it: a
+    ``tf.function`` whose own body is one call of ``body``, traced as a function of its own.
+
+    TensorFlow's graph passes visit every call site of the step's graph and turn the callee's
+    definition into a graph there, before they read ``_noinline`` (Grappler's function optimizer,
+    twice, and the inlining pass before it): with a callee of one call node that work is small at
+    each of the step's M x K call sites, and ``body`` is optimised once, where the boundary function
+    is instantiated on its device. Calls go to the traced concrete function of the arguments'
+    shapes and dtypes (kept here, so a call does not recompute the arguments' tracing types);
+    ``reduce_retracing`` gives one more trace, for any batch size, at the first call with another
+    micro-batch size (a remainder batch). With ``jit_compile`` the boundary function, the inner
+    call inlined, is one XLA cluster on the device it is called on.
+    """
+
+    def __init__(self, body: Any, name: str, jit_compile: bool = False) -> None:
+        body.__name__ = f"{name}_body"
+        inner = tf.function(body, reduce_retracing=True, autograph=False)
+
+        def call(*args: Any) -> Any:
+            return inner(*args)
+
+        call.__name__ = name
+        self.function = tf.function(
+            call,
+            reduce_retracing=True,
+            autograph=False,
+            jit_compile=jit_compile,
+            experimental_attributes={"_noinline": True},
+        )
+        self._concrete: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(
+            (tuple(x.shape), x.dtype) if tf.is_tensor(x) else ("py", repr(x)) for x in tf.nest.flatten(args)
+        )
+        concrete = self._concrete.get(key)
+        if concrete is None:
+            concrete = self._concrete[key] = self.function.get_concrete_function(*args)
+        return concrete(*args)
+
+
 class StageProgram:
     """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
 
@@ -196,13 +238,7 @@ class StageProgram:
         size, at the first micro-batch of another size (a remainder batch): ``reduce_retracing``.
         """
         if name not in self._functions:
-            body.__name__ = f"stage{self.stage.index}_{name}"
-            self._functions[name] = tf.function(
-                body,
-                reduce_retracing=True,
-                jit_compile=self.jit_compile,
-                experimental_attributes={"_noinline": True},
-            )
+            self._functions[name] = _Boundary(body, f"stage{self.stage.index}_{name}", self.jit_compile)
         return self._functions[name]
 
     def forward(self, training: bool) -> Any:
@@ -364,9 +400,7 @@ class Executor:
                 gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return loss, gradients, steps
 
-            self._loss_functions[key] = tf.function(
-                microbatch_loss, autograph=False, experimental_attributes={"_noinline": True}
-            )
+            self._loss_functions[key] = _Boundary(microbatch_loss, "microbatch_loss")
         return self._loss_functions[key]
 
     @property
