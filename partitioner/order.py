@@ -277,3 +277,31 @@ def same_devices(cluster: Cluster, names: Sequence[str]) -> Cluster:
     if sorted(names) != sorted(cluster.names) or len(set(names)) != len(names):
         return cluster
     return reorder(cluster, list(names))
+
+
+def fast_island(cluster: Cluster) -> tuple[int, ...] | None:
+    """The devices (indices) of the cluster's first *island*, its devices joined by its fastest links
+    (a link's speed: its slower direction), when the cluster has more than one island (a node of a
+    multi-node cluster); else None.
+
+    Example:
+        >>> fast_island(Cluster.from_json("2x8xH100-ib"))
+        (0, 1, 2, 3, 4, 5, 6, 7)
+        >>> fast_island(Cluster.from_json("8xH100-nvlink")) is None
+        True
+    """
+    num = cluster.num_devices
+    if num < 2:
+        return None
+    def link(a: int, b: int) -> float:  # the slower direction
+        return min(cluster.bandwidth(a, b), cluster.bandwidth(b, a))
+
+    fastest = max(link(a, b) for a in range(num) for b in range(num) if a != b)
+    island, frontier = {0}, [0]
+    while frontier:
+        a = frontier.pop()
+        for b in range(num):
+            if b not in island and link(a, b) >= fastest * (1 - 1e-9):
+                island.add(b)
+                frontier.append(b)
+    return tuple(sorted(island)) if len(island) < num else None

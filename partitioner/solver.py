@@ -24,7 +24,7 @@ from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.multilevel import coarse_chain_plan, solve_coarsened
-from partitioner.order import by_speed, check_device_order, fastest_on_heaviest, reorder, signature
+from partitioner.order import by_speed, check_device_order, fast_island, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
 from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
@@ -149,12 +149,71 @@ def solve(
         except InfeasiblePlanError as err:
             return _fitting_baseline(err, costs, legal_baselines(costs, pins), started)
         return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
-    if options.device_order == "search":
-        return _search_orders(
-            costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+    island = fast_island(cluster) if not pins and options.shortest_step else None
+    island_plan = None
+    if island is not None:  # a third of the time: the devices of one node alone
+        island_plan = _island_plan(graph, costs, island, time_limit_s / 3, options, schedule=schedule)
+        time_limit_s = max(started + time_limit_s - time.perf_counter(), 0.1)
+        started = time.perf_counter()
+    try:
+        if options.device_order == "search":
+            plan = _search_orders(
+                costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+            )
+        else:
+            plan = _solve_in_order(
+                costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+            )
+    except PartitionerError:
+        if island_plan is None:
+            raise
+        return island_plan
+    if island_plan is None or not shorter_step(island_plan, plan):
+        return plan
+    bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
+    status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
+    return dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
+
+
+def _island_plan(
+    graph: nx.DiGraph,
+    costs: CostModel,
+    island: Sequence[int],
+    time_limit_s: float,
+    options: SolverOptions,
+    schedule: str,
+) -> Plan | None:
+    """The plan on the devices of ``island`` alone (partitioner.order.fast_island), scored on the whole
+    cluster (the other devices idle, listed after them), or None when nothing fits there.
+
+    More devices than one node's must never give a longer step than that node alone: a step objective
+    would see it, the bottleneck the search minimises does not (the slow links between nodes cost
+    little per stage but add to the fill and drain).
+    """
+    cluster = costs.cluster
+    rest = [k for k in range(cluster.num_devices) if k not in island]
+    try:
+        plan = solve(
+            graph,
+            reorder(cluster, [*island, *rest]).take(len(island)),
+            num_microbatches=costs.num_microbatches,
+            optimizer_slots=costs.optimizer_slots,
+            time_limit_s=time_limit_s,
+            cost=costs.cost,
+            schedule=schedule,
+            options=options,
+            recompute=costs.recompute,
         )
-    return _solve_in_order(
-        costs, pins, options, chain=chain, coarsen=coarsen, started=started, time_limit_s=time_limit_s
+    except PartitionerError:
+        return None
+    order = [*plan.devices, *(cluster.names[k] for k in rest)]
+    return score_assignment(
+        plan.assignment,
+        costs.on(reorder(cluster, order)),
+        method=f"{plan.method} on {len(island)} of {cluster.num_devices} devices (one island of fast links)",
+        status="heuristic",
+        solve_time_s=plan.solve_time_s,
+        recompute=plan.recompute,
     )
 
 

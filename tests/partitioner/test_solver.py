@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from graphs import (
@@ -27,7 +28,7 @@ from partitioner.errors import (
     PartitionerError,
     SolverTimeoutError,
 )
-from partitioner.graph import colocation_groups
+from partitioner.graph import colocation_groups, load_graph
 
 G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
 
@@ -436,3 +437,15 @@ def test_solve_returns_a_fitting_baseline_where_the_search_budget_fits_nothing(e
     assert plan.num_stages == 2
     with pytest.raises(pt.InfeasiblePlanError):  # GPipe holds 2 micro-batches on both stages: nothing fits
         pt.solve(graph, cluster, schedule="gpipe", time_limit_s=5, **settings)
+
+
+def test_two_nodes_never_give_a_longer_step_than_one_node_alone() -> None:
+    # ResNet50 (the planner_quality graph) on 2 nodes of 8 H100s: the bottleneck-optimal 16-device plans
+    # step slower than the best plan on the first node (fill and drain cross the slow inter-node link).
+    # solve plans one island of fast links with a third of its time and keeps the shorter step.
+    graph = load_graph(Path(__file__).parents[2] / "benchmarks/planner_quality/graphs/ResNet50-b32-m8.json")
+    cluster = pt.Cluster.from_json("2x8xH100-ib")
+    whole = pt.solve(graph, cluster, num_microbatches=8, time_limit_s=6)
+    node = pt.solve(graph, cluster.take(8), num_microbatches=8, time_limit_s=2)
+    assert whole.step_time_s <= node.step_time_s * (1 + 1e-9)
+    assert set(whole.stages) <= set(cluster.names[:8]) and "island" in whole.method
