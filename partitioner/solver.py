@@ -401,7 +401,9 @@ def _solve_fine(
         raise _timeout_error(costs, time_limit_s, pins)
     assignment = decode(m, solver, costs)
     bound_steps = math.floor(solver.best_objective_bound / m.weight + 1e-9)
-    lower_bound = max(bound_steps * m.time_unit_s, costs.lower_bound_s())
+    # the model's stage times leave out the fixed cost of a stage's forward and backward, which every stage pays
+    fixed = 2 * min(costs.action_overhead_s)
+    lower_bound = max(bound_steps * m.time_unit_s + fixed, costs.lower_bound_s())
     return score_assignment(
         assignment,
         costs,
