@@ -84,9 +84,15 @@ class _Boundary:
     ``reduce_retracing`` gives one more trace, for any batch size, at the first call with another
     micro-batch size (a remainder batch). With ``jit_compile`` the boundary function, the inner
     call inlined, is one XLA cluster on the device it is called on.
+
+    With ``inline`` (one micro-batch: one call per step) TensorFlow may inline the function into the
+    step, as plain Keras' step is one graph: the call boundaries cost a one-device transformer step
+    about a fifth more than plain Keras, inlined 4% (measured side by side, benchmarks/runtime). The
+    call runs under a name scope of the function's name, so the nodes of an inlined body still say
+    which stage and kind they belong to (``runtime.placement``).
     """
 
-    def __init__(self, body: Any, name: str, jit_compile: bool = False) -> None:
+    def __init__(self, body: Any, name: str, jit_compile: bool = False, inline: bool = False) -> None:
         body.__name__ = f"{name}_body"
         inner = tf.function(body, reduce_retracing=True, autograph=False)
 
@@ -99,8 +105,9 @@ class _Boundary:
             reduce_retracing=True,
             autograph=False,
             jit_compile=jit_compile,
-            experimental_attributes={"_noinline": True},
+            experimental_attributes={} if inline else {"_noinline": True},
         )
+        self.name = name
         self._concrete: dict[Any, Any] = {}
 
     def __call__(self, *args: Any) -> Any:
@@ -110,7 +117,8 @@ class _Boundary:
         concrete = self._concrete.get(key)
         if concrete is None:
             concrete = self._concrete[key] = self.function.get_concrete_function(*args)
-        return concrete(*args)
+        with tf.name_scope(self.name):  # the call's name, and an inlined body's nodes', say what it is
+            return concrete(*args)
 
 
 class StageProgram:
@@ -238,7 +246,9 @@ class StageProgram:
         size, at the first micro-batch of another size (a remainder batch): ``reduce_retracing``.
         """
         if name not in self._functions:
-            self._functions[name] = _Boundary(body, f"stage{self.stage.index}_{name}", self.jit_compile)
+            self._functions[name] = _Boundary(
+                body, f"stage{self.stage.index}_{name}", self.jit_compile, inline=self.num_microbatches == 1
+            )
         return self._functions[name]
 
     def forward(self, training: bool) -> Any:
@@ -400,7 +410,9 @@ class Executor:
                 gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return loss, gradients, steps
 
-            self._loss_functions[key] = _Boundary(microbatch_loss, "microbatch_loss")
+            self._loss_functions[key] = _Boundary(
+                microbatch_loss, "microbatch_loss", inline=self.num_microbatches == 1
+            )
         return self._loss_functions[key]
 
     @property
@@ -633,7 +645,8 @@ class _TrainStep:
         variables = list(stage.trainable_variables)
         if not targets:  # nothing this stage computes reaches the loss
             return
-        result = tape.gradient(targets, watched + variables, output_gradients=output_gradients)
+        with tf.name_scope(f"stage{s}_backward"):  # names the backward call (or its inlined nodes)
+            result = tape.gradient(targets, watched + variables, output_gradients=output_gradients)
         for i, g in zip(watched_index, result[: len(watched)]):
             if g is not None:
                 self.pending.setdefault((id(stage.inputs[i]), m), []).append(g)

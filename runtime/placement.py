@@ -82,6 +82,8 @@ _PLUMBING = {
     "_Send", "_Recv", "_HostSend", "_HostRecv", "ReadVariableOp", "VarHandleOp", "Placeholder",
 }  # fmt: skip
 _STAGE_GRAPH = re.compile(r"stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute)_")
+# a node of a stage function inlined into the step (one micro-batch): its name carries the call's name scope
+_INLINED = re.compile(r"(?:^|/)stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute|backward)(?:_\d+)?/")
 
 
 @dataclass(frozen=True)
@@ -221,11 +223,11 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
         # a stage function's own nodes, or a call of one (the only trace of an XLA-compiled stage function,
         # which XLA compiles and runs as one cluster on the call's device)
         function = node.calls or node.graph
-        match = _STAGE_GRAPH.search(function)
+        match = _STAGE_GRAPH.search(function) or _INLINED.search(node.name)
         if match is None or node.op in _PLUMBING:
             continue
         s = int(match["stage"])
-        kind = "backward" if "__backward_" in function or match["kind"] == "recompute" else "forward"
+        kind = "backward" if "__backward_" in function or match["kind"] in ("recompute", "backward") else "forward"
         counts = (backward if kind == "backward" else forward)[s]
         counts[1] += 1
         if canonical(node.device) == stages[s]:

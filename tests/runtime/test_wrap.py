@@ -257,7 +257,7 @@ def test_jit_compile_compiles_each_stage_and_trains(virtual_devices) -> None:
     wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False, schedule="1f1b")
     wrapped.compile(optimizer="sgd", loss=loss, jit_compile=True)
     assert wrapped.jit_compile is False and wrapped.stage_jit_compile is True
-    assert all(p.forward(True).function_spec.jit_compile for p in wrapped.executor.programs)
+    assert all(p.forward(True).function.function_spec.jit_compile for p in wrapped.executor.programs)
     history = wrapped.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     wrapped.compile(optimizer="sgd", loss=loss)
