@@ -25,8 +25,9 @@ gives a shorter step than the plan, and ties go the same way every run.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -41,11 +42,19 @@ from partitioner.order import candidate_orders, check_device_order, every_order_
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
 
+OBJECTIVES = ("step", "bottleneck")
+STEP_TOLERANCE = 1e-6  # relative: the threshold search stops once no split can beat its best by more
+MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
+PROGRAM_WORK = 2e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
+FINALISTS = 4  # splits simulated, the least estimates first
+
 
 class _Mode(NamedTuple):
     """One mode's figures along the chain (partitioner.cost.mode_cost), as the DP reads them."""
 
     prefix: np.ndarray  # [i, k]: seconds of nodes [0, i) on device k in this mode
+    forward: np.ndarray  # [i, k]: seconds of the forward passes of nodes [0, i) on device k in this mode
+    backward: np.ndarray  # [i, k]: seconds of their backward passes (prefix = forward + backward)
     mem_prefix: np.ndarray  # [i]: bytes budgeted for nodes [0, i) in this mode
     boundary: np.ndarray  # [i]: bytes a stage in this mode budgets for receiving node i's output
     allowed: np.ndarray  # [j]: whether a stage ending just before node j may take this mode
@@ -61,8 +70,14 @@ def exact_chain(
     schedule: str = "gpipe",
     recompute: str = "never",
     device_order: str = "search",
+    objective: str = "step",
 ) -> Plan:
-    """Returns a plan with the minimum bottleneck for a chain graph (status "optimal").
+    """Returns the plan of a chain graph with the shortest step (or the least bottleneck).
+
+    With ``objective="step"`` (the default) the plan has the shortest simulated step over every split,
+    stage count and (with "search") device order (module docstring, "The step objective"): status
+    "optimal" when that is proven (GPipe, every order searched), else "feasible". ``lower_bound_s``
+    stays a bound on the bottleneck. ``objective="bottleneck"`` is the DP of the least bottleneck:
 
     With ``device_order="given"`` the stages follow the cluster's order (devices may stay idle) and
     the plan has the least bottleneck, then the fewest bytes sent. With "search" (the default) the
@@ -79,7 +94,7 @@ def exact_chain(
 
     Raises:
         InputError: when the graph is not a single chain or has colocation groups, or for an unknown
-            ``device_order``.
+            ``device_order`` or ``objective``.
         InfeasiblePlanError: when no split fits in memory.
 
     Example:
@@ -87,6 +102,11 @@ def exact_chain(
     """
     started = time.perf_counter()
     check_device_order(device_order)
+    if objective not in OBJECTIVES:
+        raise InputError(
+            f"objective must be one of {OBJECTIVES} ('step': the shortest simulated step; 'bottleneck': the "
+            f"least time of the slowest stage). Received: {objective!r}."
+        )
     costs = CostModel(
         graph,
         cluster,
@@ -104,6 +124,8 @@ def exact_chain(
     if colocation_groups(graph):
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
+    if objective == "step":
+        return _shortest_step(costs, device_order, started)
     if device_order == "search":
         return _search_orders(costs, started)
     found = _solve_chain(costs)
@@ -196,7 +218,7 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
     """``tables`` for the first ``num_devices`` devices only."""
     s = num_devices
     return _Tables(
-        [m._replace(prefix=m.prefix[:, :s]) for m in tables.modes],
+        [m._replace(prefix=m.prefix[:, :s], forward=m.forward[:, :s], backward=m.backward[:, :s]) for m in tables.modes],
         tables.capacity[:s],
         tables.out_bytes,
         [row[:s] for row in tables.bandwidth[:s]],
@@ -236,10 +258,15 @@ def _tables(costs: CostModel) -> _Tables:
     modes = []
     for mode in costs.modes:
         compute = np.array([costs.mode_compute_s[mode][v] for v in order])  # [node, device]
+        node = [[costs.node_cost(v, mode, k) for k in range(k_total)] for v in order]
+        forward = np.array([[c.forward_s for c in row] for row in node]).reshape(n, k_total)
+        backward = np.array([[c.backward_s for c in row] for row in node]).reshape(n, k_total)
         memory = [costs.mode_memory[mode][v] for v in order]
         modes.append(
             _Mode(
                 prefix=np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)]),
+                forward=np.vstack([np.zeros(k_total), np.cumsum(forward, axis=0)]),
+                backward=np.vstack([np.zeros(k_total), np.cumsum(backward, axis=0)]),
                 mem_prefix=np.concatenate([[0], np.cumsum(memory)]).astype(np.float64),
                 boundary=np.array([costs.input_memory[mode][v] for v in order], dtype=np.float64),
                 allowed=~last if mode == "recomputed" else (last if costs.recompute == "always" else ~last | last),
@@ -342,3 +369,255 @@ def _relax(
         best[k2][better] = value[better]
         parent[k2, better, 0] = k
         parent[k2, better, 1] = i[arg[better], 0]
+
+
+# ----- the step objective ---------------------------------------------------------------------------
+
+
+class _Found(NamedTuple):
+    """A split the step search found: its stages and their figures, and the order it is for."""
+
+    estimate: float  # _estimate(): the simulated step for GPipe, an estimate for 1F1B
+    objective: float  # what the threshold search minimises: sum of stage times + (M - 1) * the longest period
+    order: int  # index of the device order (the CostModel that scores it)
+    blocks: tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
+
+
+def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
+    """The seconds per micro-batch a stage adds to the steady state (scalars or arrays alike).
+
+    f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
+    GPipe runs all forwards, then all backwards: a forward phase paced by max(f, a) and a backward
+    phase paced by max(b, g). 1F1B alternates them: a period of f + b (each link paces its own way).
+    """
+    if schedule == "gpipe":
+        return np.maximum(f, a) + np.maximum(b, g)
+    return np.maximum(np.maximum(f + b, a), g)
+
+
+def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
+    """The step of a split whose stages have ``figures`` (f, b, a, g) each (module docstring).
+
+    GPipe: exactly what the simulator computes. Each phase is a flow shop of M equal jobs whose
+    machines are the stages and the links in between, so it lasts the sum of their times plus M - 1
+    times the slowest:  sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
+    1F1B: an estimate, sum(f + b + a + g) + (M - 1) * the longest period.
+    """
+    total = sum(f + b + a + g for f, b, a, g in figures)
+    if schedule == "gpipe":
+        forward = max(max(f, a) for f, _, a, _ in figures)
+        backward = max(max(b, g) for _, b, _, g in figures)
+        return total + (num_microbatches - 1) * (forward + backward)
+    return total + (num_microbatches - 1) * max(_period(schedule, *x) for x in figures)
+
+
+def _stage_compute(
+    tables: _Tables, k2: int, starts: np.ndarray, links: tuple[np.ndarray, np.ndarray], schedule: str, limit: float
+) -> np.ndarray:
+    """[start, end]: the least compute seconds of block [start, end) on device k2 in a mode that fits
+    its memory, is allowed there, and keeps the stage's period within ``limit``; inf where none.
+
+    ``starts`` is a column of block starts (0: the first block, which receives nothing); ``links``
+    the activation and gradient seconds of each start's received tensor (columns too).
+    """
+    n = tables.modes[0].prefix.shape[0] - 1
+    after = np.arange(n + 1)[None, :] > starts
+    a, g = links
+    best = np.full((len(starts), n + 1), np.inf)
+    for mode in tables.modes:
+        forward, backward = mode.forward[:, k2], mode.backward[:, k2]
+        f = forward[None, :] - forward[starts]
+        b = backward[None, :] - backward[starts]
+        received = np.where(starts > 0, mode.boundary[np.maximum(starts - 1, 0)], 0.0)
+        held = mode.mem_prefix[None, :] - mode.mem_prefix[starts] + received
+        fits = after & (held <= tables.capacity[k2]) & mode.allowed[None, :] & (_period(schedule, f, b, a, g) <= limit)
+        best = np.minimum(best, np.where(fits, f + b, np.inf))
+    return best
+
+
+def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of the activation (k -> k2) and of its gradient (k2 -> k) cut before each start."""
+    size = tables.out_bytes[starts - 1]
+    return size / tables.bandwidth[k][k2], size / tables.bandwidth[k2][k]  # as CostModel.receive_s, one way each
+
+
+def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) ending
+    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them."""
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    table = np.full((num_devices, n + 1), np.inf)
+    parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
+    none = np.zeros((1, 1))
+    ends = np.arange(n + 1)
+    for k2 in range(num_devices):
+        first = _stage_compute(tables, k2, np.zeros((1, 1), dtype=np.int64), (none, none), schedule, limit)[0]
+        better = first < table[k2]
+        table[k2][better] = first[better]
+        parent[k2][better] = (-1, 0)
+        chunk = max(1, 2_000_000 // ((n + 1) * len(tables.modes)))
+        for k in range(k2):
+            starts = np.flatnonzero(np.isfinite(table[k, 1:n])) + 1
+            for lo in range(0, len(starts), chunk):
+                i = starts[lo : lo + chunk][:, None]
+                a, g = _links(tables, k, k2, i)
+                stage = _stage_compute(tables, k2, i, (a, g), schedule, limit)
+                cand = table[k, i] + stage + a + g
+                arg = np.argmin(cand, axis=0)
+                value = cand[arg, ends]
+                better = value < table[k2]
+                table[k2][better] = value[better]
+                parent[k2, better, 0] = k
+                parent[k2, better, 1] = i[arg[better], 0]
+    return table, parent
+
+
+def _block_figures(
+    tables: _Tables, previous: int, k2: int, start: int, end: int, schedule: str, limit: float
+) -> tuple[float, float, float, float]:
+    """(f, b, a, g) of block [start, end) on k2 after a stage on ``previous`` (-1: none), in the mode
+    _stage_compute chooses for it."""
+    column = np.array([[start]])
+    links = _links(tables, previous, k2, column) if previous >= 0 else (np.zeros((1, 1)), np.zeros((1, 1)))
+    a, g = float(links[0][0, 0]), float(links[1][0, 0])
+    least = float(_stage_compute(tables, k2, column, links, schedule, limit)[0, end])
+    for mode in tables.modes:
+        f = float(mode.forward[end, k2] - mode.forward[start, k2])
+        b = float(mode.backward[end, k2] - mode.backward[start, k2])
+        if f + b == least:
+            return f, b, a, g
+    raise AssertionError("unreachable: the block's least compute comes from one of its modes")
+
+
+def _threshold_search(
+    tables: _Tables, schedule: str, num_microbatches: int, order: int, incumbent: float, max_programs: int
+) -> tuple[list[_Found], float, bool]:
+    """Splits that minimise sum(stage times) + (M - 1) * max(period) on ``tables``' devices (any subset
+    of them in order), by bisection on the period threshold T; with a lower bound on that objective over
+    every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
+
+    The DP at threshold T gives s(T), the least sum among splits whose periods are all <= T, and
+    s is non-increasing in T. A split y with period p(y) in an interval (lo, hi] of thresholds has
+    sum(y) >= s(hi), so its objective is at least s(hi) + (M - 1) * lo: intervals whose bound reaches
+    the best objective found (``incumbent`` from other orders, then this search's) are dropped, the
+    others halved. The split found at hi has period p <= hi, and no split with a period in [p, hi] beats
+    it, so an interval shrinks to (lo, p] at once.
+    """
+    n = tables.modes[0].prefix.shape[0] - 1
+    m = num_microbatches
+    found: list[_Found] = []
+
+    def run(limit: float) -> tuple[float, float] | None:
+        table, parent = _step_program(tables, schedule, limit)
+        k = int(np.argmin(table[:, n]))
+        if not np.isfinite(table[k, n]):
+            return None
+        blocks, j = [], n
+        while j > 0:
+            k_prev, i = (int(x) for x in parent[k, j])
+            blocks.append((k_prev, k, i, j))
+            k, j = k_prev, i
+        blocks.reverse()
+        figures = [_block_figures(tables, p, k2, i, j, schedule, limit) for p, k2, i, j in blocks]
+        total = sum(f + b + a + g for f, b, a, g in figures)
+        period = max(float(_period(schedule, *x)) for x in figures)
+        found.append(
+            _Found(
+                _estimate(schedule, m, figures),
+                total + (m - 1) * period,
+                order,
+                tuple((k2, i, j) for _, k2, i, j in blocks),
+            )
+        )
+        return total, period
+
+    first = run(np.inf)
+    if first is None:
+        return found, np.inf, True
+    best = min(incumbent, first[0] + (m - 1) * first[1])
+    heap = [(first[0], 0.0, first[1], first[0])]  # (bound, lo, hi, s(hi)): splits with a period in (lo, hi]
+    programs = 1
+    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
+        _, lo, hi, at_hi = heapq.heappop(heap)
+        mid = (lo + hi) / 2
+        result = run(mid)
+        programs += 1
+        if result is not None:
+            at_mid, period = result
+            best = min(best, at_mid + (m - 1) * period)
+            heapq.heappush(heap, (at_mid + (m - 1) * lo, lo, period, at_mid))
+        heapq.heappush(heap, (at_hi + (m - 1) * mid, mid, hi, at_hi))
+    complete = not heap or heap[0][0] >= best * (1 - STEP_TOLERANCE)
+    bound = min(best, heap[0][0]) if heap else best
+    return found, bound, complete
+
+
+def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
+    """The plan of the shortest simulated step over the candidate orders (the cluster's own with
+    "given"), every subset of devices in each, and every split (module docstring)."""
+    cluster = costs.cluster
+    orders = candidate_orders(cluster) if device_order == "search" else [tuple(range(cluster.num_devices))]
+    scored: list[CostModel] = []
+    found: list[_Found] = []
+    best, step_bound, least, complete = np.inf, np.inf, np.inf, True
+    for index, order in enumerate(orders):
+        identity = list(order) == list(range(cluster.num_devices))
+        permuted = costs if identity else costs.on(reorder(cluster, order))
+        scored.append(permuted)
+        for top in _budget_groups(permuted):
+            prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
+            tables = _tables(prefix)
+            bottleneck, _ = _dynamic_program(*tables)
+            least = min(least, float(bottleneck[:, len(costs.order)].min()))
+            found_here, bound, done = _threshold_search(
+                tables, costs.schedule, costs.num_microbatches, index, best, _max_programs(prefix)
+            )
+            found += found_here
+            best = min([best, *(f.objective for f in found_here)])
+            step_bound, complete = min(step_bound, bound), complete and done
+    if not found:
+        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+    plan: Plan | None = None
+    seen: set[tuple[object, ...]] = set()
+    for candidate in sorted(found, key=lambda f: (f.estimate, f.objective, f.order)):
+        key = (candidate.order, candidate.blocks)
+        if key in seen:
+            continue
+        seen.add(key)
+        permuted = scored[candidate.order]
+        assignment = {
+            v: permuted.devices[k] for k, start, end in candidate.blocks for v in permuted.order[start:end]
+        }
+        simulated = score_assignment(assignment, permuted, method="exact_chain", status="feasible")
+        if plan is None or shorter_step(simulated, plan):
+            plan = simulated
+        if len(seen) == FINALISTS:
+            break
+    assert plan is not None  # found is not empty
+    proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
+    optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
+    lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
+    return dataclasses.replace(
+        plan,
+        status="optimal" if optimal else "feasible",
+        lower_bound_s=min(lower_bound, plan.bottleneck_s),
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _budget_groups(costs: CostModel) -> list[int]:
+    """The largest prefix of each group of prefixes whose stages budget the same micro-batches in flight.
+
+    One search on such a prefix covers every subset of its devices (the DP may skip any device), with
+    memory budgeted for its fullest stage: all of them for GPipe; 1F1B holds min(K, M).
+    """
+    m = costs.num_microbatches
+    tops: dict[int, int] = {}
+    for s in range(len(costs.devices), 0, -1):
+        tops.setdefault(max(in_flight(costs.schedule, s, m, stage) for stage in range(s)), s)
+    return list(tops.values())
+
+
+def _max_programs(costs: CostModel) -> int:
+    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
+    size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
+    return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
