@@ -47,6 +47,9 @@ STEP_TOLERANCE = 1e-6  # relative: the threshold search stops once no split can 
 MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
 PROGRAM_WORK = 2e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
 FINALISTS = 4  # splits simulated, the least estimates first
+# 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
+# weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
+ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
 
 
 class _Mode(NamedTuple):
@@ -396,19 +399,35 @@ def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
 
 
 def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
-    """The step of a split whose stages have ``figures`` (f, b, a, g) each (module docstring).
+    """The step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
 
     GPipe: exactly what the simulator computes. Each phase is a flow shop of M equal jobs whose
     machines are the stages and the links in between, so it lasts the sum of their times plus M - 1
     times the slowest:  sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
-    1F1B: an estimate, sum(f + b + a + g) + (M - 1) * the longest period.
+
+    1F1B: an estimate, the latest end over stages s assuming no stall after s's first backward:
+    micro-batch 0 reaches s after the stages before it; s runs min(K - s, M) forwards, and its first
+    backward waits for micro-batch 0's round trip through the stages after it; then s runs the rest of
+    its work, and its last gradient goes back down through the stages before it.
     """
-    total = sum(f + b + a + g for f, b, a, g in figures)
+    m = num_microbatches
     if schedule == "gpipe":
+        total = sum(f + b + a + g for f, b, a, g in figures)
         forward = max(max(f, a) for f, _, a, _ in figures)
         backward = max(max(b, g) for _, b, _, g in figures)
-        return total + (num_microbatches - 1) * (forward + backward)
-    return total + (num_microbatches - 1) * max(_period(schedule, *x) for x in figures)
+        return total + (m - 1) * (forward + backward)
+    count = len(figures)
+    latest = 0.0
+    for s, (f, b, a, g) in enumerate(figures):
+        before = figures[:s]
+        after = figures[s + 1 :]
+        start = sum(ft for ft, _, _, _ in before) + a + sum(at for _, _, at, _ in before)
+        warm = min(count - s, m)
+        round_trip = sum(ft + bt + at + gt for ft, bt, at, gt in after)
+        first_backward = start + max(f + round_trip, warm * f)
+        end = first_backward + m * b + (m - warm) * f
+        latest = max(latest, end + g + sum(bt + gt for _, bt, _, gt in before))
+    return latest
 
 
 def _stage_compute(
@@ -489,15 +508,21 @@ def _block_figures(
 
 
 def _threshold_search(
-    tables: _Tables, schedule: str, num_microbatches: int, order: int, incumbent: float, max_programs: int
+    tables: _Tables,
+    schedule: str,
+    num_microbatches: int,
+    order: int,
+    incumbent: float,
+    max_programs: int,
+    weight: float = 1.0,
 ) -> tuple[list[_Found], float, bool]:
-    """Splits that minimise sum(stage times) + (M - 1) * max(period) on ``tables``' devices (any subset
-    of them in order), by bisection on the period threshold T; with a lower bound on that objective over
-    every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
+    """Splits that minimise weight * sum(stage times) + (M - 1) * max(period) on ``tables``' devices
+    (any subset of them in order), by bisection on the period threshold T; with a lower bound on that
+    objective over every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
 
     The DP at threshold T gives s(T), the least sum among splits whose periods are all <= T, and
     s is non-increasing in T. A split y with period p(y) in an interval (lo, hi] of thresholds has
-    sum(y) >= s(hi), so its objective is at least s(hi) + (M - 1) * lo: intervals whose bound reaches
+    sum(y) >= s(hi), so its objective is at least w s(hi) + (M - 1) lo: intervals whose bound reaches
     the best objective found (``incumbent`` from other orders, then this search's) are dropped, the
     others halved. The split found at hi has period p <= hi, and no split with a period in [p, hi] beats
     it, so an interval shrinks to (lo, p] at once.
@@ -523,7 +548,7 @@ def _threshold_search(
         found.append(
             _Found(
                 _estimate(schedule, m, figures),
-                total + (m - 1) * period,
+                weight * total + (m - 1) * period,
                 order,
                 tuple((k2, i, j) for _, k2, i, j in blocks),
             )
@@ -533,8 +558,8 @@ def _threshold_search(
     first = run(np.inf)
     if first is None:
         return found, np.inf, True
-    best = min(incumbent, first[0] + (m - 1) * first[1])
-    heap = [(first[0], 0.0, first[1], first[0])]  # (bound, lo, hi, s(hi)): splits with a period in (lo, hi]
+    best = min(incumbent, weight * first[0] + (m - 1) * first[1])
+    heap = [(weight * first[0], 0.0, first[1], first[0])]  # (bound, lo, hi, s(hi)): splits with a period in (lo, hi]
     programs = 1
     while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
         _, lo, hi, at_hi = heapq.heappop(heap)
@@ -543,9 +568,9 @@ def _threshold_search(
         programs += 1
         if result is not None:
             at_mid, period = result
-            best = min(best, at_mid + (m - 1) * period)
-            heapq.heappush(heap, (at_mid + (m - 1) * lo, lo, period, at_mid))
-        heapq.heappush(heap, (at_hi + (m - 1) * mid, mid, hi, at_hi))
+            best = min(best, weight * at_mid + (m - 1) * period)
+            heapq.heappush(heap, (weight * at_mid + (m - 1) * lo, lo, period, at_mid))
+        heapq.heappush(heap, (weight * at_hi + (m - 1) * mid, mid, hi, at_hi))
     complete = not heap or heap[0][0] >= best * (1 - STEP_TOLERANCE)
     bound = min(best, heap[0][0]) if heap else best
     return found, bound, complete
@@ -558,7 +583,9 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     orders = candidate_orders(cluster) if device_order == "search" else [tuple(range(cluster.num_devices))]
     scored: list[CostModel] = []
     found: list[_Found] = []
-    best, step_bound, least, complete = np.inf, np.inf, np.inf, True
+    weights = (1.0,) if costs.schedule == "gpipe" else ONE_F_ONE_B_WEIGHTS
+    best = dict.fromkeys(weights, np.inf)
+    step_bound, least, complete = np.inf, np.inf, True
     for index, order in enumerate(orders):
         identity = list(order) == list(range(cluster.num_devices))
         permuted = costs if identity else costs.on(reorder(cluster, order))
@@ -568,12 +595,14 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             tables = _tables(prefix)
             bottleneck, _ = _dynamic_program(*tables)
             least = min(least, float(bottleneck[:, len(costs.order)].min()))
-            found_here, bound, done = _threshold_search(
-                tables, costs.schedule, costs.num_microbatches, index, best, _max_programs(prefix)
-            )
-            found += found_here
-            best = min([best, *(f.objective for f in found_here)])
-            step_bound, complete = min(step_bound, bound), complete and done
+            for weight in weights:
+                found_here, bound, done = _threshold_search(
+                    tables, costs.schedule, costs.num_microbatches, index, best[weight], _max_programs(prefix), weight
+                )
+                found += found_here
+                best[weight] = min([best[weight], *(f.objective for f in found_here)])
+                if weight == 1.0:
+                    step_bound, complete = min(step_bound, bound), complete and done
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     plan: Plan | None = None

@@ -364,6 +364,166 @@ def hetero_tables(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----- random chains against brute force -----------------------------------------------------------
+
+RANDOM_CHAIN_CASES = {"quick": 14, "full": 40}  # (chain, cluster) pairs, each planned for every M and schedule
+RANDOM_CHAIN_MS = (1, 2, 4, 8, 16)
+RANDOM_CHAIN_SCHEDULES = ("gpipe", "1f1b")
+RANDOM_CHAIN_MAX_PLANS = {"quick": 400, "full": 1500}  # plans to enumerate per pair at most (sizes redrawn above)
+SPEEDS = (25e12, 50e12, 100e12, 200e12)  # FLOP/s the heterogeneous devices are drawn from
+BANDWIDTHS = (10e9, 50e9, 450e9)  # bytes/s of every link, drawn per cluster
+
+
+def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, str]:
+    """A random chain of 8-20 layers and a cluster of 2-8 devices (uniform, or two kinds of device
+    with mixed speeds and memories), redrawn until it has at most ``max_plans`` legal placements."""
+    from partitioner.synthetic import random_chain
+
+    while True:
+        n, k = rng.randint(8, 20), rng.randint(2, 8)
+        graph = random_chain(n, seed=rng.randint(0, 10**9))
+        need = sum(pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16).memory.values())
+        bandwidth = rng.choice(BANDWIDTHS)
+        if rng.random() < 0.5:
+            kind = "uniform"
+            cluster = pt.Cluster.uniform(k, memory=int(2 * need), flops_per_s=rng.choice(SPEEDS), bandwidth=bandwidth)
+        else:
+            kind = "mixed"
+            kinds = [(rng.choice(SPEEDS), int(need * rng.choice((0.4, 0.7, 2.0)))) for _ in range(2)]
+            picks = [rng.randrange(2) for _ in range(k)]
+            picks[rng.randrange(k)] = 1 - picks[0]  # both kinds present
+            devices = [pt.Device(f"/GPU:{i}", memory=kinds[p][1], flops_per_s=kinds[p][0]) for i, p in enumerate(picks)]
+            cluster = pt.Cluster(devices, bandwidth=bandwidth)
+        if len(every_chain_placement(graph, cluster, count_only=True)) <= max_plans:
+            return graph, cluster, kind
+
+
+def every_chain_placement(graph: nx.DiGraph, cluster: pt.Cluster, count_only: bool = False) -> list[Any]:
+    """Every legal plan of a chain: each contiguous split into 1..K blocks on distinct devices in any
+    order, up to swapping interchangeable devices (partitioner.order.device_classes: such swaps change
+    no cost). Each item is (device order, assignment); with ``count_only`` the items are placeholders."""
+    import itertools
+    import math
+
+    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+
+    classes = device_classes(cluster)
+    order = pt.CostModel(graph, pt.Cluster.uniform(1, memory=1)).order
+    n = len(order)
+    items: list[Any] = []
+    for blocks in range(1, min(n, cluster.num_devices) + 1):
+        sequences = []
+        for counts in itertools.product(*(range(len(c) + 1) for c in classes)):
+            if sum(counts) == blocks:
+                sequences += _label_sequences(list(counts))
+        splits = math.comb(n - 1, blocks - 1)
+        if count_only:
+            items += [None] * (splits * len(sequences))
+            continue
+        for cuts in itertools.combinations(range(1, n), blocks - 1):
+            bounds = [0, *cuts, n]
+            for labels in sequences:
+                used = _devices(classes, labels)
+                rest = [d for d in range(cluster.num_devices) if d not in used]
+                listed = reorder(cluster, [*used, *rest])
+                assignment = {
+                    v: listed.names[b] for b in range(blocks) for v in order[bounds[b] : bounds[b + 1]]
+                }
+                items.append((listed, assignment))
+    return items
+
+
+def run_random_chains(cases: int, max_plans: int, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per (pair, M, schedule): pt.solve's simulated step against the best of every legal plan."""
+    import random
+
+    from partitioner.simulate import simulate_assignment
+
+    rng = random.Random(seed)
+    rows = []
+    for case in range(cases):
+        graph, cluster, kind = random_chain_pair(rng, max_plans)
+        placements = every_chain_placement(graph, cluster)
+        for schedule in RANDOM_CHAIN_SCHEDULES:
+            for m in RANDOM_CHAIN_MS:
+                best = None
+                for listed, assignment in placements:
+                    costs = pt.CostModel(graph, listed, num_microbatches=m, schedule=schedule)
+                    if not costs.fits(costs.evaluate(assignment)):
+                        continue
+                    step = simulate_assignment(costs, assignment).step_time_s
+                    best = step if best is None else min(best, step)
+                started = time.perf_counter()
+                try:
+                    plan = pt.solve(graph, cluster, num_microbatches=m, schedule=schedule)
+                    ours = pt.simulate(plan, graph, cluster).step_time_s
+                except pt.InfeasiblePlanError:
+                    ours = None
+                row = {
+                    "case": case,
+                    "layers": graph.number_of_nodes(),
+                    "devices": cluster.num_devices,
+                    "cluster": kind,
+                    "num_microbatches": m,
+                    "schedule": schedule,
+                    "plans": len(placements),
+                    "best_step_s": best,
+                    "solve_step_s": ours,
+                    "solve_stages": None if ours is None else plan.num_stages,
+                    "solve_s": time.perf_counter() - started,
+                    "ratio": None if best is None or ours is None else ours / best,
+                }
+                rows.append(row)
+        mine = [r["ratio"] for r in rows[-len(RANDOM_CHAIN_MS) * len(RANDOM_CHAIN_SCHEDULES) :] if r["ratio"]]
+        print(
+            f"random chain {case}: {graph.number_of_nodes()} layers, {cluster.num_devices} {kind} devices, "
+            f"{len(placements)} plans: worst solve/best {max(mine, default=float('nan')):.4f}",
+            flush=True,
+        )
+    return rows
+
+
+def random_chain_tables(results: dict[str, Any]) -> str:
+    rows = results["random_chain_rows"]
+    lines = [
+        f"Generated by `{results['command']}` on {results['date']} ({results['machine']}). "
+        f"{len({r['case'] for r in rows})} random chains (`partitioner.synthetic.random_chain`, 8-20 layers) on "
+        "clusters of 2-8 devices (uniform, or two kinds drawn from 25-200 TFLOP/s with memories of 0.4x, 0.7x "
+        "or 2x the chain's need at M = 16; links of 10, 50 or 450 GB/s), sizes redrawn while a pair has more "
+        f"than {results['random_chain_max_plans']} legal plans; each pair planned for M in "
+        f"{', '.join(map(str, RANDOM_CHAIN_MS))} and both schedules. Brute force: every contiguous split into "
+        "1..K blocks on distinct devices in every order (up to swapping interchangeable devices), each that "
+        "fits simulated (`partitioner.simulate`). Ratio = `pt.solve`'s simulated step / the best enumerated "
+        "step (goal: worst <= 1.01, mean <= 1.002).",
+        "",
+        "| schedule | M | cases | worst | mean | cases above 1.001 | solve time, mean (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in RANDOM_CHAIN_MS] + [("all", None)]
+    for schedule, m in groups:
+        mine = [
+            r
+            for r in rows
+            if r["ratio"] is not None and schedule in ("all", r["schedule"]) and m in (None, r["num_microbatches"])
+        ]
+        if not mine:
+            continue
+        ratios = [r["ratio"] for r in mine]
+        label = "**all**" if schedule == "all" else schedule
+        lines.append(
+            f"| {label} | {m or 'all'} | {len(mine)} | {max(ratios):.4f} | {sum(ratios) / len(ratios):.4f} "
+            f"| {sum(x > 1.001 for x in ratios)} | {sum(r['solve_s'] for r in mine) / len(mine):.3f} |"
+        )
+    neither = sum(r["best_step_s"] is None and r["solve_step_s"] is None for r in rows)
+    missed = sum(r["best_step_s"] is not None and r["solve_step_s"] is None for r in rows)
+    lines += [
+        "",
+        f"Cases where no plan fits (brute force and solve agree): {neither}. Cases where a plan fits but solve "
+        f"found none: {missed}.",
+    ]
+    return "\n".join(lines)
+
+
 # ----- report ----------------------------------------------------------------------------------------
 
 
@@ -536,6 +696,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+SECTIONS = ("all", "models", "hetero", "random-chains")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
@@ -547,45 +710,79 @@ def main() -> None:
     parser.add_argument(
         "--hetero-time-limit", type=float, default=10.0, help="CP-SAT seconds per plan on the mixed clusters"
     )
+    parser.add_argument(
+        "--section",
+        choices=SECTIONS,
+        default="all",
+        help="run one section only; the others' results and tables are kept from the last run",
+    )
     args = parser.parse_args()
     names = args.models or (list(MODELS) if args.full else list(QUICK))
     flag = " --full" if args.full else (" --models " + " ".join(names) if args.models else " --quick")
-    rows = []
-    for name in names:
-        rows += run_model(name, DEVICES, args.time_limit, args.reprofile)
-    hetero_names = [n for n in names if args.full or args.models or n in HETERO_QUICK]
-    hetero_rows = []
-    for name in hetero_names:
-        hetero_rows += run_hetero(name, args.hetero_time_limit)
-    results: dict[str, Any] = {
+    if args.section != "all":
+        flag += f" --section {args.section}"
+    run = {
         "command": "python benchmarks/planner_quality/run.py" + flag,
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, ortools {__import__('ortools').__version__}",
-        "cluster": CLUSTER,
-        "batch_size": BATCH_SIZE,
-        "num_microbatches": NUM_MICROBATCHES,
-        "sequence_length": SEQUENCE_LENGTH,
-        "time_limit_s": args.time_limit,
-        "rows": rows,
-        "hetero_clusters": list(HETERO_CLUSTERS),
-        "hetero_time_limit_s": args.hetero_time_limit,
-        "hetero_rows": hetero_rows,
     }
-    (HERE / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, HERE / "speedup.png")
+    path = HERE / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if args.section != "all" and path.exists() else {}
+    if args.section in ("all", "models"):
+        rows = []
+        for name in names:
+            rows += run_model(name, DEVICES, args.time_limit, args.reprofile)
+        results.update(
+            run,
+            cluster=CLUSTER,
+            batch_size=BATCH_SIZE,
+            num_microbatches=NUM_MICROBATCHES,
+            sequence_length=SEQUENCE_LENGTH,
+            time_limit_s=args.time_limit,
+            rows=rows,
+        )
+    if args.section in ("all", "hetero"):
+        hetero_names = [n for n in names if args.full or args.models or n in HETERO_QUICK]
+        hetero_rows = []
+        for name in hetero_names:
+            hetero_rows += run_hetero(name, args.hetero_time_limit)
+        results.update(
+            hetero_clusters=list(HETERO_CLUSTERS), hetero_time_limit_s=args.hetero_time_limit, hetero_rows=hetero_rows
+        )
+        results.setdefault("hetero_run", {}).update(run)
+    if args.section in ("all", "random-chains"):
+        size = "full" if args.full else "quick"
+        random_rows = run_random_chains(RANDOM_CHAIN_CASES[size], RANDOM_CHAIN_MAX_PLANS[size])
+        results.update(random_chain_rows=random_rows, random_chain_max_plans=RANDOM_CHAIN_MAX_PLANS[size])
+        results["random_chain_run"] = run
+    path.write_text(json.dumps(results, indent=1))
     readme = HERE / "README.md"
     text = readme.read_text() if readme.exists() else "<!-- results:start -->\n<!-- results:end -->\n"
-    generated = "<!-- results:start -->\n" + tables(results) + "\n" + summary(results) + "\n<!-- results:end -->"
-    text = re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S)
-    if "<!-- hetero:start -->" not in text:
-        text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
-    generated = "<!-- hetero:start -->\n" + hetero_tables(results) + "\n<!-- hetero:end -->"
-    text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
+    if "rows" in results:
+        plot(results, HERE / "speedup.png")
+        generated = "<!-- results:start -->\n" + tables(results) + "\n" + summary(results) + "\n<!-- results:end -->"
+        text = re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S)
+        print(summary(results))
+    if "hetero_rows" in results:
+        if "<!-- hetero:start -->" not in text:
+            text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
+        generated = "<!-- hetero:start -->\n" + hetero_tables({**results, **results.get("hetero_run", {})}) + (
+            "\n<!-- hetero:end -->"
+        )
+        text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
+        print(hetero_tables({**results, **results.get("hetero_run", {})}))
+    if "random_chain_rows" in results:
+        if "<!-- random-chains:start -->" not in text:
+            text += (
+                "\n## Random chains against brute force\n\n<!-- random-chains:start -->\n<!-- random-chains:end -->\n"
+            )
+        table = random_chain_tables({**results, **results["random_chain_run"]})
+        generated = "<!-- random-chains:start -->\n" + table + "\n<!-- random-chains:end -->"
+        text = re.sub(r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S)
+        print(table)
     readme.write_text(text)
-    print(summary(results))
-    print(hetero_tables(results))
-    print(f"wrote {HERE / 'results.json'}, {HERE / 'speedup.png'} and the tables in {readme}")
+    print(f"wrote {path} and the tables in {readme}")
 
 
 if __name__ == "__main__":
