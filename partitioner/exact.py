@@ -43,13 +43,15 @@ from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
 
 OBJECTIVES = ("step", "bottleneck")
-STEP_TOLERANCE = 1e-6  # relative: the threshold search stops once no split can beat its best by more
+STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
 MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
 PROGRAM_WORK = 2e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
 FINALISTS = 4  # splits simulated, the least estimates first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
 # weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
 ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
+LOCAL_ROUNDS = 64  # improving moves at most from each 1F1B finalist
+LOCAL_WINDOW = 16  # nodes a boundary moves at most, and cut points tried per stage split
 
 
 class _Mode(NamedTuple):
@@ -431,27 +433,49 @@ def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, f
 
 
 def _stage_compute(
-    tables: _Tables, k2: int, starts: np.ndarray, links: tuple[np.ndarray, np.ndarray], schedule: str, limit: float
+    tables: _Tables,
+    k2: int,
+    starts: np.ndarray,
+    links: tuple[np.ndarray, np.ndarray],
+    schedule: str,
+    limit: float,
+    ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """[start, end]: the least compute seconds of block [start, end) on device k2 in a mode that fits
     its memory, is allowed there, and keeps the stage's period within ``limit``; inf where none.
 
     ``starts`` is a column of block starts (0: the first block, which receives nothing); ``links``
-    the activation and gradient seconds of each start's received tensor (columns too).
+    the activation and gradient seconds of each start's received tensor (columns too); ``ends`` the
+    block ends to compute (all, 0..N, by default).
     """
     n = tables.modes[0].prefix.shape[0] - 1
-    after = np.arange(n + 1)[None, :] > starts
+    ends = np.arange(n + 1) if ends is None else ends
     a, g = links
-    best = np.full((len(starts), n + 1), np.inf)
+    best = np.full((len(starts), len(ends)), np.inf)
     for mode in tables.modes:
-        forward, backward = mode.forward[:, k2], mode.backward[:, k2]
-        f = forward[None, :] - forward[starts]
-        b = backward[None, :] - backward[starts]
+        # memory grows with the end: each start's blocks fit up to an end (its received tensor counts)
         received = np.where(starts > 0, mode.boundary[np.maximum(starts - 1, 0)], 0.0)
-        held = mode.mem_prefix[None, :] - mode.mem_prefix[starts] + received
-        fits = after & (held <= tables.capacity[k2]) & mode.allowed[None, :] & (_period(schedule, f, b, a, g) <= limit)
+        room = tables.capacity[k2] + mode.mem_prefix[starts] - received
+        last = np.searchsorted(mode.mem_prefix, room, side="right") - 1
+        fits = (ends[None, :] > starts) & (ends[None, :] <= last) & mode.allowed[ends][None, :]
+        forward, backward = mode.forward[:, k2], mode.backward[:, k2]
+        f = forward[ends][None, :] - forward[starts]
+        b = backward[ends][None, :] - backward[starts]
+        if np.isfinite(limit):
+            fits &= _period(schedule, f, b, a, g) <= limit
         best = np.minimum(best, np.where(fits, f + b, np.inf))
     return best
+
+
+def _reach(tables: _Tables, k2: int, starts: np.ndarray, limit: float) -> np.ndarray:
+    """The last end j of a block [start, j) on k2 whose compute can be within ``limit``, per start
+    (a period is at least the compute, and no node computes less in any mode than kept, modes[0])."""
+    n = tables.modes[0].prefix.shape[0] - 1
+    if not np.isfinite(limit):
+        return np.full(len(starts), n)
+    fastest = tables.modes[0].prefix[:, k2]
+    reach = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
+    return np.minimum(reach, n)
 
 
 def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -462,43 +486,57 @@ def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.nda
 
 def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
     """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) ending
-    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them."""
+    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them.
+
+    A finite ``limit`` bounds how far a block reaches (:func:`_reach`), so each start's ends are a
+    band, not the whole chain: the work falls from O(N^2) per device pair to O(N * band).
+    """
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
     none = np.zeros((1, 1))
-    ends = np.arange(n + 1)
+    budget = max(1, 2_000_000 // len(tables.modes))  # array cells per chunk of starts
     for k2 in range(num_devices):
-        first = _stage_compute(tables, k2, np.zeros((1, 1), dtype=np.int64), (none, none), schedule, limit)[0]
-        better = first < table[k2]
-        table[k2][better] = first[better]
-        parent[k2][better] = (-1, 0)
-        chunk = max(1, 2_000_000 // ((n + 1) * len(tables.modes)))
+        zero = np.zeros(1, dtype=np.int64)
+        ends = np.arange(1, int(_reach(tables, k2, zero, limit)[0]) + 1)
+        first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
+        better = first < table[k2, ends]
+        table[k2, ends[better]] = first[better]
+        parent[k2, ends[better]] = (-1, 0)
         for k in range(k2):
             starts = np.flatnonzero(np.isfinite(table[k, 1:n])) + 1
+            if not len(starts):
+                continue
+            reach = _reach(tables, k2, starts, limit)
+            band = max(1, int((reach - starts).max()))
+            chunk = max(1, budget // band - band)  # a chunk's ends span its starts and one band
             for lo in range(0, len(starts), chunk):
                 i = starts[lo : lo + chunk][:, None]
+                ends = np.arange(int(i[0, 0]) + 1, max(int(reach[lo : lo + chunk].max()), int(i[0, 0])) + 1)
+                if not len(ends):
+                    continue
                 a, g = _links(tables, k, k2, i)
-                stage = _stage_compute(tables, k2, i, (a, g), schedule, limit)
-                cand = table[k, i] + stage + a + g
+                cand = table[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
                 arg = np.argmin(cand, axis=0)
-                value = cand[arg, ends]
-                better = value < table[k2]
-                table[k2][better] = value[better]
-                parent[k2, better, 0] = k
-                parent[k2, better, 1] = i[arg[better], 0]
+                value = cand[arg, np.arange(len(ends))]
+                better = value < table[k2, ends]
+                table[k2, ends[better]] = value[better]
+                parent[k2, ends[better], 0] = k
+                parent[k2, ends[better], 1] = i[arg[better], 0]
     return table, parent
 
 
 def _block_figures(
-    tables: _Tables, previous: int, k2: int, start: int, end: int, schedule: str, limit: float
-) -> tuple[float, float, float, float]:
+    tables: _Tables, previous: int, k2: int, start: int, end: int, schedule: str, limit: float = np.inf
+) -> tuple[float, float, float, float] | None:
     """(f, b, a, g) of block [start, end) on k2 after a stage on ``previous`` (-1: none), in the mode
-    _stage_compute chooses for it."""
+    _stage_compute chooses for it; None when no mode fits."""
     column = np.array([[start]])
     links = _links(tables, previous, k2, column) if previous >= 0 else (np.zeros((1, 1)), np.zeros((1, 1)))
     a, g = float(links[0][0, 0]), float(links[1][0, 0])
     least = float(_stage_compute(tables, k2, column, links, schedule, limit)[0, end])
+    if not np.isfinite(least):
+        return None
     for mode in tables.modes:
         f = float(mode.forward[end, k2] - mode.forward[start, k2])
         b = float(mode.backward[end, k2] - mode.backward[start, k2])
@@ -514,7 +552,9 @@ def _threshold_search(
     order: int,
     incumbent: float,
     max_programs: int,
-    weight: float = 1.0,
+    weight: float,
+    least_bottleneck: float,
+    least_sum: float,
 ) -> tuple[list[_Found], float, bool]:
     """Splits that minimise weight * sum(stage times) + (M - 1) * max(period) on ``tables``' devices
     (any subset of them in order), by bisection on the period threshold T; with a lower bound on that
@@ -526,6 +566,11 @@ def _threshold_search(
     the best objective found (``incumbent`` from other orders, then this search's) are dropped, the
     others halved. The split found at hi has period p <= hi, and no split with a period in [p, hi] beats
     it, so an interval shrinks to (lo, p] at once.
+
+    The search starts at the least bottleneck ``least_bottleneck`` of these devices (a split within it
+    exists), and above it only up to where (M - 1) * T alone exceeds the best found less
+    w * ``least_sum`` (a bound on any split's sum): the DP's work is a band below the threshold
+    (:func:`_step_program`), so small thresholds are cheap.
     """
     n = tables.modes[0].prefix.shape[0] - 1
     m = num_microbatches
@@ -542,7 +587,9 @@ def _threshold_search(
             blocks.append((k_prev, k, i, j))
             k, j = k_prev, i
         blocks.reverse()
-        figures = [_block_figures(tables, p, k2, i, j, schedule, limit) for p, k2, i, j in blocks]
+        stages = tuple((k2, i, j) for _, k2, i, j in blocks)
+        figures = _figures(tables, stages, schedule, limit)
+        assert figures is not None  # the DP found them
         total = sum(f + b + a + g for f, b, a, g in figures)
         period = max(float(_period(schedule, *x)) for x in figures)
         found.append(
@@ -550,17 +597,31 @@ def _threshold_search(
                 _estimate(schedule, m, figures),
                 weight * total + (m - 1) * period,
                 order,
-                tuple((k2, i, j) for _, k2, i, j in blocks),
+                stages,
             )
         )
         return total, period
 
-    first = run(np.inf)
-    if first is None:
+    # The least-bottleneck split's stages take at most ``least_bottleneck`` (compute + receive), so its
+    # periods too: the DP at that threshold finds a split, an incumbent, at the cost of a narrow band.
+    start = run(least_bottleneck * (1 + 1e-9)) if np.isfinite(least_bottleneck) else run(np.inf)
+    if start is None:
         return found, np.inf, True
-    best = min(incumbent, weight * first[0] + (m - 1) * first[1])
-    heap = [(weight * first[0], 0.0, first[1], first[0])]  # (bound, lo, hi, s(hi)): splits with a period in (lo, hi]
+    best = min(incumbent, weight * start[0] + (m - 1) * start[1])
+    # No period is below the compute of the busiest stage, at least the least sum spread over every
+    # device (kept, on its fastest device: a lower bound for any mode) or the costliest node.
+    nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
+    floor = max(least_sum / len(tables.capacity), float(nodes.max(initial=0.0))) * (1 - 1e-9)
+    heap = [(weight * start[0] + (m - 1) * floor, floor, start[1], start[0])]  # (bound, lo, hi, s(hi)): periods in (lo, hi]
     programs = 1
+    # A split whose period exceeds T_max cannot beat ``best``: w * sum >= w * least_sum.
+    top = (best - weight * least_sum) / (m - 1) if m > 1 else np.inf
+    if top > least_bottleneck * (1 + 1e-9):
+        result = run(top)
+        programs += 1
+        if result is not None and result[1] > least_bottleneck:
+            best = min(best, weight * result[0] + (m - 1) * result[1])
+            heapq.heappush(heap, (weight * result[0] + (m - 1) * least_bottleneck, least_bottleneck, *result[::-1]))
     while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
         _, lo, hi, at_hi = heapq.heappop(heap)
         mid = (lo + hi) / 2
@@ -594,11 +655,25 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
             tables = _tables(prefix)
             bottleneck, _ = _dynamic_program(*tables)
-            least = min(least, float(bottleneck[:, len(costs.order)].min()))
+            least_here = float(bottleneck[:, len(costs.order)].min())
+            least = min(least, least_here)
+            # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
+            least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
             for weight in weights:
                 found_here, bound, done = _threshold_search(
-                    tables, costs.schedule, costs.num_microbatches, index, best[weight], _max_programs(prefix), weight
+                    tables,
+                    costs.schedule,
+                    costs.num_microbatches,
+                    index,
+                    best[weight],
+                    _max_programs(prefix),
+                    weight,
+                    least_here,
+                    least_sum,
                 )
+                if costs.schedule != "gpipe":
+                    ranked = sorted(found_here, key=lambda f: f.estimate)[:FINALISTS]
+                    found_here += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
                 found += found_here
                 best[weight] = min([best[weight], *(f.objective for f in found_here)])
                 if weight == 1.0:
@@ -650,3 +725,73 @@ def _max_programs(costs: CostModel) -> int:
     """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
     size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
     return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
+
+
+Blocks = tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
+
+
+def _figures(
+    tables: _Tables, blocks: Blocks, schedule: str, limit: float = np.inf
+) -> list[tuple[float, float, float, float]] | None:
+    """(f, b, a, g) of each stage of ``blocks``, or None when a block fits in no mode."""
+    figures = []
+    previous = -1
+    for k, start, end in blocks:
+        block = _block_figures(tables, previous, k, start, end, schedule, limit)
+        if block is None:
+            return None
+        figures.append(block)
+        previous = k
+    return figures
+
+
+def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
+    """Splits one move away from ``blocks``: a boundary moved, a stage split onto an idle device
+    between its neighbours', two stages merged, or a stage moved to such an idle device. On long
+    chains a boundary moves at most LOCAL_WINDOW nodes and a stage splits at most at LOCAL_WINDOW points."""
+    result: list[Blocks] = []
+    used = {k for k, _, _ in blocks}
+    count = len(blocks)
+    for s in range(count):
+        k, start, end = blocks[s]
+        low = blocks[s - 1][0] if s > 0 else -1
+        high = blocks[s + 1][0] if s + 1 < count else num_devices
+        idle = [d for d in range(low + 1, high) if d not in used]
+        for d in idle:  # the stage on another device
+            result.append((*blocks[:s], (d, start, end), *blocks[s + 1 :]))
+        cuts = range(start + 1, end)
+        if len(cuts) > LOCAL_WINDOW:
+            cuts = range(start + 1, end, -(-len(cuts) // LOCAL_WINDOW))
+        for cut in cuts:  # split: one part stays on k, the other goes to an idle device on its side
+            for d in idle:
+                pair = ((k, start, cut), (d, cut, end)) if d > k else ((d, start, cut), (k, cut, end))
+                result.append((*blocks[:s], *pair, *blocks[s + 1 :]))
+        if s + 1 < count:
+            k2, _, end2 = blocks[s + 1]
+            for d in (k, k2):  # merge with the next stage
+                result.append((*blocks[:s], (d, start, end2), *blocks[s + 2 :]))
+            lo, hi = max(start + 1, end - LOCAL_WINDOW), min(end2 - 1, end + LOCAL_WINDOW)
+            for cut in range(lo, hi + 1):  # move the boundary
+                if cut != end:
+                    result.append((*blocks[:s], (k, start, cut), (k2, cut, end2), *blocks[s + 2 :]))
+    return result
+
+
+def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
+    """``found`` improved by :func:`_neighbours` moves while the estimate shortens (first improvement,
+    at most LOCAL_ROUNDS rounds): for 1F1B, whose step the threshold search's objective only approximates."""
+    num_devices = len(tables.capacity)
+    best, estimate = found.blocks, found.estimate
+    for _ in range(LOCAL_ROUNDS):
+        improved = False
+        for candidate in _neighbours(best, num_devices):
+            figures = _figures(tables, candidate, schedule)
+            if figures is None:
+                continue
+            value = _estimate(schedule, num_microbatches, figures)
+            if value < estimate * (1 - 1e-12):
+                best, estimate, improved = candidate, value, True
+                break
+        if not improved:
+            break
+    return found._replace(estimate=estimate, blocks=best)
