@@ -50,7 +50,7 @@ FINALISTS = 4  # splits simulated, the least estimates first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
 # weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
 ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
-LOCAL_ROUNDS = 64  # improving moves at most from each 1F1B finalist
+LOCAL_ROUNDS = 32  # moves at most from each 1F1B finalist
 LOCAL_WINDOW = 16  # nodes a boundary moves at most, and cut points tried per stage split
 
 
@@ -697,6 +697,15 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         if len(seen) == FINALISTS:
             break
     assert plan is not None  # found is not empty
+    if costs.schedule != "gpipe":  # an estimate ranked the splits: the least-bottleneck plans compete too
+        if device_order == "search":
+            before = _search_orders(costs, started)
+        else:
+            least_bottleneck = _solve_chain(costs)
+            assert least_bottleneck is not None  # the same splits fit as in the step search
+            before = score_assignment(least_bottleneck[0], costs, method="exact_chain", status="feasible")
+        if shorter_step(before, plan):
+            plan = before
     proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
     optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
     lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
@@ -778,20 +787,29 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
 
 
 def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
-    """``found`` improved by :func:`_neighbours` moves while the estimate shortens (first improvement,
-    at most LOCAL_ROUNDS rounds): for 1F1B, whose step the threshold search's objective only approximates."""
+    """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
+    objective only approximates. Each round moves to the neighbour of the least estimate not visited yet,
+    sideways too (equal estimates, plateaus), and stops when every neighbour is worse or after
+    LOCAL_ROUNDS rounds; the best split visited is returned."""
     num_devices = len(tables.capacity)
-    best, estimate = found.blocks, found.estimate
+    current, best, estimate = found.blocks, found.blocks, found.estimate
+    current_estimate = estimate
+    visited = {current}
     for _ in range(LOCAL_ROUNDS):
-        improved = False
-        for candidate in _neighbours(best, num_devices):
-            figures = _figures(tables, candidate, schedule)
-            if figures is None:
+        scored = []
+        for candidate in _neighbours(current, num_devices):
+            if candidate in visited:
                 continue
-            value = _estimate(schedule, num_microbatches, figures)
-            if value < estimate * (1 - 1e-12):
-                best, estimate, improved = candidate, value, True
-                break
-        if not improved:
+            figures = _figures(tables, candidate, schedule)
+            if figures is not None:
+                scored.append((_estimate(schedule, num_microbatches, figures), candidate))
+        if not scored:
             break
+        value, candidate = min(scored)
+        if value > current_estimate * (1 + 1e-12):
+            break
+        visited.add(candidate)
+        current, current_estimate = candidate, value
+        if value < estimate * (1 - 1e-12):
+            best, estimate = candidate, value
     return found._replace(estimate=estimate, blocks=best)
