@@ -1,25 +1,40 @@
-"""An exact dynamic program for chains: the optimum the CP-SAT solver is checked against.
+"""Dynamic programs for chains: the plan of the shortest step, and of the least bottleneck.
 
 For a chain of N layers and K devices in pipeline order, every legal plan cuts the chain into
-contiguous blocks on increasing devices (some devices may stay empty). With ``f[k][j]`` the best
-bottleneck that puts layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1`` on ``k``::
+contiguous blocks on increasing devices (some devices may stay empty). A block's compute and memory
+are those of its mode (partitioner.cost.mode_cost): kept, or recomputed (forward twice, the received
+tensor held per micro-batch in flight and the block's activations once), the fastest that fits and the
+recompute policy allows (never the last block).
+
+The step objective (the default, docs/cost-model.md "The objective: the step"). Users pay the simulated
+step. For GPipe it has a closed form over the stages' forward f, backward b, received activation a and
+returned gradient g (:func:`_estimate`, equal to the simulator's step)::
+
+    step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
+
+With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a threshold T, the least
+sum of stage times over splits whose every period is at most T (a min-sum DP, O(K^2 N * band)), and
+:func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
+one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
+splits met are ranked by the exact formula, the best few simulated. 1F1B has no closed form: an
+estimate ranks the splits, a local search improves them, and the least-bottleneck plans compete.
+
+The bottleneck objective (``objective="bottleneck"``), with ``f[k][j]`` the best bottleneck that puts
+layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1`` on ``k``::
 
     f[k'][j] = min over k < k', i < j of  max(f[k][i], compute(k', i, j) + bytes(i - 1) / bw(k, k'))
                subject to memory(i, j) <= capacity(k')
 
-where a block's compute and memory are those of its mode (partitioner.cost.mode_cost): kept, or
-recomputed (forward twice, the received tensor held per micro-batch in flight and the block's
-activations once), the fastest that fits and the recompute policy allows (never the last block).
-This is O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
+O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
 
-With ``device_order="search"`` (the default) the pipeline order is a decision too: the DP runs on every
-candidate order of partitioner.order (orders of classes of interchangeable devices), and the table of
-one order gives the least bottleneck on each of its prefixes (subsets of 1..K devices) at once. Each
-prefix's plan (least bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the
-least bottleneck, then the fewest bytes, then the first candidate): so no subset the search considers
-gives a shorter step than the plan, and ties go the same way every run.
+With ``device_order="search"`` (the default) the pipeline order is a decision too: the DPs run on every
+candidate order of partitioner.order (orders of classes of interchangeable devices). One table covers
+every subset of an order's devices (a block may skip devices), for each group of prefixes whose stages
+budget the same micro-batches in flight. Under the bottleneck objective each prefix's plan (least
+bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the least bottleneck,
+then the fewest bytes, then the first candidate): ties go the same way every run.
 """
 
 from __future__ import annotations
@@ -223,7 +238,10 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
     """``tables`` for the first ``num_devices`` devices only."""
     s = num_devices
     return _Tables(
-        [m._replace(prefix=m.prefix[:, :s], forward=m.forward[:, :s], backward=m.backward[:, :s]) for m in tables.modes],
+        [
+            m._replace(prefix=m.prefix[:, :s], forward=m.forward[:, :s], backward=m.backward[:, :s])
+            for m in tables.modes
+        ],
         tables.capacity[:s],
         tables.out_bytes,
         [row[:s] for row in tables.bandwidth[:s]],
@@ -612,7 +630,9 @@ def _threshold_search(
     # device (kept, on its fastest device: a lower bound for any mode) or the costliest node.
     nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
     floor = max(least_sum / len(tables.capacity), float(nodes.max(initial=0.0))) * (1 - 1e-9)
-    heap = [(weight * start[0] + (m - 1) * floor, floor, start[1], start[0])]  # (bound, lo, hi, s(hi)): periods in (lo, hi]
+    heap = [
+        (weight * start[0] + (m - 1) * floor, floor, start[1], start[0])
+    ]  # (bound, lo, hi, s(hi)): periods in (lo, hi]
     programs = 1
     # A split whose period exceeds T_max cannot beat ``best``: w * sum >= w * least_sum.
     top = (best - weight * least_sum) / (m - 1) if m > 1 else np.inf
@@ -688,9 +708,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             continue
         seen.add(key)
         permuted = scored[candidate.order]
-        assignment = {
-            v: permuted.devices[k] for k, start, end in candidate.blocks for v in permuted.order[start:end]
-        }
+        assignment = {v: permuted.devices[k] for k, start, end in candidate.blocks for v in permuted.order[start:end]}
         simulated = score_assignment(assignment, permuted, method="exact_chain", status="feasible")
         if plan is None or shorter_step(simulated, plan):
             plan = simulated

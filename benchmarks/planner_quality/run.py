@@ -426,9 +426,7 @@ def every_chain_placement(graph: nx.DiGraph, cluster: pt.Cluster, count_only: bo
                 used = _devices(classes, labels)
                 rest = [d for d in range(cluster.num_devices) if d not in used]
                 listed = reorder(cluster, [*used, *rest])
-                assignment = {
-                    v: listed.names[b] for b in range(blocks) for v in order[bounds[b] : bounds[b + 1]]
-                }
+                assignment = {v: listed.names[b] for b in range(blocks) for v in order[bounds[b] : bounds[b + 1]]}
                 items.append((listed, assignment))
     return items
 
@@ -767,8 +765,10 @@ def main() -> None:
     if "hetero_rows" in results:
         if "<!-- hetero:start -->" not in text:
             text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
-        generated = "<!-- hetero:start -->\n" + hetero_tables({**results, **results.get("hetero_run", {})}) + (
-            "\n<!-- hetero:end -->"
+        generated = (
+            "<!-- hetero:start -->\n"
+            + hetero_tables({**results, **results.get("hetero_run", {})})
+            + ("\n<!-- hetero:end -->")
         )
         text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
         print(hetero_tables({**results, **results.get("hetero_run", {})}))
@@ -779,7 +779,9 @@ def main() -> None:
             )
         table = random_chain_tables({**results, **results["random_chain_run"]})
         generated = "<!-- random-chains:start -->\n" + table + "\n<!-- random-chains:end -->"
-        text = re.sub(r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S)
+        text = re.sub(
+            r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S
+        )
         print(table)
     readme.write_text(text)
     print(f"wrote {path} and the tables in {readme}")

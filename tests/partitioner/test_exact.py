@@ -45,9 +45,13 @@ def test_exact_chain_equals_brute_force(problem):
     if expected is None:
         event("infeasible")
         with pytest.raises(InfeasiblePlanError):
-            pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck")
+            pt.exact_chain(
+                graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck"
+            )
         return
-    plan = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck")
+    plan = pt.exact_chain(
+        graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck"
+    )
     event(f"{plan.num_stages} of {cluster.num_devices} devices used")
     best, fewest_bytes = expected
     assert plan.bottleneck_s == pytest.approx(best, rel=1e-12)
@@ -61,7 +65,9 @@ def test_exact_chain_equals_brute_force(problem):
 def test_exact_chain_by_hand():
     # 1 TFLOP/s devices, free links: 2 + 2 | 1 + 1 + 2 | 4 is the best 3-way split of 2,2,1,1,2,4.
     graph = chain([2e12, 2e12, 1e12, 1e12, 2e12, 4e12])
-    plan = pt.exact_chain(graph, pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e30), objective="bottleneck")
+    plan = pt.exact_chain(
+        graph, pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e30), objective="bottleneck"
+    )
     assert plan.bottleneck_s == pytest.approx(4.0)
     assert [plan.assignment[f"l{i}"] for i in range(6)] == [G0, G0, G1, G1, G1, G2]
     assert plan.method == "exact_chain"
@@ -101,7 +107,9 @@ def test_exact_chain_faster_device_gets_more_layers():
     assert len(plan.nodes_on(G1)) == 6
     assert plan.bottleneck_s == pytest.approx(2.0)
     # The other way round, the fast device comes first and still takes six.
-    plan = pt.exact_chain(graph, pt.Cluster(devices[::-1], bandwidth=1e30), device_order="given", objective="bottleneck")
+    plan = pt.exact_chain(
+        graph, pt.Cluster(devices[::-1], bandwidth=1e30), device_order="given", objective="bottleneck"
+    )
     assert len(plan.nodes_on(G1)) == 6
 
 
@@ -138,7 +146,9 @@ def test_exact_chain_cost_time():
     for node, seconds in zip(graph.nodes, [1.0, 1.0, 1.0, 3.0]):
         graph.nodes[node]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 1e12
-    plan = pt.exact_chain(graph, pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12), cost="time", objective="bottleneck")
+    plan = pt.exact_chain(
+        graph, pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12), cost="time", objective="bottleneck"
+    )
     assert plan.bottleneck_s == pytest.approx(3.0)
     assert plan.cost == "time"
 
