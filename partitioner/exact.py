@@ -67,6 +67,9 @@ FINALISTS = 4  # splits simulated, the least estimates first
 ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
 LOCAL_ROUNDS = 32  # moves at most from each 1F1B finalist
 LOCAL_WINDOW = 16  # nodes a boundary moves at most, and cut points tried per stage split
+# GPipe's threshold search is exact when one stage holds both the longest forward and backward; the local
+# search (on the exact formula) covers the other case on chains up to this long.
+LOCAL_MAX_NODES = 64
 
 
 class _Mode(NamedTuple):
@@ -492,8 +495,8 @@ def _reach(tables: _Tables, k2: int, starts: np.ndarray, limit: float) -> np.nda
     if not np.isfinite(limit):
         return np.full(len(starts), n)
     fastest = tables.modes[0].prefix[:, k2]
-    reach = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
-    return np.minimum(reach, n)
+    reach: np.ndarray = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
+    return np.asarray(np.minimum(reach, n))
 
 
 def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -691,7 +694,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     least_here,
                     least_sum,
                 )
-                if costs.schedule != "gpipe":
+                if costs.schedule != "gpipe" or len(costs.order) <= LOCAL_MAX_NODES:
                     ranked = sorted(found_here, key=lambda f: f.estimate)[:FINALISTS]
                     found_here += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
                 found += found_here
@@ -806,7 +809,7 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
 
 def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
     """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
-    objective only approximates. Each round moves to the neighbour of the least estimate not visited yet,
+    objective only approximates, and for GPipe where stages differ in forward share. Each round moves to the neighbour of the least estimate not visited yet,
     sideways too (equal estimates, plateaus), and stops when every neighbour is worse or after
     LOCAL_ROUNDS rounds; the best split visited is returned."""
     num_devices = len(tables.capacity)
