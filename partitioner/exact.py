@@ -809,9 +809,10 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
 
 def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
     """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
-    objective only approximates, and for GPipe where stages differ in forward share. Each round moves to the neighbour of the least estimate not visited yet,
-    sideways too (equal estimates, plateaus), and stops when every neighbour is worse or after
-    LOCAL_ROUNDS rounds; the best split visited is returned."""
+    objective only approximates, and for GPipe where stages differ in forward share. Each round moves
+    to the neighbour of the least estimate not visited yet, sideways too (equal estimates, plateaus),
+    and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best split visited is
+    returned."""
     num_devices = len(tables.capacity)
     current, best, estimate = found.blocks, found.blocks, found.estimate
     current_estimate = estimate
