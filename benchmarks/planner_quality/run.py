@@ -7,7 +7,9 @@ uniform, parameter-balanced and time-balanced baselines; replays every plan's GP
 pipeline simulator; and writes results.json, the table in README.md and speedup.png beside this
 script. A second section plans on the heterogeneous bundled clusters (slow devices listed first):
 ``pt.solve`` with the device-order search, the listed order, Metis' "fastest device on the heaviest
-stage" order and the fastest-first order, and the baselines. Run from the repository root:
+stage" order and the fastest-first order, and the baselines. A third checks ``pt.solve`` on small
+random chains against brute force over every legal plan (``--section random-chains`` runs it alone).
+Run from the repository root:
 
     .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
     .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models
