@@ -405,7 +405,7 @@ class _Found(NamedTuple):
 
     estimate: float  # _estimate(): the simulated step for GPipe, an estimate for 1F1B
     objective: float  # what the threshold search minimises: sum of stage times + (M - 1) * the longest period
-    order: int  # index of the device order (the CostModel that scores it)
+    order: int  # index of the search that found it (its device order and tables)
     blocks: tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
 
 
@@ -667,6 +667,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     orders = candidate_orders(cluster) if device_order == "search" else [tuple(range(cluster.num_devices))]
     scored: list[CostModel] = []
     found: list[_Found] = []
+    searched: list[tuple[int, _Tables]] = []  # (order, tables) of each search: _Found.order indexes it
     weights = (1.0,) if costs.schedule == "gpipe" else ONE_F_ONE_B_WEIGHTS
     best = dict.fromkeys(weights, np.inf)
     step_bound, least, complete = np.inf, np.inf, True
@@ -682,19 +683,20 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             least = min(least, least_here)
             # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
             least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
+            searched.append((index, tables))
             for weight in weights:
                 found_here, bound, done = _threshold_search(
                     tables,
                     costs.schedule,
                     costs.num_microbatches,
-                    index,
+                    len(searched) - 1,
                     best[weight],
                     _max_programs(prefix),
                     weight,
                     least_here,
                     least_sum,
                 )
-                if costs.schedule != "gpipe" or len(costs.order) <= LOCAL_MAX_NODES:
+                if costs.schedule != "gpipe":
                     ranked = sorted(found_here, key=lambda f: f.estimate)[:FINALISTS]
                     found_here += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
                 found += found_here
@@ -703,14 +705,25 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     step_bound, complete = min(step_bound, bound), complete and done
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+    least_estimate = min(f.estimate for f in found)
+    if (
+        costs.schedule == "gpipe"
+        and least_estimate > step_bound * (1 + STEP_TOLERANCE)
+        and len(costs.order) <= LOCAL_MAX_NODES
+    ):
+        # the search's objective fell short of the formula (stages of different forward shares): improve the
+        # best splits of each search
+        for group, (_, tables) in enumerate(searched):
+            ranked = sorted((f for f in found if f.order == group), key=lambda f: f.estimate)[:FINALISTS]
+            found += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
     plan: Plan | None = None
     seen: set[tuple[object, ...]] = set()
     for candidate in sorted(found, key=lambda f: (f.estimate, f.objective, f.order)):
-        key = (candidate.order, candidate.blocks)
+        key = (searched[candidate.order][0], candidate.blocks)
         if key in seen:
             continue
         seen.add(key)
-        permuted = scored[candidate.order]
+        permuted = scored[searched[candidate.order][0]]
         assignment = {v: permuted.devices[k] for k, start, end in candidate.blocks for v in permuted.order[start:end]}
         simulated = score_assignment(assignment, permuted, method="exact_chain", status="feasible")
         if plan is None or shorter_step(simulated, plan):
