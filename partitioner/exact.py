@@ -60,7 +60,7 @@ from partitioner.score import score_assignment, shorter_step
 OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
 MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
-PROGRAM_WORK = 2e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
+PROGRAM_WORK = 1.3e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
 FINALISTS = 4  # splits simulated, the least estimates first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
 # weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
