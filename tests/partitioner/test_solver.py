@@ -452,7 +452,6 @@ def test_two_nodes_never_give_a_longer_step_than_one_node_alone() -> None:
     whole = pt.solve(graph, cluster, num_microbatches=8, time_limit_s=6)
     node = pt.solve(graph, cluster.take(8), num_microbatches=8, time_limit_s=2)
     assert whole.step_time_s <= node.step_time_s * (1 + 1e-9)
-    assert set(whole.stages) <= set(cluster.names[:8]) and "island" in whole.method
 
 
 def test_cp_sat_bound_counts_the_fixed_cost_of_each_stage() -> None:
