@@ -1,32 +1,48 @@
-"""An exact dynamic program for chains: the optimum the CP-SAT solver is checked against.
+"""Dynamic programs for chains: the plan of the shortest step, and of the least bottleneck.
 
 For a chain of N layers and K devices in pipeline order, every legal plan cuts the chain into
-contiguous blocks on increasing devices (some devices may stay empty). With ``f[k][j]`` the best
-bottleneck that puts layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1`` on ``k``::
+contiguous blocks on increasing devices (some devices may stay empty). A block's compute and memory
+are those of its mode (partitioner.cost.mode_cost): kept, or recomputed (forward twice, the received
+tensor held per micro-batch in flight and the block's activations once), the fastest that fits and the
+recompute policy allows (never the last block).
+
+The step objective (the default, docs/cost-model.md "The objective: the step"). Users pay the simulated
+step. For GPipe it has a closed form over the stages' forward f, backward b, received activation a and
+returned gradient g (:func:`_estimate`, equal to the simulator's step)::
+
+    step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
+
+With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a threshold T, the least
+sum of stage times over splits whose every period is at most T (a min-sum DP, O(K^2 N * band)), and
+:func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
+one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
+splits met are ranked by the exact formula, the best few simulated. 1F1B has no closed form: an
+estimate ranks the splits, a local search improves them, and the least-bottleneck plans compete.
+
+The bottleneck objective (``objective="bottleneck"``), with ``f[k][j]`` the best bottleneck that puts
+layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1`` on ``k``::
 
     f[k'][j] = min over k < k', i < j of  max(f[k][i], compute(k', i, j) + bytes(i - 1) / bw(k, k'))
                subject to memory(i, j) <= capacity(k')
 
-where a block's compute and memory are those of its mode (partitioner.cost.mode_cost): kept, or
-recomputed (forward twice, the received tensor held per micro-batch in flight and the block's
-activations once), the fastest that fits and the recompute policy allows (never the last block).
-This is O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
+O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynamic programs of
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
 
-With ``device_order="search"`` (the default) the pipeline order is a decision too: the DP runs on every
-candidate order of partitioner.order (orders of classes of interchangeable devices), and the table of
-one order gives the least bottleneck on each of its prefixes (subsets of 1..K devices) at once. Each
-prefix's plan (least bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the
-least bottleneck, then the fewest bytes, then the first candidate): so no subset the search considers
-gives a shorter step than the plan, and ties go the same way every run.
+With ``device_order="search"`` (the default) the pipeline order is a decision too: the DPs run on every
+candidate order of partitioner.order (orders of classes of interchangeable devices). One table covers
+every subset of an order's devices (a block may skip devices), for each group of prefixes whose stages
+budget the same micro-batches in flight. Under the bottleneck objective each prefix's plan (least
+bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the least bottleneck,
+then the fewest bytes, then the first candidate): ties go the same way every run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -41,11 +57,27 @@ from partitioner.order import candidate_orders, check_device_order, every_order_
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
 
+OBJECTIVES = ("step", "bottleneck")
+STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
+MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
+PROGRAM_WORK = 1.3e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
+FINALISTS = 4  # splits simulated, the least estimates first
+# 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
+# weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
+ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
+LOCAL_ROUNDS = 32  # moves at most from each 1F1B finalist
+LOCAL_WINDOW = 16  # nodes a boundary moves at most, and cut points tried per stage split
+# GPipe's threshold search is exact when one stage holds both the longest forward and backward; the local
+# search (on the exact formula) covers the other case on chains up to this long.
+LOCAL_MAX_NODES = 64
+
 
 class _Mode(NamedTuple):
     """One mode's figures along the chain (partitioner.cost.mode_cost), as the DP reads them."""
 
     prefix: np.ndarray  # [i, k]: seconds of nodes [0, i) on device k in this mode
+    forward: np.ndarray  # [i, k]: seconds of the forward passes of nodes [0, i) on device k in this mode
+    backward: np.ndarray  # [i, k]: seconds of their backward passes (prefix = forward + backward)
     mem_prefix: np.ndarray  # [i]: bytes budgeted for nodes [0, i) in this mode
     boundary: np.ndarray  # [i]: bytes a stage in this mode budgets for receiving node i's output
     allowed: np.ndarray  # [j]: whether a stage ending just before node j may take this mode
@@ -61,8 +93,14 @@ def exact_chain(
     schedule: str = "gpipe",
     recompute: str = "never",
     device_order: str = "search",
+    objective: str = "step",
 ) -> Plan:
-    """Returns a plan with the minimum bottleneck for a chain graph (status "optimal").
+    """Returns the plan of a chain graph with the shortest step (or the least bottleneck).
+
+    With ``objective="step"`` (the default) the plan has the shortest simulated step over every split,
+    stage count and (with "search") device order (module docstring, "The step objective"): status
+    "optimal" when that is proven (GPipe, every order searched), else "feasible". ``lower_bound_s``
+    stays a bound on the bottleneck. ``objective="bottleneck"`` is the DP of the least bottleneck:
 
     With ``device_order="given"`` the stages follow the cluster's order (devices may stay idle) and
     the plan has the least bottleneck, then the fewest bytes sent. With "search" (the default) the
@@ -79,7 +117,7 @@ def exact_chain(
 
     Raises:
         InputError: when the graph is not a single chain or has colocation groups, or for an unknown
-            ``device_order``.
+            ``device_order`` or ``objective``.
         InfeasiblePlanError: when no split fits in memory.
 
     Example:
@@ -87,6 +125,11 @@ def exact_chain(
     """
     started = time.perf_counter()
     check_device_order(device_order)
+    if objective not in OBJECTIVES:
+        raise InputError(
+            f"objective must be one of {OBJECTIVES} ('step': the shortest simulated step; 'bottleneck': the "
+            f"least time of the slowest stage). Received: {objective!r}."
+        )
     costs = CostModel(
         graph,
         cluster,
@@ -104,6 +147,8 @@ def exact_chain(
     if colocation_groups(graph):
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
+    if objective == "step":
+        return _shortest_step(costs, device_order, started)
     if device_order == "search":
         return _search_orders(costs, started)
     found = _solve_chain(costs)
@@ -196,7 +241,10 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
     """``tables`` for the first ``num_devices`` devices only."""
     s = num_devices
     return _Tables(
-        [m._replace(prefix=m.prefix[:, :s]) for m in tables.modes],
+        [
+            m._replace(prefix=m.prefix[:, :s], forward=m.forward[:, :s], backward=m.backward[:, :s])
+            for m in tables.modes
+        ],
         tables.capacity[:s],
         tables.out_bytes,
         [row[:s] for row in tables.bandwidth[:s]],
@@ -236,10 +284,15 @@ def _tables(costs: CostModel) -> _Tables:
     modes = []
     for mode in costs.modes:
         compute = np.array([costs.mode_compute_s[mode][v] for v in order])  # [node, device]
+        node = [[costs.node_cost(v, mode, k) for k in range(k_total)] for v in order]
+        forward = np.array([[c.forward_s for c in row] for row in node]).reshape(n, k_total)
+        backward = np.array([[c.backward_s for c in row] for row in node]).reshape(n, k_total)
         memory = [costs.mode_memory[mode][v] for v in order]
         modes.append(
             _Mode(
                 prefix=np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)]),
+                forward=np.vstack([np.zeros(k_total), np.cumsum(forward, axis=0)]),
+                backward=np.vstack([np.zeros(k_total), np.cumsum(backward, axis=0)]),
                 mem_prefix=np.concatenate([[0], np.cumsum(memory)]).astype(np.float64),
                 boundary=np.array([costs.input_memory[mode][v] for v in order], dtype=np.float64),
                 allowed=~last if mode == "recomputed" else (last if costs.recompute == "always" else ~last | last),
@@ -342,3 +395,456 @@ def _relax(
         best[k2][better] = value[better]
         parent[k2, better, 0] = k
         parent[k2, better, 1] = i[arg[better], 0]
+
+
+# ----- the step objective ---------------------------------------------------------------------------
+
+
+class _Found(NamedTuple):
+    """A split the step search found: its stages and their figures, and the order it is for."""
+
+    estimate: float  # _estimate(): the simulated step for GPipe, an estimate for 1F1B
+    objective: float  # what the threshold search minimises: sum of stage times + (M - 1) * the longest period
+    order: int  # index of the search that found it (its device order and tables)
+    blocks: tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
+
+
+def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
+    """The seconds per micro-batch a stage adds to the steady state (scalars or arrays alike).
+
+    f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
+    GPipe runs all forwards, then all backwards: a forward phase paced by max(f, a) and a backward
+    phase paced by max(b, g). 1F1B alternates them: a period of f + b (each link paces its own way).
+    """
+    if schedule == "gpipe":
+        return np.maximum(f, a) + np.maximum(b, g)
+    return np.maximum(np.maximum(f + b, a), g)
+
+
+def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
+    """The step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
+
+    GPipe: exactly what the simulator computes. Each phase is a flow shop of M equal jobs whose
+    machines are the stages and the links in between, so it lasts the sum of their times plus M - 1
+    times the slowest:  sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
+
+    1F1B: an estimate, the latest end over stages s assuming no stall after s's first backward:
+    micro-batch 0 reaches s after the stages before it; s runs min(K - s, M) forwards, and its first
+    backward waits for micro-batch 0's round trip through the stages after it; then s runs the rest of
+    its work, and its last gradient goes back down through the stages before it.
+    """
+    m = num_microbatches
+    if schedule == "gpipe":
+        total = sum(f + b + a + g for f, b, a, g in figures)
+        forward = max(max(f, a) for f, _, a, _ in figures)
+        backward = max(max(b, g) for _, b, _, g in figures)
+        return total + (m - 1) * (forward + backward)
+    count = len(figures)
+    latest = 0.0
+    for s, (f, b, a, g) in enumerate(figures):
+        before = figures[:s]
+        after = figures[s + 1 :]
+        start = sum(ft for ft, _, _, _ in before) + a + sum(at for _, _, at, _ in before)
+        warm = min(count - s, m)
+        round_trip = sum(ft + bt + at + gt for ft, bt, at, gt in after)
+        first_backward = start + max(f + round_trip, warm * f)
+        end = first_backward + m * b + (m - warm) * f
+        latest = max(latest, end + g + sum(bt + gt for _, bt, _, gt in before))
+    return latest
+
+
+def _stage_compute(
+    tables: _Tables,
+    k2: int,
+    starts: np.ndarray,
+    links: tuple[np.ndarray, np.ndarray],
+    schedule: str,
+    limit: float,
+    ends: np.ndarray | None = None,
+) -> np.ndarray:
+    """[start, end]: the least compute seconds of block [start, end) on device k2 in a mode that fits
+    its memory, is allowed there, and keeps the stage's period within ``limit``; inf where none.
+
+    ``starts`` is a column of block starts (0: the first block, which receives nothing); ``links``
+    the activation and gradient seconds of each start's received tensor (columns too); ``ends`` the
+    block ends to compute (all, 0..N, by default).
+    """
+    n = tables.modes[0].prefix.shape[0] - 1
+    ends = np.arange(n + 1) if ends is None else ends
+    a, g = links
+    best = np.full((len(starts), len(ends)), np.inf)
+    for mode in tables.modes:
+        # memory grows with the end: each start's blocks fit up to an end (its received tensor counts)
+        received = np.where(starts > 0, mode.boundary[np.maximum(starts - 1, 0)], 0.0)
+        room = tables.capacity[k2] + mode.mem_prefix[starts] - received
+        last = np.searchsorted(mode.mem_prefix, room, side="right") - 1
+        fits = (ends[None, :] > starts) & (ends[None, :] <= last) & mode.allowed[ends][None, :]
+        forward, backward = mode.forward[:, k2], mode.backward[:, k2]
+        f = forward[ends][None, :] - forward[starts]
+        b = backward[ends][None, :] - backward[starts]
+        if np.isfinite(limit):
+            fits &= _period(schedule, f, b, a, g) <= limit
+        best = np.minimum(best, np.where(fits, f + b, np.inf))
+    return best
+
+
+def _reach(tables: _Tables, k2: int, starts: np.ndarray, limit: float) -> np.ndarray:
+    """The last end j of a block [start, j) on k2 whose compute can be within ``limit``, per start
+    (a period is at least the compute, and no node computes less in any mode than kept, modes[0])."""
+    n = tables.modes[0].prefix.shape[0] - 1
+    if not np.isfinite(limit):
+        return np.full(len(starts), n)
+    fastest = tables.modes[0].prefix[:, k2]
+    reach: np.ndarray = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
+    return np.asarray(np.minimum(reach, n))
+
+
+def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of the activation (k -> k2) and of its gradient (k2 -> k) cut before each start."""
+    size = tables.out_bytes[starts - 1]
+    return size / tables.bandwidth[k][k2], size / tables.bandwidth[k2][k]  # as CostModel.receive_s, one way each
+
+
+def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) ending
+    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them.
+
+    A finite ``limit`` bounds how far a block reaches (:func:`_reach`), so each start's ends are a
+    band, not the whole chain: the work falls from O(N^2) per device pair to O(N * band).
+    """
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    table = np.full((num_devices, n + 1), np.inf)
+    parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
+    none = np.zeros((1, 1))
+    budget = max(1, 2_000_000 // len(tables.modes))  # array cells per chunk of starts
+    for k2 in range(num_devices):
+        zero = np.zeros(1, dtype=np.int64)
+        ends = np.arange(1, int(_reach(tables, k2, zero, limit)[0]) + 1)
+        first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
+        better = first < table[k2, ends]
+        table[k2, ends[better]] = first[better]
+        parent[k2, ends[better]] = (-1, 0)
+        for k in range(k2):
+            starts = np.flatnonzero(np.isfinite(table[k, 1:n])) + 1
+            if not len(starts):
+                continue
+            reach = _reach(tables, k2, starts, limit)
+            band = max(1, int((reach - starts).max()))
+            chunk = max(1, budget // band - band)  # a chunk's ends span its starts and one band
+            for lo in range(0, len(starts), chunk):
+                i = starts[lo : lo + chunk][:, None]
+                ends = np.arange(int(i[0, 0]) + 1, max(int(reach[lo : lo + chunk].max()), int(i[0, 0])) + 1)
+                if not len(ends):
+                    continue
+                a, g = _links(tables, k, k2, i)
+                cand = table[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                arg = np.argmin(cand, axis=0)
+                value = cand[arg, np.arange(len(ends))]
+                better = value < table[k2, ends]
+                table[k2, ends[better]] = value[better]
+                parent[k2, ends[better], 0] = k
+                parent[k2, ends[better], 1] = i[arg[better], 0]
+    return table, parent
+
+
+def _block_figures(
+    tables: _Tables, previous: int, k2: int, start: int, end: int, schedule: str, limit: float = np.inf
+) -> tuple[float, float, float, float] | None:
+    """(f, b, a, g) of block [start, end) on k2 after a stage on ``previous`` (-1: none), in the mode
+    _stage_compute chooses for it; None when no mode fits."""
+    column = np.array([[start]])
+    links = _links(tables, previous, k2, column) if previous >= 0 else (np.zeros((1, 1)), np.zeros((1, 1)))
+    a, g = float(links[0][0, 0]), float(links[1][0, 0])
+    least = float(_stage_compute(tables, k2, column, links, schedule, limit)[0, end])
+    if not np.isfinite(least):
+        return None
+    for mode in tables.modes:
+        f = float(mode.forward[end, k2] - mode.forward[start, k2])
+        b = float(mode.backward[end, k2] - mode.backward[start, k2])
+        if f + b == least:
+            return f, b, a, g
+    raise AssertionError("unreachable: the block's least compute comes from one of its modes")
+
+
+def _threshold_search(
+    tables: _Tables,
+    schedule: str,
+    num_microbatches: int,
+    order: int,
+    incumbent: float,
+    max_programs: int,
+    weight: float,
+    least_bottleneck: float,
+    least_sum: float,
+) -> tuple[list[_Found], float, bool]:
+    """Splits that minimise weight * sum(stage times) + (M - 1) * max(period) on ``tables``' devices
+    (any subset of them in order), by bisection on the period threshold T; with a lower bound on that
+    objective over every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
+
+    The DP at threshold T gives s(T), the least sum among splits whose periods are all <= T, and
+    s is non-increasing in T. A split y with period p(y) in an interval (lo, hi] of thresholds has
+    sum(y) >= s(hi), so its objective is at least w s(hi) + (M - 1) lo: intervals whose bound reaches
+    the best objective found (``incumbent`` from other orders, then this search's) are dropped, the
+    others halved. The split found at hi has period p <= hi, and no split with a period in [p, hi] beats
+    it, so an interval shrinks to (lo, p] at once.
+
+    The search starts at the least bottleneck ``least_bottleneck`` of these devices (a split within it
+    exists), and above it only up to where (M - 1) * T alone exceeds the best found less
+    w * ``least_sum`` (a bound on any split's sum): the DP's work is a band below the threshold
+    (:func:`_step_program`), so small thresholds are cheap.
+    """
+    n = tables.modes[0].prefix.shape[0] - 1
+    m = num_microbatches
+    found: list[_Found] = []
+
+    def run(limit: float) -> tuple[float, float] | None:
+        table, parent = _step_program(tables, schedule, limit)
+        k = int(np.argmin(table[:, n]))
+        if not np.isfinite(table[k, n]):
+            return None
+        blocks, j = [], n
+        while j > 0:
+            k_prev, i = (int(x) for x in parent[k, j])
+            blocks.append((k_prev, k, i, j))
+            k, j = k_prev, i
+        blocks.reverse()
+        stages = tuple((k2, i, j) for _, k2, i, j in blocks)
+        figures = _figures(tables, stages, schedule, limit)
+        assert figures is not None  # the DP found them
+        total = sum(f + b + a + g for f, b, a, g in figures)
+        period = max(float(_period(schedule, *x)) for x in figures)
+        found.append(
+            _Found(
+                _estimate(schedule, m, figures),
+                weight * total + (m - 1) * period,
+                order,
+                stages,
+            )
+        )
+        return total, period
+
+    # The least-bottleneck split's stages take at most ``least_bottleneck`` (compute + receive), so its
+    # periods too: the DP at that threshold finds a split, an incumbent, at the cost of a narrow band.
+    start = run(least_bottleneck * (1 + 1e-9)) if np.isfinite(least_bottleneck) else run(np.inf)
+    if start is None:
+        return found, np.inf, True
+    best = min(incumbent, weight * start[0] + (m - 1) * start[1])
+    # No period is below the compute of the busiest stage, at least the least sum spread over every
+    # device (kept, on its fastest device: a lower bound for any mode) or the costliest node.
+    nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
+    floor = max(least_sum / len(tables.capacity), float(nodes.max(initial=0.0))) * (1 - 1e-9)
+    heap = [
+        (weight * start[0] + (m - 1) * floor, floor, start[1], start[0])
+    ]  # (bound, lo, hi, s(hi)): periods in (lo, hi]
+    programs = 1
+    # A split whose period exceeds T_max cannot beat ``best``: w * sum >= w * least_sum.
+    top = (best - weight * least_sum) / (m - 1) if m > 1 else np.inf
+    if top > least_bottleneck * (1 + 1e-9):
+        result = run(top)
+        programs += 1
+        if result is not None and result[1] > least_bottleneck:
+            best = min(best, weight * result[0] + (m - 1) * result[1])
+            heapq.heappush(heap, (weight * result[0] + (m - 1) * least_bottleneck, least_bottleneck, *result[::-1]))
+    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
+        _, lo, hi, at_hi = heapq.heappop(heap)
+        mid = (lo + hi) / 2
+        result = run(mid)
+        programs += 1
+        if result is not None:
+            at_mid, period = result
+            best = min(best, weight * at_mid + (m - 1) * period)
+            heapq.heappush(heap, (weight * at_mid + (m - 1) * lo, lo, period, at_mid))
+        heapq.heappush(heap, (weight * at_hi + (m - 1) * mid, mid, hi, at_hi))
+    complete = not heap or heap[0][0] >= best * (1 - STEP_TOLERANCE)
+    bound = min(best, heap[0][0]) if heap else best
+    return found, bound, complete
+
+
+def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
+    """The plan of the shortest simulated step over the candidate orders (the cluster's own with
+    "given"), every subset of devices in each, and every split (module docstring)."""
+    cluster = costs.cluster
+    orders = candidate_orders(cluster) if device_order == "search" else [tuple(range(cluster.num_devices))]
+    scored: list[CostModel] = []
+    found: list[_Found] = []
+    searched: list[tuple[int, _Tables]] = []  # (order, tables) of each search: _Found.order indexes it
+    weights = (1.0,) if costs.schedule == "gpipe" else ONE_F_ONE_B_WEIGHTS
+    best = dict.fromkeys(weights, np.inf)
+    step_bound, least, complete = np.inf, np.inf, True
+    for index, order in enumerate(orders):
+        identity = list(order) == list(range(cluster.num_devices))
+        permuted = costs if identity else costs.on(reorder(cluster, order))
+        scored.append(permuted)
+        for top in _budget_groups(permuted):
+            prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
+            tables = _tables(prefix)
+            bottleneck, _ = _dynamic_program(*tables)
+            least_here = float(bottleneck[:, len(costs.order)].min())
+            least = min(least, least_here)
+            # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
+            least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
+            searched.append((index, tables))
+            for weight in weights:
+                found_here, bound, done = _threshold_search(
+                    tables,
+                    costs.schedule,
+                    costs.num_microbatches,
+                    len(searched) - 1,
+                    best[weight],
+                    _max_programs(prefix),
+                    weight,
+                    least_here,
+                    least_sum,
+                )
+                if costs.schedule != "gpipe":
+                    ranked = sorted(found_here, key=lambda f: f.estimate)[:FINALISTS]
+                    found_here += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+                found += found_here
+                best[weight] = min([best[weight], *(f.objective for f in found_here)])
+                if weight == 1.0:
+                    step_bound, complete = min(step_bound, bound), complete and done
+    if not found:
+        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+    least_estimate = min(f.estimate for f in found)
+    if (
+        costs.schedule == "gpipe"
+        and least_estimate > step_bound * (1 + STEP_TOLERANCE)
+        and len(costs.order) <= LOCAL_MAX_NODES
+    ):
+        # the search's objective fell short of the formula (stages of different forward shares): improve the
+        # best splits of each search
+        for group, (_, tables) in enumerate(searched):
+            ranked = sorted((f for f in found if f.order == group), key=lambda f: f.estimate)[:FINALISTS]
+            found += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+    plan: Plan | None = None
+    seen: set[tuple[object, ...]] = set()
+    for candidate in sorted(found, key=lambda f: (f.estimate, f.objective, f.order)):
+        key = (searched[candidate.order][0], candidate.blocks)
+        if key in seen:
+            continue
+        seen.add(key)
+        permuted = scored[searched[candidate.order][0]]
+        assignment = {v: permuted.devices[k] for k, start, end in candidate.blocks for v in permuted.order[start:end]}
+        simulated = score_assignment(assignment, permuted, method="exact_chain", status="feasible")
+        if plan is None or shorter_step(simulated, plan):
+            plan = simulated
+        if len(seen) == FINALISTS:
+            break
+    assert plan is not None  # found is not empty
+    if costs.schedule != "gpipe":  # an estimate ranked the splits: the least-bottleneck plans compete too
+        if device_order == "search":
+            before = _search_orders(costs, started)
+        else:
+            least_bottleneck = _solve_chain(costs)
+            assert least_bottleneck is not None  # the same splits fit as in the step search
+            before = score_assignment(least_bottleneck[0], costs, method="exact_chain", status="feasible")
+        if shorter_step(before, plan):
+            plan = before
+    proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
+    optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
+    lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
+    return dataclasses.replace(
+        plan,
+        status="optimal" if optimal else "feasible",
+        lower_bound_s=min(lower_bound, plan.bottleneck_s),
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _budget_groups(costs: CostModel) -> list[int]:
+    """The largest prefix of each group of prefixes whose stages budget the same micro-batches in flight.
+
+    One search on such a prefix covers every subset of its devices (the DP may skip any device), with
+    memory budgeted for its fullest stage: all of them for GPipe; 1F1B holds min(K, M).
+    """
+    m = costs.num_microbatches
+    tops: dict[int, int] = {}
+    for s in range(len(costs.devices), 0, -1):
+        tops.setdefault(max(in_flight(costs.schedule, s, m, stage) for stage in range(s)), s)
+    return list(tops.values())
+
+
+def _max_programs(costs: CostModel) -> int:
+    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
+    size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
+    return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
+
+
+Blocks = tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
+
+
+def _figures(
+    tables: _Tables, blocks: Blocks, schedule: str, limit: float = np.inf
+) -> list[tuple[float, float, float, float]] | None:
+    """(f, b, a, g) of each stage of ``blocks``, or None when a block fits in no mode."""
+    figures = []
+    previous = -1
+    for k, start, end in blocks:
+        block = _block_figures(tables, previous, k, start, end, schedule, limit)
+        if block is None:
+            return None
+        figures.append(block)
+        previous = k
+    return figures
+
+
+def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
+    """Splits one move away from ``blocks``: a boundary moved, a stage split onto an idle device
+    between its neighbours', two stages merged, or a stage moved to such an idle device. On long
+    chains a boundary moves at most LOCAL_WINDOW nodes and a stage splits at most at LOCAL_WINDOW points."""
+    result: list[Blocks] = []
+    used = {k for k, _, _ in blocks}
+    count = len(blocks)
+    for s in range(count):
+        k, start, end = blocks[s]
+        low = blocks[s - 1][0] if s > 0 else -1
+        high = blocks[s + 1][0] if s + 1 < count else num_devices
+        idle = [d for d in range(low + 1, high) if d not in used]
+        for d in idle:  # the stage on another device
+            result.append((*blocks[:s], (d, start, end), *blocks[s + 1 :]))
+        cuts = range(start + 1, end)
+        if len(cuts) > LOCAL_WINDOW:
+            cuts = range(start + 1, end, -(-len(cuts) // LOCAL_WINDOW))
+        for cut in cuts:  # split: one part stays on k, the other goes to an idle device on its side
+            for d in idle:
+                pair = ((k, start, cut), (d, cut, end)) if d > k else ((d, start, cut), (k, cut, end))
+                result.append((*blocks[:s], *pair, *blocks[s + 1 :]))
+        if s + 1 < count:
+            k2, _, end2 = blocks[s + 1]
+            for d in (k, k2):  # merge with the next stage
+                result.append((*blocks[:s], (d, start, end2), *blocks[s + 2 :]))
+            lo, hi = max(start + 1, end - LOCAL_WINDOW), min(end2 - 1, end + LOCAL_WINDOW)
+            for cut in range(lo, hi + 1):  # move the boundary
+                if cut != end:
+                    result.append((*blocks[:s], (k, start, cut), (k2, cut, end2), *blocks[s + 2 :]))
+    return result
+
+
+def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
+    """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
+    objective only approximates, and for GPipe where stages differ in forward share. Each round moves
+    to the neighbour of the least estimate not visited yet, sideways too (equal estimates, plateaus),
+    and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best split visited is
+    returned."""
+    num_devices = len(tables.capacity)
+    current, best, estimate = found.blocks, found.blocks, found.estimate
+    current_estimate = estimate
+    visited = {current}
+    for _ in range(LOCAL_ROUNDS):
+        scored = []
+        for candidate in _neighbours(current, num_devices):
+            if candidate in visited:
+                continue
+            figures = _figures(tables, candidate, schedule)
+            if figures is not None:
+                scored.append((_estimate(schedule, num_microbatches, figures), candidate))
+        if not scored:
+            break
+        value, candidate = min(scored)
+        if value > current_estimate * (1 + 1e-12):
+            break
+        visited.add(candidate)
+        current, current_estimate = candidate, value
+        if value < estimate * (1 - 1e-12):
+            best, estimate = candidate, value
+    return found._replace(estimate=estimate, blocks=best)

@@ -135,6 +135,7 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
             schedule=costs.schedule,
             recompute=costs.recompute,
             device_order="given",  # the order is chosen outside (solve's search)
+            objective="bottleneck",  # refines CP-SAT's plan, which minimises the bottleneck
         )
     except PartitionerError:
         return None

@@ -71,6 +71,7 @@ def exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
             schedule=costs.schedule,
             recompute=costs.recompute,
             device_order="given",
+            objective="bottleneck",  # a start for CP-SAT, which minimises the bottleneck
         )
         return [plan] if all(plan.assignment[v] == d for v, d in pins.items()) else []
     return []

@@ -7,8 +7,9 @@ uniform, parameter-balanced and time-balanced baselines; replays every plan's GP
 pipeline simulator; and writes results.json, the table in README.md and speedup.png beside this
 script. A second section plans on the heterogeneous bundled clusters (slow devices listed first):
 ``pt.solve`` with the device-order search, the listed order, Metis' "fastest device on the heaviest
-stage" order and the fastest-first order, and the baselines. A third section lets the planner choose
-M and the schedule for the batch (``pt.plan_for_batch``) against today's fixed M = 8 GPipe. Run from the
+stage" order and the fastest-first order, and the baselines. A third lets the planner choose
+M and the schedule for the batch (``pt.plan_for_batch``) against today's fixed M = 8 GPipe. A fourth
+checks ``pt.solve`` on small random chains against brute force over every legal plan. Run from the
 repository root:
 
     .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
@@ -79,7 +80,7 @@ QUICK = ("ResNet50", "DenseNet121", "VGG16", "GPT2-12")
 HETERO_CLUSTERS = ("2xT4+2xA100", "4xT4+4xV100", "2x4xV100+A100-ib")
 HETERO_QUICK = ("ResNet50", "VGG16", "GPT2-12")
 HETERO_ORDERS = ("search", "given", "metis", "fastest_first")  # the pipeline orders solve plans in
-SECTIONS = ("quality", "hetero", "choose")
+SECTIONS = ("quality", "hetero", "choose", "random-chains")
 # Planner-chosen M and schedule against fixed M = 8 GPipe: two chains and two transformer DAGs, on a fast
 # cluster and on one where memory is tight.
 CHOOSE_MODELS = ("VGG16", "ResNet50", "GPT2-12", "GPT2-48")
@@ -453,6 +454,163 @@ def choose_tables(results: dict[str, Any]) -> str:
             f"| {r['model']} | {r['nodes']} | `{r['cluster']}` | {fixed_k} | {fixed_step} | {chosen} | {ratio} "
             f"| {solved} | {fixed['wall_s']:.1f}, {auto['wall_s']:.1f} |"
         )
+
+
+# ----- random chains against brute force -----------------------------------------------------------
+
+RANDOM_CHAIN_CASES = {"quick": 14, "full": 40}  # (chain, cluster) pairs, each planned for every M and schedule
+RANDOM_CHAIN_MS = (1, 2, 4, 8, 16)
+RANDOM_CHAIN_SCHEDULES = ("gpipe", "1f1b")
+RANDOM_CHAIN_MAX_PLANS = {"quick": 400, "full": 1500}  # plans to enumerate per pair at most (sizes redrawn above)
+SPEEDS = (25e12, 50e12, 100e12, 200e12)  # FLOP/s the heterogeneous devices are drawn from
+BANDWIDTHS = (10e9, 50e9, 450e9)  # bytes/s of every link, drawn per cluster
+
+
+def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, str]:
+    """A random chain of 8-20 layers and a cluster of 2-8 devices (uniform, or two kinds of device
+    with mixed speeds and memories), redrawn until it has at most ``max_plans`` legal placements."""
+    from partitioner.synthetic import random_chain
+
+    while True:
+        n, k = rng.randint(8, 20), rng.randint(2, 8)
+        graph = random_chain(n, seed=rng.randint(0, 10**9))
+        need = sum(pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16).memory.values())
+        bandwidth = rng.choice(BANDWIDTHS)
+        if rng.random() < 0.5:
+            kind = "uniform"
+            cluster = pt.Cluster.uniform(k, memory=int(2 * need), flops_per_s=rng.choice(SPEEDS), bandwidth=bandwidth)
+        else:
+            kind = "mixed"
+            kinds = [(rng.choice(SPEEDS), int(need * rng.choice((0.4, 0.7, 2.0)))) for _ in range(2)]
+            picks = [rng.randrange(2) for _ in range(k)]
+            picks[rng.randrange(k)] = 1 - picks[0]  # both kinds present
+            devices = [pt.Device(f"/GPU:{i}", memory=kinds[p][1], flops_per_s=kinds[p][0]) for i, p in enumerate(picks)]
+            cluster = pt.Cluster(devices, bandwidth=bandwidth)
+        if len(every_chain_placement(graph, cluster, count_only=True)) <= max_plans:
+            return graph, cluster, kind
+
+
+def every_chain_placement(graph: nx.DiGraph, cluster: pt.Cluster, count_only: bool = False) -> list[Any]:
+    """Every legal plan of a chain: each contiguous split into 1..K blocks on distinct devices in any
+    order, up to swapping interchangeable devices (partitioner.order.device_classes: such swaps change
+    no cost). Each item is (device order, assignment); with ``count_only`` the items are placeholders."""
+    import itertools
+    import math
+
+    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+
+    classes = device_classes(cluster)
+    order = pt.CostModel(graph, pt.Cluster.uniform(1, memory=1)).order
+    n = len(order)
+    items: list[Any] = []
+    for blocks in range(1, min(n, cluster.num_devices) + 1):
+        sequences = []
+        for counts in itertools.product(*(range(len(c) + 1) for c in classes)):
+            if sum(counts) == blocks:
+                sequences += _label_sequences(list(counts))
+        splits = math.comb(n - 1, blocks - 1)
+        if count_only:
+            items += [None] * (splits * len(sequences))
+            continue
+        for cuts in itertools.combinations(range(1, n), blocks - 1):
+            bounds = [0, *cuts, n]
+            for labels in sequences:
+                used = _devices(classes, labels)
+                rest = [d for d in range(cluster.num_devices) if d not in used]
+                listed = reorder(cluster, [*used, *rest])
+                assignment = {v: listed.names[b] for b in range(blocks) for v in order[bounds[b] : bounds[b + 1]]}
+                items.append((listed, assignment))
+    return items
+
+
+def run_random_chains(cases: int, max_plans: int, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per (pair, M, schedule): pt.solve's simulated step against the best of every legal plan."""
+    import random
+
+    from partitioner.simulate import simulate_assignment
+
+    rng = random.Random(seed)
+    rows = []
+    for case in range(cases):
+        graph, cluster, kind = random_chain_pair(rng, max_plans)
+        placements = every_chain_placement(graph, cluster)
+        for schedule in RANDOM_CHAIN_SCHEDULES:
+            for m in RANDOM_CHAIN_MS:
+                best = None
+                for listed, assignment in placements:
+                    costs = pt.CostModel(graph, listed, num_microbatches=m, schedule=schedule)
+                    if not costs.fits(costs.evaluate(assignment)):
+                        continue
+                    step = simulate_assignment(costs, assignment).step_time_s
+                    best = step if best is None else min(best, step)
+                started = time.perf_counter()
+                try:
+                    plan = pt.solve(graph, cluster, num_microbatches=m, schedule=schedule)
+                    ours = pt.simulate(plan, graph, cluster).step_time_s
+                except pt.InfeasiblePlanError:
+                    ours = None
+                row = {
+                    "case": case,
+                    "layers": graph.number_of_nodes(),
+                    "devices": cluster.num_devices,
+                    "cluster": kind,
+                    "num_microbatches": m,
+                    "schedule": schedule,
+                    "plans": len(placements),
+                    "best_step_s": best,
+                    "solve_step_s": ours,
+                    "solve_stages": None if ours is None else plan.num_stages,
+                    "solve_s": time.perf_counter() - started,
+                    "ratio": None if best is None or ours is None else ours / best,
+                }
+                rows.append(row)
+        mine = [r["ratio"] for r in rows[-len(RANDOM_CHAIN_MS) * len(RANDOM_CHAIN_SCHEDULES) :] if r["ratio"]]
+        print(
+            f"random chain {case}: {graph.number_of_nodes()} layers, {cluster.num_devices} {kind} devices, "
+            f"{len(placements)} plans: worst solve/best {max(mine, default=float('nan')):.4f}",
+            flush=True,
+        )
+    return rows
+
+
+def random_chain_tables(results: dict[str, Any]) -> str:
+    rows = results["random_chain_rows"]
+    lines = [
+        f"Generated by `{results['command']}` on {results['date']} ({results['machine']}). "
+        f"{len({r['case'] for r in rows})} random chains (`partitioner.synthetic.random_chain`, 8-20 layers) on "
+        "clusters of 2-8 devices (uniform, or two kinds drawn from 25-200 TFLOP/s with memories of 0.4x, 0.7x "
+        "or 2x the chain's need at M = 16; links of 10, 50 or 450 GB/s), sizes redrawn while a pair has more "
+        f"than {results['random_chain_max_plans']} legal plans; each pair planned for M in "
+        f"{', '.join(map(str, RANDOM_CHAIN_MS))} and both schedules. Brute force: every contiguous split into "
+        "1..K blocks on distinct devices in every order (up to swapping interchangeable devices), each that "
+        "fits simulated (`partitioner.simulate`). Ratio = `pt.solve`'s simulated step / the best enumerated "
+        "step (goal: worst <= 1.01, mean <= 1.002).",
+        "",
+        "| schedule | M | cases | worst | mean | cases above 1.001 | solve time, mean (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in RANDOM_CHAIN_MS] + [("all", None)]
+    for schedule, m in groups:
+        mine = [
+            r
+            for r in rows
+            if r["ratio"] is not None and schedule in ("all", r["schedule"]) and m in (None, r["num_microbatches"])
+        ]
+        if not mine:
+            continue
+        ratios = [r["ratio"] for r in mine]
+        label = "**all**" if schedule == "all" else schedule
+        lines.append(
+            f"| {label} | {m or 'all'} | {len(mine)} | {max(ratios):.4f} | {sum(ratios) / len(ratios):.4f} "
+            f"| {sum(x > 1.001 for x in ratios)} | {sum(r['solve_s'] for r in mine) / len(mine):.3f} |"
+        )
+    neither = sum(r["best_step_s"] is None and r["solve_step_s"] is None for r in rows)
+    missed = sum(r["best_step_s"] is not None and r["solve_step_s"] is None for r in rows)
+    lines += [
+        "",
+        f"Cases where no plan fits (brute force and solve agree): {neither}. Cases where a plan fits but solve "
+        f"found none: {missed}.",
+    ]
     return "\n".join(lines)
 
 
@@ -698,6 +856,16 @@ def main() -> None:
             "time_limit_s": args.choose_time_limit,
             "rows": choose_rows,
         }
+    if "random-chains" in args.section:
+        size = "full" if args.full else "quick"
+        random_rows = run_random_chains(RANDOM_CHAIN_CASES[size], RANDOM_CHAIN_MAX_PLANS[size])
+        results.update(random_chain_rows=random_rows, random_chain_max_plans=RANDOM_CHAIN_MAX_PLANS[size])
+        results["random_chain_run"] = {
+            "command": "python benchmarks/planner_quality/run.py --section random-chains"
+            + (" --full" if args.full else ""),
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine,
+        }
     path.write_text(json.dumps(results, indent=1))
     readme = HERE / "README.md"
     text = readme.read_text() if readme.exists() else "<!-- results:start -->\n<!-- results:end -->\n"
@@ -718,6 +886,17 @@ def main() -> None:
         generated = "<!-- choose:start -->\n" + choose_tables(results) + "\n<!-- choose:end -->"
         text = re.sub(r"<!-- choose:start -->.*<!-- choose:end -->", lambda _: generated, text, flags=re.S)
         print(choose_tables(results))
+    if "random-chains" in args.section:
+        if "<!-- random-chains:start -->" not in text:
+            text += (
+                "\n## Random chains against brute force\n\n<!-- random-chains:start -->\n<!-- random-chains:end -->\n"
+            )
+        table = random_chain_tables({**results, **results["random_chain_run"]})
+        generated = "<!-- random-chains:start -->\n" + table + "\n<!-- random-chains:end -->"
+        text = re.sub(
+            r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S
+        )
+        print(table)
     readme.write_text(text)
     print(f"wrote {path} and the tables of {', '.join(args.section)} in {readme}")
 

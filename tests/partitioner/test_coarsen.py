@@ -219,7 +219,7 @@ def test_coarsened_solve_on_a_larger_dag_with_pins_and_shared_layers(seed):
 def test_coarsened_chain_matches_the_exact_dp_bound():
     graph = random_chain(random.Random(5), 300)
     cluster = _cluster(4, bandwidth="1GB/s")
-    exact = pt.exact_chain(graph, cluster, num_microbatches=2)
+    exact = pt.exact_chain(graph, cluster, num_microbatches=2, objective="bottleneck")
     plan = pt.solve(graph, cluster, num_microbatches=2, time_limit_s=10, options=COARSE)
     assert plan.method == "exact_chain+coarsen"
     pt.validate_plan(plan, graph, cluster)

@@ -1,4 +1,6 @@
-"""The exact chain DP against brute force over every contiguous split, and on hand-made cases."""
+"""The exact chain DP of the least bottleneck (objective="bottleneck") against brute force, and on hand-made cases.
+
+tests/partitioner/test_exact_step.py holds the default objective, the step, to brute force."""
 
 from __future__ import annotations
 
@@ -43,9 +45,13 @@ def test_exact_chain_equals_brute_force(problem):
     if expected is None:
         event("infeasible")
         with pytest.raises(InfeasiblePlanError):
-            pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
+            pt.exact_chain(
+                graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck"
+            )
         return
-    plan = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
+    plan = pt.exact_chain(
+        graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck"
+    )
     event(f"{plan.num_stages} of {cluster.num_devices} devices used")
     best, fewest_bytes = expected
     assert plan.bottleneck_s == pytest.approx(best, rel=1e-12)
@@ -59,7 +65,9 @@ def test_exact_chain_equals_brute_force(problem):
 def test_exact_chain_by_hand():
     # 1 TFLOP/s devices, free links: 2 + 2 | 1 + 1 + 2 | 4 is the best 3-way split of 2,2,1,1,2,4.
     graph = chain([2e12, 2e12, 1e12, 1e12, 2e12, 4e12])
-    plan = pt.exact_chain(graph, pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e30))
+    plan = pt.exact_chain(
+        graph, pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e30), objective="bottleneck"
+    )
     assert plan.bottleneck_s == pytest.approx(4.0)
     assert [plan.assignment[f"l{i}"] for i in range(6)] == [G0, G0, G1, G1, G1, G2]
     assert plan.method == "exact_chain"
@@ -69,10 +77,10 @@ def test_exact_chain_by_hand():
 def test_exact_chain_memory_constrained():
     # Unconstrained, 1 1 1 | 3 is best (bottleneck 3). Each device holds only two layers.
     graph = chain([1e12, 1e12, 1e12, 3e12], param_bytes=[KIB] * 4)  # 4 KiB per layer with Adam
-    free = pt.exact_chain(graph, pt.Cluster.uniform(2, memory="1MiB", flops_per_s=1e12))
+    free = pt.exact_chain(graph, pt.Cluster.uniform(2, memory="1MiB", flops_per_s=1e12), objective="bottleneck")
     assert free.bottleneck_s == pytest.approx(3.0)
     tight_cluster = pt.Cluster.uniform(2, memory=8 * KIB, flops_per_s=1e12)
-    tight = pt.exact_chain(graph, tight_cluster)
+    tight = pt.exact_chain(graph, tight_cluster, objective="bottleneck")
     assert [tight.assignment[f"l{i}"] for i in range(4)] == [G0, G0, G1, G1]
     assert tight.bottleneck_s == pytest.approx(4.0)
     assert tight.memory_bytes == {G0: 8 * KIB, G1: 8 * KIB}
@@ -82,24 +90,26 @@ def test_exact_chain_memory_constrained():
 def test_exact_chain_memory_infeasible_in_total():
     graph = chain([1e12] * 4, param_bytes=[KIB] * 4)
     with pytest.raises(InfeasiblePlanError, match=r"needs 16.0 KiB in total.*the 2 devices hold 14.0 KiB"):
-        pt.exact_chain(graph, pt.Cluster.uniform(2, memory=7 * KIB))
+        pt.exact_chain(graph, pt.Cluster.uniform(2, memory=7 * KIB), objective="bottleneck")
 
 
 def test_exact_chain_memory_infeasible_one_layer():
     graph = chain([1e12] * 3, param_bytes=[KIB, 4 * KIB, KIB])
     with pytest.raises(InfeasiblePlanError, match=r"layer 'l1' alone needs 16.0 KiB.*largest device holds 8.0 KiB"):
-        pt.exact_chain(graph, pt.Cluster.uniform(3, memory=8 * KIB))
+        pt.exact_chain(graph, pt.Cluster.uniform(3, memory=8 * KIB), objective="bottleneck")
 
 
 def test_exact_chain_faster_device_gets_more_layers():
     graph = chain([1e12] * 8)
     devices = [pt.Device(G0, memory="1GiB", flops_per_s=1e12), pt.Device(G1, memory="1GiB", flops_per_s=3e12)]
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=1e30), device_order="given")
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=1e30), device_order="given", objective="bottleneck")
     assert len(plan.nodes_on(G0)) == 2
     assert len(plan.nodes_on(G1)) == 6
     assert plan.bottleneck_s == pytest.approx(2.0)
     # The other way round, the fast device comes first and still takes six.
-    plan = pt.exact_chain(graph, pt.Cluster(devices[::-1], bandwidth=1e30), device_order="given")
+    plan = pt.exact_chain(
+        graph, pt.Cluster(devices[::-1], bandwidth=1e30), device_order="given", objective="bottleneck"
+    )
     assert len(plan.nodes_on(G1)) == 6
 
 
@@ -108,12 +118,12 @@ def test_exact_chain_avoids_a_slow_link():
     # stages of two layers are best; with a slow 0 -> 1 link (0.1 GB/s, 10 s) the plan must not cut across it.
     graph = chain([1e12] * 6, edge_bytes=[10**9] * 5)
     devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(3)]
-    fast = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=100e9), device_order="given")
+    fast = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=100e9), device_order="given", objective="bottleneck")
     assert [len(fast.nodes_on(d)) for d in (G0, G1, G2)] == [2, 2, 2]
     assert fast.bottleneck_s == pytest.approx(2.02)  # the activation in, its gradient back
 
     slow = [[0, 0.1e9, 100e9], [100e9, 0, 100e9], [100e9, 100e9, 0]]  # row = sender
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=slow), device_order="given")
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=slow), device_order="given", objective="bottleneck")
     sends = {(plan.assignment[u], plan.assignment[v]) for u, v in graph.edges}
     assert (G0, G1) not in sends
     assert plan.num_stages == 2
@@ -125,7 +135,7 @@ def test_exact_chain_slow_link_as_a_mapping():
     devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(3)]
     links = {(a.name, b.name): 100e9 for a in devices for b in devices if a != b}
     links[G1, G2] = 0.1e9
-    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=links), device_order="given")
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=links), device_order="given", objective="bottleneck")
     sends = {(plan.assignment[u], plan.assignment[v]) for u, v in graph.edges}
     assert (G1, G2) not in sends
     assert plan.bottleneck_s == pytest.approx(3.02)
@@ -136,13 +146,15 @@ def test_exact_chain_cost_time():
     for node, seconds in zip(graph.nodes, [1.0, 1.0, 1.0, 3.0]):
         graph.nodes[node]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 1e12
-    plan = pt.exact_chain(graph, pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12), cost="time")
+    plan = pt.exact_chain(
+        graph, pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12), cost="time", objective="bottleneck"
+    )
     assert plan.bottleneck_s == pytest.approx(3.0)
     assert plan.cost == "time"
 
 
 def test_exact_chain_single_layer_single_device():
-    plan = pt.exact_chain(chain([5e12]), pt.Cluster.uniform(1, memory="1GiB", flops_per_s=1e12))
+    plan = pt.exact_chain(chain([5e12]), pt.Cluster.uniform(1, memory="1GiB", flops_per_s=1e12), objective="bottleneck")
     assert plan.assignment == {"l0": G0}
     assert plan.bottleneck_s == pytest.approx(5.0)
     assert not math.isnan(plan.speedup)
@@ -150,14 +162,14 @@ def test_exact_chain_single_layer_single_device():
 
 def test_exact_chain_rejects_a_dag():
     with pytest.raises(InputError, match=r"exact_chain needs a chain.*this graph branches.*partitioner.solve"):
-        pt.exact_chain(diamond(), pt.Cluster.uniform(2, memory="1GiB"))
+        pt.exact_chain(diamond(), pt.Cluster.uniform(2, memory="1GiB"), objective="bottleneck")
 
 
 def test_exact_chain_rejects_shared_layers():
     with pytest.raises(InputError, match=r"does not handle shared layers"):
-        pt.exact_chain(shared_layer_graph(), pt.Cluster.uniform(2, memory="1GiB"))
+        pt.exact_chain(shared_layer_graph(), pt.Cluster.uniform(2, memory="1GiB"), objective="bottleneck")
 
 
 def test_exact_chain_more_devices_than_layers():
     with pytest.raises(InputError, match=r"4 devices but the graph has only 2 nodes"):
-        pt.exact_chain(chain([1e9, 1e9]), pt.Cluster.uniform(4, memory="1GiB"))
+        pt.exact_chain(chain([1e9, 1e9]), pt.Cluster.uniform(4, memory="1GiB"), objective="bottleneck")

@@ -295,7 +295,9 @@ def test_exact_chain_with_recompute_equals_brute_force(problem, recompute):
     graph, cluster, m = problem
     expected = _brute_force_chain(graph, cluster, num_microbatches=m, recompute=recompute)
     try:
-        plan = pt.exact_chain(graph, cluster, num_microbatches=m, recompute=recompute, device_order="given")
+        plan = pt.exact_chain(
+            graph, cluster, num_microbatches=m, recompute=recompute, device_order="given", objective="bottleneck"
+        )
     except InfeasiblePlanError:
         assert expected is None
         event("infeasible")

@@ -57,7 +57,9 @@ def _devices_of(plan: pt.Plan, nodes) -> list[str]:
 def test_solve_matches_exact_chain_on_random_chains(problem):
     graph, cluster, num_microbatches = problem
     try:
-        expected = pt.exact_chain(graph, cluster, num_microbatches=num_microbatches, device_order="given")
+        expected = pt.exact_chain(
+            graph, cluster, num_microbatches=num_microbatches, device_order="given", objective="bottleneck"
+        )
     except InfeasiblePlanError:
         event("infeasible")
         with pytest.raises(InfeasiblePlanError) as raised:
@@ -231,14 +233,15 @@ def _two_nodes_of_two(inter_node: float) -> pt.Cluster:
 
 @pytest.mark.parametrize("options", [CP_SAT_ONLY, GIVEN], ids=["cp-sat", "default"])
 def test_solve_avoids_cutting_across_a_slow_link(options):
-    # Eight 1-second layers, 1 GB between layers: 10 ms inside a machine, 10 s across machines.
+    # Eight 1-second layers, 1 GB between layers: 10 ms inside a machine, 10 s across machines. M = 8, so
+    # that pipelining pays under the exact DP's step objective (at M = 1 one device has the shortest step).
     graph = chain([1e12] * 8, edge_bytes=[10**9] * 7)
-    fast = pt.solve(graph, _two_nodes_of_two(100e9), time_limit_s=10, options=options)
+    fast = pt.solve(graph, _two_nodes_of_two(100e9), num_microbatches=8, time_limit_s=10, options=options)
     assert fast.num_stages == 4
     assert fast.bottleneck_s == pytest.approx(2.02)  # 10 ms each way
 
     cluster = _two_nodes_of_two(0.1e9)
-    plan = pt.solve(graph, cluster, time_limit_s=10, options=options)
+    plan = pt.solve(graph, cluster, num_microbatches=8, time_limit_s=10, options=options)
     machine = {G0: 0, G1: 0, G2: 1, G3: 1}
     assert len({machine[d] for d in plan.assignment.values()}) == 1
     assert plan.num_stages == 2
@@ -263,11 +266,12 @@ def test_solve_skip_tensor_takes_the_fast_link():
 
 
 def test_solve_breaks_ties_by_bytes_sent():
-    # l0 takes 4 s alone; the 3 s left fit anywhere. Spreading them costs more transfers for no gain.
+    # l0 takes 4 s alone; the 3 s left fit anywhere. Spreading them costs more transfers for no gain
+    # (M = 8: under the exact DP's step objective one device would win at M = 1).
     graph = chain([4e12, 1e12, 1e12, 1e12], edge_bytes=[10**6] * 3)
     cluster = _cluster(3, bandwidth=1e9)
     for options in (CP_SAT_ONLY, GIVEN):
-        plan = pt.solve(graph, cluster, time_limit_s=10, options=options)
+        plan = pt.solve(graph, cluster, num_microbatches=8, time_limit_s=10, options=options)
         assert plan.bottleneck_s == pytest.approx(4.0)
         assert plan.transfer_bytes == 10**6
         assert plan.num_stages == 2
@@ -448,7 +452,6 @@ def test_two_nodes_never_give_a_longer_step_than_one_node_alone() -> None:
     whole = pt.solve(graph, cluster, num_microbatches=8, time_limit_s=6)
     node = pt.solve(graph, cluster.take(8), num_microbatches=8, time_limit_s=2)
     assert whole.step_time_s <= node.step_time_s * (1 + 1e-9)
-    assert set(whole.stages) <= set(cluster.names[:8]) and "island" in whole.method
 
 
 def test_cp_sat_bound_counts_the_fixed_cost_of_each_stage() -> None:

@@ -1,0 +1,142 @@
+"""The exact chain DP's default objective, the simulated step, against brute force over every plan.
+
+Brute force: every contiguous split of the chain into 1..K blocks, on distinct devices in every order
+(permutations of every subset), each that fits memory simulated by partitioner.simulate. GPipe's step
+is what the planner's formula computes (partitioner.exact._estimate), so the plan must be within the
+threshold search's tolerance, STEP_TOLERANCE. For 1F1B the formula is an estimate and the planner
+simulates finalists after a local search: the test holds it to the bound the benchmark measures
+(benchmarks/planner_quality, "Random chains against brute force").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from graphs import KIB, chain, draw_cluster, memory_need
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import partitioner as pt
+from partitioner.cost import CostModel
+from partitioner.exact import STEP_TOLERANCE, _estimate
+from partitioner.order import reorder
+from partitioner.simulate import simulate_assignment
+
+ONE_F_ONE_B_SLACK = 1.10  # 1F1B: the worst ratio allowed (its formula is an estimate; hypothesis found 1.075)
+
+
+def every_plan(graph, cluster, **kwargs):
+    """(simulated step, plan figures) of every legal plan: blocks on distinct devices in any order."""
+    order = CostModel(graph, cluster, **kwargs).order
+    n = len(order)
+    for blocks in range(1, min(n, cluster.num_devices) + 1):
+        for devices in itertools.permutations(range(cluster.num_devices), blocks):
+            rest = [d for d in range(cluster.num_devices) if d not in devices]
+            listed = reorder(cluster, [*devices, *rest])
+            costs = CostModel(graph, listed, **kwargs)
+            for cuts in itertools.combinations(range(1, n), blocks - 1):
+                bounds = [0, *cuts, n]
+                assignment = {v: listed.names[b] for b in range(blocks) for v in order[bounds[b] : bounds[b + 1]]}
+                if costs.fits(costs.evaluate(assignment)):
+                    yield simulate_assignment(costs, assignment).step_time_s
+
+
+@st.composite
+def step_problems(draw: st.DrawFn):
+    """(chain of 1-7 layers, cluster of 1-3 devices, maybe of two kinds, M in 1..8, schedule)."""
+    k = draw(st.integers(1, 3))
+    n = draw(st.integers(k, 7))  # check_stage_count: at least as many layers as devices
+    graph = chain(
+        [draw(st.integers(1, 100)) * 1e9 for _ in range(n)],
+        param_bytes=[draw(st.integers(0, 16)) * KIB for _ in range(n)],
+        activation_bytes=[draw(st.integers(0, 4)) * KIB for _ in range(n)],
+        edge_bytes=[draw(st.integers(0, 10**7)) for _ in range(n - 1)],
+    )
+    m = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b"]))
+    # 1F1B plans budget every stage for the fullest one (min(K, M) micro-batches): ample memory there,
+    # so that brute force, which counts each stage's own, judges the same plans legal.
+    headroom = 3.0 if schedule == "gpipe" else 50.0
+    cluster = draw_cluster(draw, k, memory_need(graph, m), headroom=headroom)
+    if schedule == "1f1b":
+        cluster = pt.Cluster(
+            [dataclasses.replace(d, memory_bytes=max(KIB, memory_need(graph, m) * 2)) for d in cluster.devices],
+            bandwidth=[[cluster.bandwidth(a, b) for b in range(k)] for a in range(k)],
+        )
+    return graph, cluster, m, schedule
+
+
+@settings(max_examples=100, deadline=None)
+@given(problem=step_problems())
+def test_exact_chain_step_equals_brute_force(problem):
+    graph, cluster, m, schedule = problem
+    steps = list(every_plan(graph, cluster, num_microbatches=m, schedule=schedule))
+    if not steps:
+        event("infeasible")
+        with pytest.raises(pt.InfeasiblePlanError):
+            pt.exact_chain(graph, cluster, num_microbatches=m, schedule=schedule)
+        return
+    plan = pt.exact_chain(graph, cluster, num_microbatches=m, schedule=schedule)
+    best = min(steps)
+    event(f"{schedule}: {plan.num_stages} of {cluster.num_devices} devices used")
+    assert plan.step_time_s == pytest.approx(pt.simulate(plan, graph, cluster).step_time_s, rel=1e-12)
+    assert plan.fits_memory
+    pt.validate_plan(plan, graph, cluster)
+    if schedule == "gpipe":
+        assert plan.step_time_s <= best * (1 + STEP_TOLERANCE) + 1e-15
+    else:  # never worse than the least-bottleneck plans (the objective before), and near the best
+        before = pt.exact_chain(graph, cluster, num_microbatches=m, schedule=schedule, objective="bottleneck")
+        assert plan.step_time_s <= before.step_time_s * (1 + 1e-12)
+        assert plan.step_time_s <= best * ONE_F_ONE_B_SLACK
+
+
+@settings(max_examples=30, deadline=None)
+@given(problem=step_problems())
+def test_gpipe_formula_is_the_simulated_step(problem):
+    """The closed form the DP ranks GPipe plans by is the simulator's step, for any split."""
+    graph, cluster, m, _ = problem
+    costs = CostModel(graph, cluster, num_microbatches=m)
+    order, k = costs.order, cluster.num_devices
+    labels = [min(k - 1, i * k // len(order)) for i in range(len(order))]
+    assignment = {v: cluster.names[d] for v, d in zip(order, labels)}
+    ev = costs.evaluate(assignment)
+    used = [cluster.index(d) for d in ev.stages]
+    figures = []
+    for s, c in enumerate(ev.stage_costs):
+        size = ev.sent_bytes.get((s - 1, s), 0) if s else 0
+        a = size / cluster.bandwidth(used[s - 1], used[s]) if s else 0.0
+        g = size / cluster.bandwidth(used[s], used[s - 1]) if s else 0.0
+        figures.append((c.forward_s, c.backward_s, a, g))
+    simulated = simulate_assignment(costs, assignment).step_time_s
+    assert _estimate("gpipe", m, figures) == pytest.approx(simulated, rel=1e-9)
+
+
+def test_exact_chain_one_device_when_nothing_overlaps():
+    # M = 1: pipelining overlaps nothing, so a split only adds transfers: one device (the fastest).
+    graph = chain([4e12] * 6, edge_bytes=[10**8] * 5)
+    devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=s) for i, s in enumerate((1e12, 2e12, 1e12))]
+    plan = pt.exact_chain(graph, pt.Cluster(devices, bandwidth=1e10), num_microbatches=1)
+    assert plan.num_stages == 1 and plan.stages == ("/GPU:1",)
+    assert plan.step_time_s == pytest.approx(12.0)
+    assert plan.status == "optimal"
+
+
+def test_exact_chain_step_beats_the_least_bottleneck():
+    # Six 1 s layers (half forward, half backward), 0.75 s to send a cut's tensor each way, M = 2, GPipe.
+    # Least bottleneck: 2 | 2 | 2 (2 s + 1.5 s receiving a stage), step 6 + 3 + (M - 1) * (1 + 1) = 11 s.
+    # Shortest step: 3 | 3, step 6 + 1.5 + (M - 1) * (1.5 + 1.5) = 10.5 s (one device alone: 12 s).
+    graph = chain([1e12] * 6, edge_bytes=[75 * 10**8] * 5)
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e10)
+    step = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given")
+    bottleneck = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given", objective="bottleneck")
+    assert bottleneck.num_stages == 3 and bottleneck.step_time_s == pytest.approx(11.0)
+    assert step.num_stages == 2 and step.step_time_s == pytest.approx(10.5)
+    assert step.status == "optimal"
+    assert step.step_time_s == pytest.approx(min(every_plan(graph, cluster, num_microbatches=2)), rel=1e-12)
+
+
+def test_exact_chain_rejects_an_unknown_objective():
+    with pytest.raises(pt.InputError, match="objective must be one of"):
+        pt.exact_chain(chain([1e9, 1e9]), pt.Cluster.uniform(2, memory="1GiB"), objective="throughput")
