@@ -49,7 +49,7 @@ import numpy as np
 
 from partitioner.baselines import check_stage_count
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, in_flight
+from partitioner.cost import CostModel, in_flight, mode_cost
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
@@ -81,6 +81,9 @@ class _Mode(NamedTuple):
     mem_prefix: np.ndarray  # [i]: bytes budgeted for nodes [0, i) in this mode
     boundary: np.ndarray  # [i]: bytes a stage in this mode budgets for receiving node i's output
     allowed: np.ndarray  # [j]: whether a stage ending just before node j may take this mode
+    # [k]: the fixed seconds a stage's forward and backward pay on device k (action_overhead_s, per mode_cost)
+    fixed_forward: np.ndarray
+    fixed_backward: np.ndarray
 
 
 def exact_chain(
@@ -242,7 +245,13 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
     s = num_devices
     return _Tables(
         [
-            m._replace(prefix=m.prefix[:, :s], forward=m.forward[:, :s], backward=m.backward[:, :s])
+            m._replace(
+                prefix=m.prefix[:, :s],
+                forward=m.forward[:, :s],
+                backward=m.backward[:, :s],
+                fixed_forward=m.fixed_forward[:s],
+                fixed_backward=m.fixed_backward[:s],
+            )
             for m in tables.modes
         ],
         tables.capacity[:s],
@@ -288,6 +297,8 @@ def _tables(costs: CostModel) -> _Tables:
         forward = np.array([[c.forward_s for c in row] for row in node]).reshape(n, k_total)
         backward = np.array([[c.backward_s for c in row] for row in node]).reshape(n, k_total)
         memory = [costs.mode_memory[mode][v] for v in order]
+        overhead = np.array(costs.action_overhead_s, dtype=np.float64)
+        fixed = mode_cost(mode, forward_s=1.0, backward_s=1.0)  # how often each pass pays it in this mode
         modes.append(
             _Mode(
                 prefix=np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)]),
@@ -296,6 +307,8 @@ def _tables(costs: CostModel) -> _Tables:
                 mem_prefix=np.concatenate([[0], np.cumsum(memory)]).astype(np.float64),
                 boundary=np.array([costs.input_memory[mode][v] for v in order], dtype=np.float64),
                 allowed=~last if mode == "recomputed" else (last if costs.recompute == "always" else ~last | last),
+                fixed_forward=fixed.forward_s * overhead,
+                fixed_backward=fixed.backward_s * overhead,
             )
         )
     capacity = [d.memory_bytes for d in costs.cluster.devices]
@@ -340,7 +353,8 @@ def _dynamic_program(
         first = np.full(n + 1, np.inf)  # the first block starts the chain on k2: nothing received
         for mode in modes:
             fits = (mode.mem_prefix <= capacity[k2]) & mode.allowed
-            first = np.minimum(first, np.where(fits, mode.prefix[:, k2], np.inf))
+            fixed = mode.fixed_forward[k2] + mode.fixed_backward[k2]
+            first = np.minimum(first, np.where(fits, mode.prefix[:, k2] + fixed, np.inf))
         if limit is not None:
             first = np.where(first <= limit, 0.0, np.inf)
         first[0] = np.inf
@@ -381,7 +395,8 @@ def _relax(
             prefix = mode.prefix[:, k2]
             held = mode.mem_prefix[None, :] - mode.mem_prefix[i] + mode.boundary[i - 1]
             fits = after & (held <= capacity) & mode.allowed[None, :]
-            stage = np.minimum(stage, np.where(fits, prefix[None, :] - prefix[i] + receive[i - 1], np.inf))
+            fixed = mode.fixed_forward[k2] + mode.fixed_backward[k2]
+            stage = np.minimum(stage, np.where(fits, prefix[None, :] - prefix[i] + fixed + receive[i - 1], np.inf))
         valid = np.isfinite(stage)
         if byte_limit is None:
             cand = np.maximum(best[k, i], stage)
@@ -480,8 +495,8 @@ def _stage_compute(
         last = np.searchsorted(mode.mem_prefix, room, side="right") - 1
         fits = (ends[None, :] > starts) & (ends[None, :] <= last) & mode.allowed[ends][None, :]
         forward, backward = mode.forward[:, k2], mode.backward[:, k2]
-        f = forward[ends][None, :] - forward[starts]
-        b = backward[ends][None, :] - backward[starts]
+        f = forward[ends][None, :] - forward[starts] + mode.fixed_forward[k2]
+        b = backward[ends][None, :] - backward[starts] + mode.fixed_backward[k2]
         if np.isfinite(limit):
             fits &= _period(schedule, f, b, a, g) <= limit
         best = np.minimum(best, np.where(fits, f + b, np.inf))
@@ -559,8 +574,8 @@ def _block_figures(
     if not np.isfinite(least):
         return None
     for mode in tables.modes:
-        f = float(mode.forward[end, k2] - mode.forward[start, k2])
-        b = float(mode.backward[end, k2] - mode.backward[start, k2])
+        f = float(mode.forward[end, k2] - mode.forward[start, k2] + mode.fixed_forward[k2])
+        b = float(mode.backward[end, k2] - mode.backward[start, k2] + mode.fixed_backward[k2])
         if f + b == least:
             return f, b, a, g
     raise AssertionError("unreachable: the block's least compute comes from one of its modes")

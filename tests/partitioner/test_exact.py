@@ -173,3 +173,13 @@ def test_exact_chain_rejects_shared_layers():
 def test_exact_chain_more_devices_than_layers():
     with pytest.raises(InputError, match=r"4 devices but the graph has only 2 nodes"):
         pt.exact_chain(chain([1e9, 1e9]), pt.Cluster.uniform(4, memory="1GiB"), objective="bottleneck")
+
+
+def test_the_dp_counts_the_fixed_cost_of_each_stage() -> None:
+    # Each stage pays its device's action_overhead_s for its forward and backward (3 times recomputed):
+    # the DP's stage times include it, so the least bottleneck it proves is the plan's own.
+    graph = pt.chain_graph([1e9, 3e9, 2e9, 1e9, 2e9, 1e9])
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, action_overhead_s=1e-3)
+    plan = pt.exact_chain(graph, cluster, num_microbatches=4, objective="bottleneck")
+    assert plan.status == "optimal" and plan.gap < 1e-9
+    assert plan.lower_bound_s == pytest.approx(plan.bottleneck_s)
