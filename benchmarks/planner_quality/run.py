@@ -454,6 +454,7 @@ def choose_tables(results: dict[str, Any]) -> str:
             f"| {r['model']} | {r['nodes']} | `{r['cluster']}` | {fixed_k} | {fixed_step} | {chosen} | {ratio} "
             f"| {solved} | {fixed['wall_s']:.1f}, {auto['wall_s']:.1f} |"
         )
+    return "\n".join(lines)
 
 
 # ----- random chains against brute force -----------------------------------------------------------
@@ -807,15 +808,23 @@ def main() -> None:
         default=list(SECTIONS),
         help="run these sections only (default: all); results.json and README.md keep the others' last results",
     )
+    parser.add_argument(
+        "--readme", action="store_true", help="rewrite README.md's tables of --section from results.json, run nothing"
+    )
     args = parser.parse_args()
     names = args.models or (list(MODELS) if args.full else list(QUICK))
     flag = " --full" if args.full else (" --models " + " ".join(names) if args.models else " --quick")
+    if list(args.section) != list(SECTIONS):
+        flag += " --section " + " ".join(args.section)
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, ortools {__import__('ortools').__version__}"
     )
     path = HERE / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if args.readme:
+        write_readme(results, args.section)
+        return
     if "quality" in args.section:
         rows = []
         for name in names:
@@ -848,7 +857,7 @@ def main() -> None:
     if "choose" in args.section:
         choose_rows = [run_choose(n, c, args.choose_time_limit) for n in CHOOSE_MODELS for c in CHOOSE_CLUSTERS]
         results["choose"] = {
-            "command": "python benchmarks/planner_quality/run.py --section choose",
+            "command": "python benchmarks/planner_quality/run.py" + flag,
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine,
             "batch_size": BATCH_SIZE,
@@ -861,32 +870,37 @@ def main() -> None:
         random_rows = run_random_chains(RANDOM_CHAIN_CASES[size], RANDOM_CHAIN_MAX_PLANS[size])
         results.update(random_chain_rows=random_rows, random_chain_max_plans=RANDOM_CHAIN_MAX_PLANS[size])
         results["random_chain_run"] = {
-            "command": "python benchmarks/planner_quality/run.py --section random-chains"
-            + (" --full" if args.full else ""),
+            "command": "python benchmarks/planner_quality/run.py" + flag,
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine,
         }
     path.write_text(json.dumps(results, indent=1))
+    write_readme(results, args.section)
+    print(f"wrote {path}")
+
+
+def write_readme(results: dict[str, Any], sections: list[str]) -> None:
+    """Rewrites the tables of ``sections`` in README.md (and speedup.png) from ``results``."""
     readme = HERE / "README.md"
     text = readme.read_text() if readme.exists() else "<!-- results:start -->\n<!-- results:end -->\n"
-    if "quality" in args.section:
+    if "quality" in sections:
         plot(results, HERE / "speedup.png")
         generated = "<!-- results:start -->\n" + tables(results) + "\n" + summary(results) + "\n<!-- results:end -->"
         text = re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S)
         print(summary(results))
-    if "hetero" in args.section:
+    if "hetero" in sections:
         if "<!-- hetero:start -->" not in text:
             text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
         generated = "<!-- hetero:start -->\n" + hetero_tables(results) + "\n<!-- hetero:end -->"
         text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
         print(hetero_tables(results))
-    if "choose" in args.section:
+    if "choose" in sections:
         if "<!-- choose:start -->" not in text:
             text += "\n## M and the schedule chosen by the planner\n\n<!-- choose:start -->\n<!-- choose:end -->\n"
         generated = "<!-- choose:start -->\n" + choose_tables(results) + "\n<!-- choose:end -->"
         text = re.sub(r"<!-- choose:start -->.*<!-- choose:end -->", lambda _: generated, text, flags=re.S)
         print(choose_tables(results))
-    if "random-chains" in args.section:
+    if "random-chains" in sections:
         if "<!-- random-chains:start -->" not in text:
             text += (
                 "\n## Random chains against brute force\n\n<!-- random-chains:start -->\n<!-- random-chains:end -->\n"
@@ -898,7 +912,7 @@ def main() -> None:
         )
         print(table)
     readme.write_text(text)
-    print(f"wrote {path} and the tables of {', '.join(args.section)} in {readme}")
+    print(f"wrote the tables of {', '.join(sections)} in {readme}")
 
 
 if __name__ == "__main__":
