@@ -47,13 +47,20 @@ from typing import Any, NamedTuple
 import networkx as nx
 import numpy as np
 
-from partitioner.baselines import check_stage_count
+from partitioner.baselines import BASELINES, check_stage_count, split_with
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, in_flight, mode_cost
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
-from partitioner.order import candidate_orders, check_device_order, every_order_searched, reorder
+from partitioner.order import (
+    candidate_orders,
+    check_device_order,
+    every_order_searched,
+    fastest_on_heaviest,
+    reorder,
+    signature,
+)
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
 
@@ -173,7 +180,7 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
     cluster = costs.cluster
     best: Plan | None = None
     bound = np.inf
-    for order in candidate_orders(cluster):
+    for order in _orders(costs):
         identity = list(order) == list(range(cluster.num_devices))
         permuted = costs if identity else costs.on(reorder(cluster, order))
         best, order_bound = _prefix_plans(permuted, best)
@@ -188,6 +195,32 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
         lower_bound_s=min(lower_bound, best.bottleneck_s),
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def _orders(costs: CostModel) -> list[tuple[int, ...]]:
+    """The pipeline orders searched: ``candidate_orders``, and Metis' order when it is not among them."""
+    cluster = costs.cluster
+    orders = list(candidate_orders(cluster))
+    metis = _metis_order(costs)
+    if metis is not None and signature(cluster, metis) not in {signature(cluster, o) for o in orders}:
+        orders.append(metis)
+    return orders
+
+
+def _metis_order(costs: CostModel) -> tuple[int, ...] | None:
+    """Metis' order (partitioner.order.fastest_on_heaviest) for the stages of the baseline split of the
+    shortest step that fits, where device speeds differ and the candidate orders do not cover every
+    arrangement: it interleaves device kinds, which the contiguous runs of ``candidate_orders`` do not.
+    None otherwise."""
+    cluster = costs.cluster
+    if every_order_searched(cluster) or len({d.flops_per_s for d in cluster.devices}) < 2:
+        return None
+    legal = [p for p in (split_with(costs, name) for name in BASELINES) if p.fits_memory]
+    if not legal:
+        return None
+    base = min(legal, key=lambda p: (p.step_time_s, p.bottleneck_s))
+    work = [sum(float(costs.graph.nodes[v]["flops"]) for v in base.nodes_on(d)) for d in base.stages]
+    return fastest_on_heaviest(cluster, work)
 
 
 def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, float]:
@@ -679,7 +712,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     """The plan of the shortest simulated step over the candidate orders (the cluster's own with
     "given"), every subset of devices in each, and every split (module docstring)."""
     cluster = costs.cluster
-    orders = candidate_orders(cluster) if device_order == "search" else [tuple(range(cluster.num_devices))]
+    orders = _orders(costs) if device_order == "search" else [tuple(range(cluster.num_devices))]
     scored: list[CostModel] = []
     found: list[_Found] = []
     searched: list[tuple[int, _Tables]] = []  # (order, tables) of each search: _Found.order indexes it
