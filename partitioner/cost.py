@@ -293,6 +293,13 @@ class CostModel:
     def on(self, cluster: Cluster) -> CostModel:
         """The same graph and settings (M, optimizer slots, cost source, schedule, recompute) on
         ``cluster``: the devices in another order, or a prefix of them."""
+        return self._with(cluster, self.recompute)
+
+    def with_recompute(self, recompute: str) -> CostModel:
+        """The same graph, cluster and settings under another recompute policy."""
+        return self._with(self.cluster, recompute)
+
+    def _with(self, cluster: Cluster, recompute: str) -> CostModel:
         return CostModel(
             self.graph,
             cluster,
@@ -300,7 +307,7 @@ class CostModel:
             optimizer_slots=self.optimizer_slots,
             cost=self.cost,
             schedule=self.schedule,
-            recompute=self.recompute,
+            recompute=recompute,
         )
 
     def serial_step_s(self) -> float:

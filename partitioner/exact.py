@@ -354,15 +354,7 @@ def _fits_with_recompute(costs: CostModel) -> bool:
     """True iff some split fits when stages may recompute ("auto"), for a problem that fits no split without."""
     if costs.recompute != "never":
         return False
-    auto = CostModel(
-        costs.graph,
-        costs.cluster,
-        num_microbatches=costs.num_microbatches,
-        optimizer_slots=costs.optimizer_slots,
-        cost=costs.cost,
-        schedule=costs.schedule,
-        recompute="auto",
-    )
+    auto = costs.with_recompute("auto")
     return _solve_chain(auto) is not None
 
 

@@ -82,15 +82,7 @@ def fits_with_recompute(costs: CostModel, pins: Mapping[str, str]) -> bool:
     recompute="never" that has none: a legal baseline or the greedy fill fits (a quick check, not a search)."""
     if costs.recompute != "never":
         return False
-    auto = CostModel(
-        costs.graph,
-        costs.cluster,
-        num_microbatches=costs.num_microbatches,
-        optimizer_slots=costs.optimizer_slots,
-        cost=costs.cost,
-        schedule=costs.schedule,
-        recompute="auto",
-    )
+    auto = costs.with_recompute("auto")
     return bool(legal_baselines(auto, pins)) or fill_start(auto, pins) is not None
 
 
