@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import keras
@@ -40,7 +40,6 @@ from keras.src.backend import set_keras_mask  # what Keras' own layers call
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
 from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update_moving_statistics
-from runtime.rebuild import seed_states
 from runtime.stages import Stage, output_masks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -51,13 +50,14 @@ def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> Non
         kwargs["training"] = training
 
 
-def _seed_variables(operations: Sequence[Any]) -> list[tf.Variable]:
-    """The state variables (TensorFlow's) of every seed generator (dropout and other random layers) of
-    the operations."""
-    found: dict[int, tf.Variable] = {}
+def _seed_generators(operations: Sequence[Any]) -> list[Any]:
+    """Every seed generator (of dropout and other random layers) of the operations, each once."""
+    found: dict[int, Any] = {}
     for operation in operations:
-        for state in seed_states(operation):
-            found[id(state)] = state.value
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+        for layer in layers:
+            for generator in getattr(layer, "_seed_generators", []):
+                found.setdefault(id(generator.state), generator)
     return list(found.values())
 
 
@@ -110,13 +110,19 @@ class _Boundary:
         self.name = name
         self._concrete: dict[Any, Any] = {}
 
-    def __call__(self, *args: Any) -> Any:
+    def concrete(self, *args: Any) -> Any:
+        """The traced function for arguments of these shapes and dtypes (tensors or ``tf.TensorSpec``s)."""
         key = tuple(
-            (tuple(x.shape), x.dtype) if tf.is_tensor(x) else ("py", repr(x)) for x in tf.nest.flatten(args)
+            (tuple(x.shape), x.dtype) if tf.is_tensor(x) or isinstance(x, tf.TypeSpec) else ("py", repr(x))
+            for x in tf.nest.flatten(args)
         )
         concrete = self._concrete.get(key)
         if concrete is None:
             concrete = self._concrete[key] = self.function.get_concrete_function(*args)
+        return concrete
+
+    def __call__(self, *args: Any) -> Any:
+        concrete = self.concrete(*args)
         with tf.name_scope(self.name):  # the call's name, and an inlined body's nodes', say what it is
             return concrete(*args)
 
@@ -129,7 +135,18 @@ class StageProgram:
         self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
         self.jit_compile = options.jit_compile
         self.batch_norm = options.batch_norm
-        self.seed_variables = _seed_variables(stage.operations)
+        self.seed_generators = _seed_generators(stage.operations)
+        self.seed_variables = [g.state.value for g in self.seed_generators]  # TensorFlow's variables
+        # the seed states a recomputing forward draws from, one per generator: set to the first
+        # forward's, they leave the generators' own states to the forwards of later micro-batches
+        self.shadow_seeds = []
+        if options.recomputes(stage.index):
+            with tf.device(stage.device):
+                self.shadow_seeds = [
+                    keras.Variable(g.state.value, trainable=False, name=f"{g.name}_recompute")
+                    for g in self.seed_generators
+                ]
+        self.normalized: set[int] = set()  # ids of the batch normalizations the training forward normalizes itself
         self.non_trainable = [
             v.value
             for v in {id(v): v for op in stage.operations for v in op.non_trainable_weights}.values()
@@ -177,6 +194,7 @@ class StageProgram:
             if training and is_plain_batch_norm(operation, args, kwargs):
                 outputs, moments = normalize(operation, args[0], valid)
                 stats.append((operation, moments))
+                self.normalized.add(id(operation))
             elif regularizer is not None:  # applied below, to the micro-batch's own rows only
                 operation.activity_regularizer = None
                 try:
@@ -282,23 +300,52 @@ class StageProgram:
 
         return self._compile("accumulate", body)
 
+    def restored(self) -> list[tf.Variable]:
+        """The non-trainable variables a recomputing forward may change and must put back: all but the
+        seed states (it draws from ``shadow_seeds``) and the statistics of the batch normalizations the
+        training forward normalizes itself (``runtime.batchnorm``: they are moved after the step)."""
+        kept = {
+            id(w.value)
+            for op in self.stage.operations
+            for layer in (op._flatten_layers() if hasattr(op, "_flatten_layers") else [op])
+            if id(layer) in self.normalized
+            for w in layer.non_trainable_weights
+        }
+        seeds = {id(v) for v in self.seed_variables}
+        return [v for v in self.non_trainable if id(v) not in kept and id(v) not in seeds]
+
+    @contextlib.contextmanager
+    def _drawing_from_shadows(self) -> Any:
+        """While tracing, the stage's random layers draw from ``shadow_seeds`` instead of their own states."""
+        own = [g.state for g in self.seed_generators]
+        try:
+            for generator, shadow in zip(self.seed_generators, self.shadow_seeds):
+                generator.state = shadow
+            yield
+        finally:
+            for generator, state in zip(self.seed_generators, own):
+                generator.state = state
+
     def recompute(self) -> Any:
         """f(*arguments, *seeds) -> [returns..., layer loss if any]: the training forward again, leaving no trace.
 
-        The dropout seeds are set to those of the first forward, and every non-trainable variable
-        (batch-norm statistics) and seed state is put back afterwards, so the recomputed forward draws
-        the same masks, updates nothing twice, and later forwards draw what they would have drawn.
+        The random layers draw from ``shadow_seeds``, set to the seed states the first forward began
+        with: the recomputed forward draws the same masks and leaves the layers' own states to the
+        forwards of later micro-batches, which may run meanwhile. The non-trainable variables it may
+        change (``restored``: none for dropout and the batch normalizations the runtime normalizes
+        itself) are put back afterwards, so it updates nothing twice; a stage with such variables
+        runs no forward while its recompute runs (``Executor.windows``).
         """
         num_arguments = len(self.stage.inputs) + int(self.takes_mask) + int(self.regularized)
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
-            state = [*self.non_trainable, *self.seed_variables]
+            state = self.restored()
             saved = [tf.identity(v.read_value()) for v in state]
             with tf.control_dependencies(saved):
-                for variable, seed in zip(self.seed_variables, flat[num_arguments:]):
-                    variable.assign(seed)
-            # batch-norm statistics are the first forward's
-            outputs, layer_loss = self._run("recompute", flat[:num_arguments], True, [])
+                seeds = zip(self.shadow_seeds, flat[num_arguments:])
+                seeded = [shadow.value.assign(seed, read_value=False) for shadow, seed in seeds]
+            with tf.control_dependencies(seeded), self._drawing_from_shadows():
+                outputs, layer_loss = self._run("recompute", flat[:num_arguments], True, [])
             outputs += [layer_loss] if layer_loss is not None else []
             with tf.control_dependencies(outputs):
                 restores = [v.assign(s) for v, s in zip(state, saved)]
@@ -358,10 +405,11 @@ class Executor:
         self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
         # the one Keras mask every model output carries (runtime.rebuild refuses others), or None
         self.mask = next(iter(output_masks(model)), None)
-        loss_tensors = (*model.outputs, *(() if self.mask is None else (self.mask,)))
+        # what the last stage returns for the loss: the model's outputs, and their mask
+        self.loss_tensors = (*model.outputs, *(() if self.mask is None else (self.mask,)))
         last = len(self.stages) - 1
         self.programs = [
-            StageProgram(s, (*s.outputs, *(loss_tensors if s.index == last else ())), options) for s in self.stages
+            StageProgram(s, (*s.outputs, *(self.loss_tensors if s.index == last else ())), options) for s in self.stages
         ]
         self._loss_functions: dict[Any, Any] = {}
 
@@ -428,7 +476,7 @@ class Executor:
         """The same stages run with other options (new stage functions, traced afresh)."""
         return Executor(self.model, self.stages, replace(self.options, **changes))
 
-    # ----- splitting a batch ---------------------------------------------------------------------
+    # ----- micro-batches and the order of each stage's actions -----------------------------------
 
     def microbatch_rows(self, structure: Any) -> int | None:
         """ceil(B / M) where the batch's size B is static (the shape the stage functions are traced for)."""
@@ -436,76 +484,108 @@ class Executor:
         size = tf.convert_to_tensor(leaves[0]).shape[0] if leaves else None
         return None if size is None else -(-size // self.num_microbatches)
 
-    def split(self, batch: tf.Tensor, structure: Any) -> list[Any]:
-        """Each leaf [B, ...] -> M micro-batches [ceil(B/M), ...]; rows past B repeat real rows."""
-        m = self.num_microbatches
-        size = (batch + m - 1) // m
-        rows = tf.range(size * m) % batch
-        static_size = self.microbatch_rows(structure)
+    def windows(self) -> list[int]:
+        """Per stage, the most micro-batches it holds at once (forward run, backward not yet): the
+        schedule's ``max_in_flight`` (M for GPipe, K - s for 1F1B); 1 for a recomputing stage whose
+        recompute puts variables back (``StageProgram.restored``), so no forward runs meanwhile."""
+        return [
+            1 if self.options.recomputes(s) and program.restored() else self.schedule.max_in_flight(s)
+            for s, program in enumerate(self.programs)
+        ]
 
-        def one(t: Any) -> list[tf.Tensor]:
-            t = tf.convert_to_tensor(t)
-            parts = list(tf.unstack(tf.reshape(tf.gather(t, rows), tf.concat([[m, size], tf.shape(t)[1:]], 0)), num=m))
-            for part in parts:
-                part.set_shape([static_size, *t.shape[1:]])
-            return parts
+    def trace(self, kind: str, parts: _Microbatches, losses: bool = True) -> list[list[tf.TensorSpec]]:
+        """Traces every stage's ``kind`` function ("forward" or "inference") for one micro-batch, stage
+        after stage, and returns each stage's results as specs: the loop over micro-batches needs the
+        number and shapes of what its iterations collect before it is built. With ``losses``, refuses a
+        stage whose layer losses micro-batches cannot split."""
+        specs = {id(t): tf.TensorSpec(x.shape[1:], x.dtype) for t, x in zip(self.model.inputs, parts.inputs)}
+        valid, batch = tf.TensorSpec(parts.valid.shape[1:], tf.bool), tf.TensorSpec([], tf.float32)
+        traced = []
+        for program in self.programs:
+            arguments = program.arguments([specs[id(t)] for t in program.stage.inputs], valid, batch)
+            concrete = program.forward(kind == "forward").concrete(*arguments)
+            results = [tf.TensorSpec(x.shape, x.dtype) for x in tf.nest.flatten(concrete.structured_outputs)]
+            if losses:
+                _check_splittable(program, kind)
+            returns = program.split(results, kind)[0]
+            specs.update({id(t): spec for t, spec in zip(program.returns, returns)})
+            traced.append(results)
+        return traced
 
-        flat = [one(t) for t in keras.tree.flatten(structure)]
-        return [keras.tree.pack_sequence_as(structure, [parts[i] for parts in flat]) for i in range(m)]
+    def _loop(self, iteration: Any, carry: Any, parallel: int) -> Any:
+        """``iteration(m, carry) -> carry`` for m = 0..M-1: unlooped when M = 1, else in one
+        ``tf.while_loop`` whose body is traced once (the step's graph does not grow with M) and in
+        which up to ``parallel`` iterations run at once (stage s + 1 of micro-batch m beside stage s of
+        micro-batch m + 1)."""
+        num = self.num_microbatches
+        if num == 1:
+            return iteration(0, carry)
+        _, carry = tf.while_loop(
+            lambda m, _: m < num,
+            lambda m, c: (m + 1, iteration(m, c)),
+            (tf.constant(0), carry),
+            parallel_iterations=parallel,
+            maximum_iterations=num,
+        )
+        return carry
 
-    def valid_rows(self, batch: tf.Tensor, static_size: int | None = None) -> list[tf.Tensor]:
-        """Per micro-batch, [ceil(B/M)] booleans: True for the batch's own rows, False for repeats."""
-        m = self.num_microbatches
-        size = (batch + m - 1) // m
-        masks = list(tf.unstack(tf.reshape(tf.range(size * m) < batch, [m, size]), num=m))
-        for mask in masks:
-            mask.set_shape([static_size])
-        return masks
+    def _collector(self, spec: tf.TensorSpec) -> Any:
+        """Where the iterations leave one tensor each: a TensorArray in the loop; unlooped, the tensor itself."""
+        if self.num_microbatches == 1:
+            return None
+        return tf.TensorArray(spec.dtype, size=self.num_microbatches, element_shape=spec.shape)
 
     # ----- steps ---------------------------------------------------------------------------------
 
-    def forward(
-        self, inputs: Sequence[tf.Tensor], training: bool, losses: bool = False
-    ) -> tuple[list[Any], list[tf.Tensor], tf.Tensor | None]:
-        """Forward only (evaluation and prediction): per micro-batch the model outputs, the valid rows,
-        and the batch's layer losses (``add_loss``, activity regularizers; None if there are none).
+    def forward(self, inputs: Sequence[tf.Tensor], losses: bool = False) -> tuple[Any, tf.Tensor | None]:
+        """Forward only (evaluation and prediction), every micro-batch through every stage on its device.
 
-        ``losses=True`` (evaluation) refuses a loss that cannot be split over micro-batches."""
-        batch = batch_size(inputs)
-        rows = tf.cast(batch, tf.float32)
-        micro_inputs = self.split(batch, list(inputs))
-        valid = self.valid_rows(batch, self.microbatch_rows(list(inputs)))
-        layer_losses: list[tf.Tensor] = []
-        kind = "forward" if training else "inference"
-        values: dict[tuple[int, int], tf.Tensor] = {}
-        last_op: list[Any] = [None] * len(self.stages)
-        for m in range(self.num_microbatches):
-            for t, x in zip(self.model.inputs, micro_inputs[m]):
-                values[(id(t), m)] = x
-        predictions = []
-        for m in range(self.num_microbatches):
+        Returns:
+            (the model outputs of every micro-batch one after the other, each [M * ceil(B/M), ...] with
+            the repeated rows in each micro-batch's last rows: ``own_rows`` keeps the batch's own; the
+            batch's layer losses (``add_loss``, activity regularizers) or None if there are none).
+        """
+        parts = _Microbatches(self, inputs)
+        traced = self.trace("inference", parts, losses)
+        last = self.programs[-1]
+        returned = traced[-1][len(last.stage.outputs) :][: len(self.loss_tensors)]
+        collected = [self._collector(spec) for spec in returned]
+        with tf.device(last.stage.device):
+            carry = {"outputs": collected, "layer_loss": tf.zeros([])}
+        has_layer_losses = []
+
+        def iteration(m: Any, carry: dict[str, Any]) -> dict[str, Any]:
+            values = {id(t): x for t, x in zip(self.model.inputs, _take(parts.inputs, m))}
+            terms = []
             for program in self.programs:
-                stage = program.stage
-                with tf.device(stage.device), tf.control_dependencies(last_op[stage.index] or []):
-                    fn = program.forward(training)
-                    results = fn(*program.arguments([values[(id(t), m)] for t in stage.inputs], valid[m], rows))
-                    if losses:
-                        _check_splittable(program, kind)
-                    outputs, layer_loss, _, _ = program.split(results, kind)
-                    if layer_loss is not None:
-                        layer_losses.append(layer_loss)
-                for symbolic, value in zip(program.returns, outputs):
-                    values[(id(symbolic), m)] = value
-                last_op[stage.index] = outputs
-            outputs = [values[(id(t), m)] for t in self.model.outputs]
-            if self.mask is not None:
-                for output in outputs:
-                    set_keras_mask(output, values[(id(self.mask), m)])
-            predictions.append(keras.tree.pack_sequence_as(self.model._outputs_struct, outputs))
-        return predictions, valid, (tf.add_n(layer_losses) if layer_losses else None)
+                with tf.device(program.stage.device):
+                    own = [values[id(t)] for t in program.stage.inputs]
+                    arguments = program.arguments(own, parts.valid[m], parts.batch_rows)
+                    outputs, layer_loss, _, _ = program.split(program.forward(False)(*arguments), "inference")
+                terms += [] if layer_loss is None else [layer_loss]
+                values.update({id(t): x for t, x in zip(program.returns, outputs)})
+            with tf.device(last.stage.device):
+                has_layer_losses.append(bool(terms))
+                return {
+                    "outputs": [_collect(c, m, values[id(t)]) for c, t in zip(carry["outputs"], self.loss_tensors)],
+                    "layer_loss": carry["layer_loss"] + (tf.add_n(terms) if terms else 0.0),
+                }
+
+        carry = self._loop(iteration, carry, parallel=len(self.stages))
+        with tf.device(last.stage.device):
+            return self._outputs(carry["outputs"]), (carry["layer_loss"] if any(has_layer_losses) else None)
+
+    def _outputs(self, collected: Sequence[Any]) -> Any:
+        """The collected model outputs (and output mask) -> the model's output structure, each [M * ceil(B/M), ...]."""
+        flat = [_whole(c) for c in collected]
+        outputs = flat[: len(self.model.outputs)]
+        if self.mask is not None:
+            for output in outputs:
+                set_keras_mask(output, flat[-1])
+        return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
 
     def train(self, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any) -> Any:
-        """Runs the schedule's forwards and backwards for one batch.
+        """Runs every micro-batch's forwards and backwards for one batch (``_TrainStep``).
 
         Args:
             inputs: the model's flat inputs, each [B, ...].
@@ -515,62 +595,188 @@ class Executor:
             scale_loss: loss -> the loss the gradients are taken of (the optimizer's loss scaling).
 
         Returns:
-            (the batch's loss, per micro-batch the model outputs, the valid rows, the gradients of
-            every stage's trainable variables, stage after stage, each summed over the micro-batches
-            on its stage's device).
+            (the batch's loss, the model outputs as ``forward`` returns them, the gradients of every
+            stage's trainable variables, stage after stage, each summed over the micro-batches on its
+            stage's device).
         """
-        step = _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss)
-        for action in self.schedule.global_order():
-            stage = self.stages[action.stage]
-            with tf.device(stage.device), tf.control_dependencies(step.last_op[action.stage] or []):
-                if action.kind == "F":
-                    step.forward(action.stage, action.microbatch)
-                elif action.kind == "B":
-                    step.backward(action.stage, action.microbatch)
-                else:
-                    raise InputError(f"The runtime executes F and B actions; {action} is not one of them yet.")
-        return step.finish()
+        return _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss).run()
+
+
+class _Microbatches:
+    """A batch as M micro-batches of ceil(B / M) rows, stacked: each leaf [B, ...] of a structure becomes
+    [M, ceil(B/M), ...], the rows past B repeating real rows, so that every micro-batch has one static
+    shape (each stage function is traced once). The batch's own rows of micro-batch m are its first
+    ``rows(m)``; ``valid`` [M, ceil(B/M)] marks them."""
+
+    def __init__(self, executor: Executor, inputs: Sequence[tf.Tensor]) -> None:
+        self.num = num = executor.num_microbatches
+        self.batch = batch = batch_size(inputs)
+        self.size = (batch + num - 1) // num
+        self.static_size = executor.microbatch_rows(list(inputs))
+        self.index = tf.range(self.size * num) % batch
+        self.batch_rows = tf.cast(batch, tf.float32)
+        self.valid = tf.reshape(tf.range(self.size * num) < batch, [num, self.size])
+        self.valid.set_shape([num, self.static_size])
+        self.inputs = self.stack(list(inputs))
+
+    def stack(self, structure: Any) -> Any:
+        """Each leaf [B, ...] -> [M, ceil(B/M), ...] (None stays None)."""
+        if structure is None:
+            return None
+
+        def one(t: Any) -> tf.Tensor:
+            t = tf.convert_to_tensor(t)
+            shape = tf.concat([[self.num, self.size], tf.shape(t)[1:]], 0)
+            stacked = tf.reshape(tf.gather(t, self.index), shape)
+            stacked.set_shape([self.num, self.static_size, *t.shape[1:]])
+            return stacked
+
+        return keras.tree.map_structure(one, structure)
+
+    def rows(self, m: Any) -> tf.Tensor:
+        """How many of micro-batch m's rows are the batch's own (the rest repeat them)."""
+        return tf.clip_by_value(self.batch - m * self.size, 0, self.size)
+
+    def share(self, m: Any) -> tf.Tensor:
+        """Micro-batch m's share of the batch's rows (float32)."""
+        return tf.cast(self.rows(m), tf.float32) / self.batch_rows
+
+
+def _take(stacked: Any, m: Any) -> Any:
+    """Micro-batch m (a Python int or a scalar tensor) of a stacked structure (None stays None)."""
+    return None if stacked is None else keras.tree.map_structure(lambda t: t[m], stacked)
+
+
+def _collect(collector: Any, m: Any, value: tf.Tensor) -> Any:
+    """Leaves micro-batch m's ``value`` in a collector (``Executor._collector``); returns the collector to carry on."""
+    return value if collector is None or not isinstance(collector, tf.TensorArray) else collector.write(m, value)
+
+
+def _whole(collector: Any) -> tf.Tensor:
+    """A collector's tensors one after the other along the rows: [M * rows, ...]."""
+    if not isinstance(collector, tf.TensorArray):
+        return collector
+    stacked = collector.stack()
+    whole = tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))
+    rows = stacked.shape[0] * stacked.shape[1] if stacked.shape[1] is not None else None
+    whole.set_shape([rows, *stacked.shape[2:]])
+    return whole
+
+
+def _parts(collector: Any, num: int) -> list[tf.Tensor]:
+    """A collector's tensors, one per micro-batch."""
+    return tf.unstack(collector.stack(), num=num) if isinstance(collector, tf.TensorArray) else [collector]
+
+
+def _token(device: str) -> tf.Tensor:
+    """A scalar that orders actions: an action waits for a token made after another one."""
+    with tf.device(device):
+        return tf.zeros([])
+
+
+def _after(token: tf.Tensor, done: Sequence[Any]) -> tf.Tensor:
+    """A token made after ``done`` ran (a copy of ``token`` with control dependencies on them)."""
+    with tf.control_dependencies(list(done)):
+        return tf.identity(token)
 
 
 class _TrainStep:
-    """The tensors of one training step while its actions are emitted: values, tapes, pending gradients."""
+    """One training step: the iteration of one micro-batch (every stage's forward in order, the loss on
+    the last stage, every stage's backward in reverse order), run for m = 0..M-1 in one loop
+    (``Executor._loop``), then what follows the last (``finish``).
+
+    The iterations overlap: stage s + 1 of micro-batch m runs beside stage s of micro-batch m + 1. Each
+    stage runs its forwards in micro-batch order and, where the schedule holds fewer than M micro-batches
+    on it (``Executor.windows``: 1F1B's K - s), the forward of micro-batch m only after the backward of
+    micro-batch m - window: the loop carries, per stage, tokens made after its last forward and its last
+    ``window`` backwards. A recomputing stage runs its backwards in order too (they share the seed states
+    they draw from). Weight gradients are summed in the loop, per stage on its device; the loss, the
+    layer losses and, with an output mask, the valid steps on the last stage's; the model outputs and
+    the batch-norm statistics of every micro-batch are collected for ``finish``.
+    """
 
     def __init__(
         self, executor: Executor, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any
     ) -> None:
         self.executor = executor
-        self.loss_fn = loss_fn
         self.scale_loss = scale_loss
-        num = executor.num_microbatches
-        batch = batch_size(inputs)
-        size = (batch + num - 1) // num
-        # the batch's own rows of micro-batch m are its first rows[m] (the rest repeat earlier rows)
-        self.rows = [tf.clip_by_value(batch - m * size, 0, size) for m in range(num)]
-        self.batch_rows = tf.cast(batch, tf.float32)
-        self.share = [tf.cast(n, tf.float32) / self.batch_rows for n in self.rows]
-        self.valid = executor.valid_rows(batch, executor.microbatch_rows(list(inputs)))
-        self.y = executor.split(batch, y) if y is not None else [None] * num
-        self.weights = executor.split(batch, sample_weight) if sample_weight is not None else [None] * num
+        self.loss_function = executor.loss_function(loss_fn, scale_loss)
+        self.parts = _Microbatches(executor, inputs)
+        self.y = self.parts.stack(y)
+        self.weights = self.parts.stack(sample_weight)
+        self.traced = executor.trace("forward", self.parts)
+        self.windows = executor.windows()
         self.model_inputs = {id(t) for t in executor.model.inputs}
-        self.values: dict[tuple[int, int], tf.Tensor] = {}  # (id(symbolic tensor), m) -> its value
-        for m, parts in enumerate(executor.split(batch, list(inputs))):
-            for t, x in zip(executor.model.inputs, parts):
-                self.values[(id(t), m)] = x
-        self.pending: dict[tuple[int, int], list[tf.Tensor]] = {}  # (id(tensor), m) -> gradients from its readers
-        # (s, m) -> (tape or None, outputs, layer loss or None, seeds, the loss's gradients for the model
-        # outputs (last stage) or None)
-        self.kept: dict[tuple[int, int], Any] = {}
-        self.losses: list[Any] = [None] * num  # unscaled loss of each micro-batch, its share of the batch
-        self.steps: list[Any] = [None] * num  # with an output mask: [valid steps, steps] of each micro-batch
-        self.layer_losses: list[tf.Tensor] = []  # every stage's layer losses, each micro-batch's part
-        self.predictions: list[Any] = [None] * num
-        self.gradients: list[list[Any]] = [[None] * len(s.trainable_variables) for s in executor.stages]
-        self.last_op: list[Any] = [None] * len(executor.stages)
-        self.statistics: dict[tuple[int, int], tuple[Any, list[Any]]] = {}  # (s, id(layer)) -> (layer, moments)
+        self.layer_losses: list[bool] = []  # per traced iteration: whether any stage returned a layer loss
 
-    def _inputs(self, s: int, m: int) -> tuple[list[tf.Tensor], list[int]]:
+    def run(self) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
+        return self.finish(self.executor._loop(self.iteration, self.start(), parallel=max(self.windows)))
+
+    def start(self) -> dict[str, Any]:
+        """The loop's carry before the first micro-batch (tokens only in the loop; sums of None unlooped)."""
+        executor = self.executor
+        looped = executor.num_microbatches > 1
+        last = executor.programs[-1]
+        collectors = []
+        for program, results in zip(executor.programs, self.traced):
+            stats = program.split(results)[2]
+            collectors.append([[executor._collector(spec) for spec in moments] for moments in stats])
+        carry: dict[str, Any] = {
+            "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
+            "backward": [
+                [_token(s.device)] if looped and executor.options.recomputes(s.index) and p.shadow_seeds else []
+                for s, p in zip(executor.stages, executor.programs)
+            ],
+            "window": [
+                [_token(s.device) for _ in range(w)] if looped and w < executor.num_microbatches else []
+                for s, w in zip(executor.stages, self.windows)
+            ],
+            "gradients": [[None] * len(s.trainable_variables) for s in executor.stages],
+            "statistics": collectors,
+            "outputs": [
+                executor._collector(spec)
+                for spec in self.traced[-1][len(last.stage.outputs) :][: len(executor.loss_tensors)]
+            ],
+            "loss": None,
+            "layer_loss": None,
+            "steps": None,
+        }
+        if looped:
+            for stage, sums in zip(executor.stages, carry["gradients"]):
+                with tf.device(stage.device):
+                    sums[:] = [tf.zeros(v.shape, v.dtype) for v in stage.trainable_variables]
+            with tf.device(last.stage.device):
+                carry["loss"], carry["layer_loss"] = tf.zeros([]), tf.zeros([])
+                carry["steps"] = tf.zeros([2]) if executor.mask is not None else []
+        return carry
+
+    def iteration(self, m: Any, carry: dict[str, Any]) -> dict[str, Any]:
+        """Micro-batch m's forwards, loss and backwards; returns the carry after it."""
+        executor = self.executor
+        new = {key: list(value) if isinstance(value, list) else value for key, value in carry.items()}
+        micro = _Micro(m, {id(t): x for t, x in zip(executor.model.inputs, _take(self.parts.inputs, m))})
+        for program in executor.programs:
+            s = program.stage.index
+            waits = carry["forward"][s] + carry["window"][s][:1]
+            with tf.device(program.stage.device), tf.control_dependencies(waits):
+                done = self.forward(s, micro, new)
+                new["forward"][s] = [_after(t, done) for t in carry["forward"][s]]
+        with tf.device(executor.stages[-1].device):
+            self.layer_losses.append(bool(micro.layer_losses))
+            if micro.layer_losses:
+                new["layer_loss"] = _add(carry["layer_loss"], tf.add_n(micro.layer_losses))
+        for program in reversed(executor.programs):
+            s = program.stage.index
+            with tf.device(program.stage.device), tf.control_dependencies(carry["backward"][s]):
+                done = self.backward(s, micro, new) or micro.done[s]
+                new["backward"][s] = [_after(t, done) for t in carry["backward"][s]]
+                if carry["window"][s]:
+                    new["window"][s] = [*carry["window"][s][1:], _after(carry["window"][s][0], done)]
+        return new
+
+    def _inputs(self, s: int, micro: _Micro) -> tuple[list[tf.Tensor], list[int]]:
         stage = self.executor.stages[s]
-        values = [self.values[(id(t), m)] for t in stage.inputs]
+        values = [micro.values[id(t)] for t in stage.inputs]
         watched = [
             i
             for i, (t, x) in enumerate(zip(stage.inputs, values))
@@ -578,54 +784,61 @@ class _TrainStep:
         ]
         return values, watched
 
-    def _loss(self, s: int, m: int, outputs: Sequence[tf.Tensor]) -> list[tf.Tensor] | None:
-        """On the last stage, micro-batch m's loss (as its share of the batch's, kept in ``losses``) and
+    def _loss(self, s: int, micro: _Micro, outputs: Sequence[tf.Tensor], new: dict[str, Any]) -> list[tf.Tensor] | None:
+        """On the last stage, micro-batch m's loss (as its share of the batch's, added to the carry's) and
         the gradients of the scaled loss for the model's floating outputs, where the stage's backward
         starts; None on other stages."""
         executor = self.executor
         if s != len(executor.stages) - 1:
             return None
+        m = micro.m
         start = len(executor.stages[s].outputs)
         flat = list(outputs[start : start + len(executor.model.outputs)])
         mask = None if executor.mask is None else outputs[-1]
-        loss_fn = executor.loss_function(self.loss_fn, self.scale_loss)
-        loss, gradients, self.steps[m] = loss_fn(self.y[m], flat, mask, self.weights[m], self.rows[m], self.share[m])
-        if mask is not None:
-            for output in flat:
-                set_keras_mask(output, mask)
-        self.predictions[m] = keras.tree.pack_sequence_as(executor.model._outputs_struct, flat)
-        self.losses[m] = loss
+        loss, gradients, steps = self.loss_function(
+            _take(self.y, m), flat, mask, _take(self.weights, m), self.parts.rows(m), self.parts.share(m)
+        )
+        new["loss"] = _add(new["loss"], loss)
+        if steps is not None:
+            new["steps"] = _add(new["steps"], steps)
+        new["outputs"] = [_collect(c, m, x) for c, x in zip(new["outputs"], outputs[start:])]
         return list(gradients)
 
-    def forward(self, s: int, m: int) -> None:
+    def forward(self, s: int, micro: _Micro, new: dict[str, Any]) -> list[tf.Tensor]:
+        """Stage s's forward of the micro-batch, on a tape unless the stage recomputes; returns its results."""
         program = self.executor.programs[s]
-        values, watched = self._inputs(s, m)
+        values, watched = self._inputs(s, micro)
         tape = None if self.executor.options.recomputes(s) else tf.GradientTape()
         with tape if tape is not None else contextlib.nullcontext():
             if tape is not None:
                 tape.watch([values[i] for i in watched])
-            results = program.forward(True)(*program.arguments(values, self.valid[m], self.batch_rows))
-        _check_splittable(program, "forward")
+            arguments = program.arguments(values, self.parts.valid[micro.m], self.parts.batch_rows)
+            results = program.forward(True)(*arguments)
         outputs, layer_loss, stats, seeds = program.split(results)
         if layer_loss is not None:
-            self.layer_losses.append(layer_loss)
-        loss_gradients = self._loss(s, m, outputs)  # outside the tape: the backward starts from its gradients
-        for layer, moments in zip(program.deferred_layers, stats):
-            self.statistics.setdefault((s, id(layer)), (layer, []))[1].append(moments)
-        for symbolic, value in zip(program.returns, outputs):
-            self.values[(id(symbolic), m)] = value
-        self.kept[(s, m)] = (tape, outputs, layer_loss, seeds, loss_gradients)
-        self.last_op[s] = [*outputs, *(loss_gradients or [])]
+            micro.layer_losses.append(layer_loss)
+        loss_gradients = self._loss(s, micro, outputs, new)  # outside the tape: the backward starts from its gradients
+        new["statistics"][s] = [
+            [_collect(c, micro.m, x) for c, x in zip(collectors, moments)]
+            for collectors, moments in zip(new["statistics"][s], stats)
+        ]
+        micro.values.update({id(t): x for t, x in zip(program.returns, outputs)})
+        micro.kept[s] = (tape, outputs, layer_loss, seeds, loss_gradients)
+        micro.done[s] = [*outputs, *(loss_gradients or [])]
+        return micro.done[s]
 
-    def backward(self, s: int, m: int) -> None:
+    def backward(self, s: int, micro: _Micro, new: dict[str, Any]) -> list[tf.Tensor]:
+        """Stage s's backward of the micro-batch, its weight gradients added to the stage's sums;
+        returns the gradients it computed (none when nothing the stage computes reaches the loss)."""
         program, stage = self.executor.programs[s], self.executor.stages[s]
-        values, watched_index = self._inputs(s, m)
+        values, watched_index = self._inputs(s, micro)
         watched = [values[i] for i in watched_index]
-        tape, outputs, layer_loss, seeds, loss_gradients = self.kept.pop((s, m))
+        tape, outputs, layer_loss, seeds, loss_gradients = micro.kept.pop(s)
         if tape is None:  # recomputation (never the last stage): the stage's forward again, under a tape, here
             with tf.GradientTape() as tape:
                 tape.watch(watched)
-                results = program.recompute()(*program.arguments(values, self.valid[m], self.batch_rows), *seeds)
+                arguments = program.arguments(values, self.parts.valid[micro.m], self.parts.batch_rows)
+                results = program.recompute()(*arguments, *seeds)
             outputs, layer_loss, _, _ = program.split(results, "recompute")
         targets: list[tf.Tensor] = []
         output_gradients: list[tf.Tensor] = []
@@ -638,24 +851,24 @@ class _TrainStep:
             targets += predictions
             output_gradients += loss_gradients
         for symbolic, value in zip(stage.outputs, outputs):
-            grads = self.pending.pop((id(symbolic), m), None)
+            grads = micro.pending.pop(id(symbolic), None)
             if grads:
                 targets.append(value)
                 output_gradients.append(grads[0] if len(grads) == 1 else tf.add_n(grads))
-        variables = list(stage.trainable_variables)
         if not targets:  # nothing this stage computes reaches the loss
-            return
+            return []
+        variables = list(stage.trainable_variables)
         with tf.name_scope(f"stage{s}_backward"):  # names the backward call (or its inlined nodes)
             result = tape.gradient(targets, watched + variables, output_gradients=output_gradients)
         for i, g in zip(watched_index, result[: len(watched)]):
             if g is not None:
-                self.pending.setdefault((id(stage.inputs[i]), m), []).append(g)
-        self._accumulate(s, result[len(watched) :])
-        self.last_op[s] = [g for g in result if g is not None] or self.last_op[s]
+                micro.pending.setdefault(id(stage.inputs[i]), []).append(g)
+        new["gradients"][s] = self._accumulate(s, new["gradients"][s], result[len(watched) :])
+        return [g for g in tf.nest.flatten(result, expand_composites=True) if g is not None]
 
-    def _accumulate(self, s: int, gradients: Sequence[Any]) -> None:
-        """Adds a micro-batch's weight gradients to stage s's sums (the first micro-batch's start them)."""
-        totals = self.gradients[s]
+    def _accumulate(self, s: int, totals: list[Any], gradients: Sequence[Any]) -> list[Any]:
+        """Stage s's sums with a micro-batch's weight gradients added (unlooped, the first ones start them)."""
+        totals = list(totals)
         # an embedding's IndexedSlices are made dense to be summed
         new = {i: tf.convert_to_tensor(g) for i, g in enumerate(gradients) if g is not None}
         summed = [i for i in new if totals[i] is not None]
@@ -665,41 +878,68 @@ class _TrainStep:
                 totals[i] = total
         for i in new.keys() - set(summed):
             totals[i] = new[i]
+        return totals
 
-    def finish(self) -> tuple[tf.Tensor, list[Any], list[tf.Tensor], list[tf.Tensor]]:
-        """After the last action, per stage on its device: the weights' regularization (once per step,
-        with its gradients) and the deferred batch-norm updates; returns what ``Executor.train`` does."""
+    def finish(self, carry: dict[str, Any]) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
+        """After the last micro-batch, per stage on its device: the weights' regularization (once per
+        step, with its gradients) and the deferred batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
-        losses = [x for x in self.losses if x is not None]
+        sums = [list(grads) for grads in carry["gradients"]]
+        last = executor.stages[-1].device
+        losses = [carry["loss"]]
         if executor.mask is not None:  # sum over valid steps / batch's steps -> the mean over valid steps
-            if self.layer_losses:
+            if any(self.layer_losses):
                 raise InputError(
                     "The model's output carries a Keras mask and its layers add losses (add_loss, activity "
                     "regularizers): the pipelined step weights the output loss by the batch's valid steps after "
                     "the backward and cannot keep the layer losses' gradients apart. Expected one of the two: "
                     "drop the mask before the output, or the layer losses."
                 )
-            with tf.device(executor.stages[-1].device):
-                valid, steps = tf.unstack(tf.add_n(self.steps))
+            with tf.device(last):
+                valid, steps = tf.unstack(carry["steps"])
                 correction = tf.math.divide_no_nan(steps, valid)
-                losses = [tf.add_n(losses) * correction]
-            for stage, grads in zip(executor.stages, self.gradients):
+                losses = [losses[0] * correction]
+            for stage, grads in zip(executor.stages, sums):
                 with tf.device(stage.device):
                     grads[:] = [None if g is None else g * tf.cast(correction, g.dtype) for g in grads]
-        losses += self.layer_losses
+        if any(self.layer_losses):
+            losses.append(carry["layer_loss"])
         gradients = []
-        for stage, grads in zip(executor.stages, self.gradients):
-            with tf.device(stage.device), tf.control_dependencies(self.last_op[stage.index] or []):
+        for program, grads, collected in zip(executor.programs, sums, carry["statistics"]):
+            stage = program.stage
+            with tf.device(stage.device):
                 penalties = _regularization(stage, grads, self.scale_loss)
                 if penalties is not None:
                     losses.append(penalties)
-                for (s, _), (layer, moments) in self.statistics.items():
-                    if s == stage.index:
-                        update_moving_statistics(layer, moments)
+                moments: dict[int, tuple[Any, list[Any]]] = {}
+                for layer, collectors in zip(program.deferred_layers, collected):
+                    parts = [_parts(c, executor.num_microbatches) for c in collectors]
+                    moments.setdefault(id(layer), (layer, []))[1].extend(list(x) for x in zip(*parts))
+                for layer, stats in moments.values():
+                    update_moving_statistics(layer, stats)
                 gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
-        with tf.device(executor.stages[-1].device):
+        with tf.device(last):
             loss = tf.add_n(losses)
-        return loss, self.predictions, self.valid, gradients
+            outputs = executor._outputs(carry["outputs"])
+        return loss, outputs, gradients
+
+
+@dataclass
+class _Micro:
+    """One micro-batch's tensors while its iteration is traced."""
+
+    m: Any  # its index: a Python int unlooped, a scalar tensor in the loop
+    values: dict[int, tf.Tensor]  # id(symbolic tensor) -> its value
+    pending: dict[int, list[tf.Tensor]] = field(default_factory=dict)  # id(tensor) -> gradients from its readers
+    # stage -> (tape or None, outputs, layer loss or None, seeds, the loss's gradients for the model outputs or None)
+    kept: dict[int, Any] = field(default_factory=dict)
+    done: dict[int, list[tf.Tensor]] = field(default_factory=dict)  # stage -> its forward's results
+    layer_losses: list[tf.Tensor] = field(default_factory=list)
+
+
+def _add(total: Any, value: tf.Tensor) -> tf.Tensor:
+    """total + value, where a total of None (unlooped, nothing summed yet) is 0."""
+    return value if total is None else total + value
 
 
 def _check_splittable(program: StageProgram, kind: str) -> None:

@@ -52,17 +52,18 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
     return call
 
 
-def _concat(parts: list[Any], batch: tf.Tensor) -> Any:
-    """Per micro-batch outputs -> the batch's outputs (the repeated rows dropped), with their Keras masks."""
+def _own_rows(outputs: Any, batch: tf.Tensor) -> Any:
+    """The executor's outputs, [M * ceil(B/M), ...] -> the batch's B rows, with their Keras masks: the
+    micro-batches' rows one after the other are the batch's in order, then the repeated rows."""
 
-    def one(*xs: tf.Tensor) -> tf.Tensor:
-        output = tf.concat(xs, axis=0)[:batch]
-        masks = [get_keras_mask(x) for x in xs]
-        if masks[0] is not None:
-            set_keras_mask(output, tf.concat(masks, axis=0)[:batch])
+    def one(x: tf.Tensor) -> tf.Tensor:
+        output = x[:batch]
+        mask = get_keras_mask(x)
+        if mask is not None:
+            set_keras_mask(output, mask[:batch])
         return output
 
-    return keras.tree.map_structure(one, *parts)
+    return keras.tree.map_structure(one, outputs)
 
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -157,7 +158,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         Example:
             >>> loss, grads = wrapped.loss_and_gradients(x, y)                        # doctest: +SKIP
         """
-        loss, _, _, gradients = self._state.executor.train(
+        loss, _, gradients = self._state.executor.train(
             self._flat_inputs(x), y, sample_weight, self._micro_loss, _unscaled
         )
         return loss, gradients
@@ -201,22 +202,22 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         inputs = self._flat_inputs(x)
         executor = self._state.executor
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
-        loss, predictions, _, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale)
+        loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
-            y_pred = _concat(predictions, batch)
+            y_pred = _own_rows(outputs, batch)
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _, layer_loss = self._state.executor.forward(inputs, training=False, losses=True)
+        outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
-            y_pred = _concat(predictions, batch)
+            y_pred = _own_rows(outputs, batch)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
             if layer_loss is not None:  # add_loss and activity regularizers, as Keras' compute_loss adds them
                 loss = loss + tf.cast(layer_loss, loss.dtype)
@@ -226,9 +227,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        predictions, _, _ = self._state.executor.forward(inputs, training=False)
+        outputs, _ = self._state.executor.forward(inputs)
         with tf.device(self._state.stages[-1]):
-            return _concat(predictions, tf.shape(inputs[0])[0])
+            return _own_rows(outputs, tf.shape(inputs[0])[0])
 
     # ----- getting the plain model back ------------------------------------------------------------
 

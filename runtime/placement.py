@@ -80,6 +80,8 @@ def placement_report(model: Any) -> PlacementReport:
 _PLUMBING = {
     "_Arg", "_Retval", "_DeviceArg", "_DeviceRetval", "NoOp", "Const", "HostConst", "Identity", "IdentityN",
     "_Send", "_Recv", "_HostSend", "_HostRecv", "ReadVariableOp", "VarHandleOp", "Placeholder",
+    # the loop over micro-batches: frames and their edges (also control edges into a stage's function)
+    "Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond", "ControlTrigger",
 }  # fmt: skip
 _STAGE_GRAPH = re.compile(r"stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute)_")
 # a node of a stage function inlined into the step (one micro-batch): its name carries the call's name scope
