@@ -1,23 +1,26 @@
 """Executes a pipeline schedule: each stage's forward, backward and optimizer update on its device.
 
-Every stage (``runtime.stages``) becomes one ``tf.function``, traced once and called once per
-micro-batch, not inlined into the step, so the step's graph and its trace time grow with M only by
-a few call ops per micro-batch. The executor emits the schedule's actions (``partitioner.schedule``)
-into Keras' compiled step, in the schedule's global order, each action under its stage's device and
-after the previous action of that device (a control dependency), so the device-by-device order is
-the schedule's:
+Every stage becomes one ``tf.function`` per kind (``runtime.stages``), traced once for the
+micro-batch's static shape. Keras' compiled step runs the micro-batches in one ``tf.while_loop``
+(``Executor._loop``; unlooped when M = 1) whose body is one micro-batch's *iteration*, traced once, so
+the step's graph does not grow with M. In the iteration, every action runs under its stage's device:
 
-- ``F`` (stage s, micro-batch m): calls the stage function on the micro-batch's boundary tensors,
-  recorded on a tape of its own (or, with recomputation, unrecorded: only the inputs are kept; the
-  last stage, whose backward comes next, always records). The last stage computes the micro-batch's
-  loss on its device, with the gradients of the loss for the model's outputs (where its B starts).
-- ``B`` (stage s, micro-batch m): asks that tape for the gradients of the stage's inputs and weights,
-  with the gradients of its outputs from the stages that read them; every gradient op is created
-  under the stage's device. Weight gradients accumulate per stage on its device. With
-  recomputation the stage function first runs again under a fresh tape, with the dropout seeds of
-  its forward and every non-trainable variable (batch-norm statistics) restored afterwards.
-- After the last action each stage's optimizer update runs on its device: the optimizer's per-variable
-  update (moments, bias correction, the assign) is issued under the variable's device.
+- ``F`` (stage s): calls the stage function on the micro-batch's boundary tensors, recorded on a tape of
+  its own (or, with recomputation, unrecorded: only the inputs are kept; the last stage, whose backward
+  comes next, always records). The last stage computes the micro-batch's loss on its device, with the
+  gradients of the loss for the model's outputs (where its B starts).
+- ``B`` (stage s, in reverse stage order): asks that tape for the gradients of the stage's inputs and
+  weights, with the gradients of its outputs from the stages that read them; every gradient op is
+  created under the stage's device. Weight gradients are summed per stage on its device, in the loop.
+  With recomputation the stage function first runs again under a fresh tape, drawing the dropout masks
+  of its forward (``StageProgram.recompute``).
+- After the loop each stage's optimizer update runs on its device: the optimizer's per-variable update
+  (moments, bias correction, the assign) is issued under the variable's device.
+
+The iterations overlap (stage s + 1 of micro-batch m beside stage s of micro-batch m + 1), in the
+order the schedule (``partitioner.schedule``) allows: each stage runs its forwards in micro-batch order,
+and holds at most the schedule's micro-batches in flight (``Schedule.max_in_flight``: M for GPipe,
+K - s for 1F1B), the forward of micro-batch m waiting for the backward of m - window (``_TrainStep``).
 
 Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
@@ -72,24 +75,24 @@ def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 class _Boundary:
-    """A function the step calls once per micro-batch and TensorFlow never inlines into it: a
-    ``tf.function`` whose own body is one call of ``body``, traced as a function of its own.
+    """A function the step calls and TensorFlow never inlines into it: a ``tf.function`` whose own body
+    is one call of ``body``, traced as a function of its own.
 
     TensorFlow's graph passes visit every call site of the step's graph and turn the callee's
     definition into a graph there, before they read ``_noinline`` (Grappler's function optimizer,
     twice, and the inlining pass before it): with a callee of one call node that work is small at
-    each of the step's M x K call sites, and ``body`` is optimised once, where the boundary function
-    is instantiated on its device. Calls go to the traced concrete function of the arguments'
-    shapes and dtypes (kept here, so a call does not recompute the arguments' tracing types);
-    ``reduce_retracing`` gives one more trace, for any batch size, at the first call with another
-    micro-batch size (a remainder batch). With ``jit_compile`` the boundary function, the inner
-    call inlined, is one XLA cluster on the device it is called on.
+    each call site, and ``body`` is optimised once, where the boundary function is instantiated on its
+    device. Calls go to the traced concrete function of the arguments' shapes and dtypes (kept here,
+    so a call does not recompute the arguments' tracing types; ``concrete`` also takes specs, to trace
+    before a loop is built); ``reduce_retracing`` gives one more trace, for any batch size, at the
+    first call with another micro-batch size (a remainder batch). With ``jit_compile`` the boundary
+    function, the inner call inlined, is one XLA cluster on the device it is called on.
 
-    With ``inline`` (one micro-batch: one call per step) TensorFlow may inline the function into the
-    step, as plain Keras' step is one graph: the call boundaries cost a one-device transformer step
-    about a fifth more than plain Keras, inlined 4% (measured side by side, benchmarks/runtime). The
-    call runs under a name scope of the function's name, so the nodes of an inlined body still say
-    which stage and kind they belong to (``runtime.placement``).
+    With ``inline`` (one micro-batch: no loop, one call per step) TensorFlow may inline the function
+    into the step, as plain Keras' step is one graph: the call boundaries cost a one-device
+    transformer step about a fifth more than plain Keras, inlined 4% (measured side by side,
+    benchmarks/runtime). The call runs under a name scope of the function's name, so the nodes of an
+    inlined body still say which stage and kind they belong to (``runtime.placement``).
     """
 
     def __init__(self, body: Any, name: str, jit_compile: bool = False, inline: bool = False) -> None:
@@ -520,13 +523,14 @@ class Executor:
         num = self.num_microbatches
         if num == 1:
             return iteration(0, carry)
-        _, carry = tf.while_loop(
-            lambda m, _: m < num,
-            lambda m, c: (m + 1, iteration(m, c)),
-            (tf.constant(0), carry),
-            parallel_iterations=parallel,
-            maximum_iterations=num,
-        )
+        with _without_automatic_control_dependencies():
+            _, carry = tf.while_loop(
+                lambda m, _: m < num,
+                lambda m, c: (m + 1, iteration(m, c)),
+                (tf.constant(0), carry),
+                parallel_iterations=parallel,
+                maximum_iterations=num,
+            )
         return carry
 
     def _collector(self, spec: tf.TensorSpec) -> Any:
@@ -640,6 +644,29 @@ class _Microbatches:
     def share(self, m: Any) -> tf.Tensor:
         """Micro-batch m's share of the batch's rows (float32)."""
         return tf.cast(self.rows(m), tf.float32) / self.batch_rows
+
+
+@contextlib.contextmanager
+def _without_automatic_control_dependencies() -> Any:
+    """Builds the loop's body without TensorFlow's automatic control dependencies.
+
+    In a ``tf.function`` every op with side effects (here every stage function call: they read
+    variables) gets a control edge to the body's outputs, so each iteration's loop variables would wait
+    for all of the previous iteration: the micro-batches would run one after the other (measured: at
+    most one micro-batch between a stage's forward and its backward, under GPipe and M = 8). The body
+    orders itself instead: every call's results are consumed (tokens, sums, collected outputs); each
+    stage's forwards, and a recomputing stage's backwards, are chained by tokens (they write seed states
+    and statistics); no variable the loop reads is written before the loop ends (the optimizer runs
+    after it). TensorFlow has no public switch for this: the graph attribute ``while_v2`` reads is
+    private (``tests/runtime/test_loop.py`` checks that micro-batches overlap).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    saved = graph._add_control_dependencies
+    graph._add_control_dependencies = False
+    try:
+        yield
+    finally:
+        graph._add_control_dependencies = saved
 
 
 def _take(stacked: Any, m: Any) -> Any:

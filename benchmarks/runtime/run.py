@@ -402,6 +402,9 @@ def child_handplaced(rounds: int, steps: int) -> dict[str, Any]:
 
 def child_memory(config: str, steps: int, num_microbatches: int = MEMORY_MICROBATCHES) -> dict[str, Any]:
     """Section 5: the allocator's peak during a training step of one configuration, and the simulator's."""
+    # TensorFlow's default CPU allocator keeps no statistics (reset_memory_stats refuses "CPU:0"); its
+    # BFC allocator, chosen by this variable before TensorFlow starts, keeps them, as a GPU's does
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     devices = start_tensorflow(2, 2)
     import keras
     import tensorflow as tf
