@@ -461,9 +461,7 @@ class Executor:
                 gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return loss, gradients, steps
 
-            self._loss_functions[key] = _Boundary(
-                microbatch_loss, "microbatch_loss", inline=self.num_microbatches == 1
-            )
+            self._loss_functions[key] = _Boundary(microbatch_loss, "microbatch_loss", inline=self.num_microbatches == 1)
         return self._loss_functions[key]
 
     @property
