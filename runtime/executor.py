@@ -543,9 +543,9 @@ class Executor:
         """Forward only (evaluation and prediction), every micro-batch through every stage on its device.
 
         Returns:
-            (the model outputs of every micro-batch one after the other, each [M * ceil(B/M), ...] with
-            the repeated rows in each micro-batch's last rows: ``own_rows`` keeps the batch's own; the
-            batch's layer losses (``add_loss``, activity regularizers) or None if there are none).
+            (the model outputs of every micro-batch one after the other, each [M * ceil(B/M), ...]: the
+            first B rows are the batch's in order, the rest repeat them; the batch's layer losses
+            (``add_loss``, activity regularizers) or None if there are none).
         """
         parts = _Microbatches(self, inputs)
         traced = self.trace("inference", parts, losses)
