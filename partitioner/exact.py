@@ -133,13 +133,6 @@ def exact_chain(
     Example:
         >>> plan = exact_chain(pt.chain_graph([1e9] * 8), pt.Cluster.uniform(4, memory="1GiB"))  # doctest: +SKIP
     """
-    started = time.perf_counter()
-    check_device_order(device_order)
-    if objective not in OBJECTIVES:
-        raise InputError(
-            f"objective must be one of {OBJECTIVES} ('step': the shortest simulated step; 'bottleneck': the "
-            f"least time of the slowest stage). Received: {objective!r}."
-        )
     costs = CostModel(
         graph,
         cluster,
@@ -149,6 +142,32 @@ def exact_chain(
         schedule=schedule,
         recompute=recompute,
     )
+    return exact_chain_for(costs, device_order=device_order, objective=objective)
+
+
+def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective: str = "step") -> Plan:
+    """:func:`exact_chain` for the graph, cluster and settings (M, optimizer slots, cost source,
+    schedule, recompute) of ``costs``: the entry for planners that hold a CostModel already.
+
+    Raises:
+        InputError, InfeasiblePlanError: as :func:`exact_chain`.
+
+    Example:
+        >>> import partitioner as pt
+        >>> cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12)
+        >>> costs = pt.CostModel(pt.chain_graph([1e12] * 4), cluster, num_microbatches=4)
+        >>> plan = exact_chain_for(costs)
+        >>> plan.num_stages, plan.step_time_s, plan.status
+        (2, 10.0, 'optimal')
+    """
+    started = time.perf_counter()
+    check_device_order(device_order)
+    if objective not in OBJECTIVES:
+        raise InputError(
+            f"objective must be one of {OBJECTIVES} ('step': the shortest simulated step; 'bottleneck': the "
+            f"least time of the slowest stage). Received: {objective!r}."
+        )
+    graph = costs.graph
     if not is_chain(graph):
         raise InputError(
             "exact_chain needs a chain (every layer feeds only the next one); this graph branches. "
