@@ -63,6 +63,7 @@ from partitioner.order import (
 )
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step
+from partitioner.simulate import chain_step
 
 OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
@@ -481,35 +482,40 @@ def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
 
 
 def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
-    """The step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
+    """The simulated step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
 
-    GPipe: exactly what the simulator computes. Each phase is a flow shop of M equal jobs whose
-    machines are the stages and the links in between, so it lasts the sum of their times plus M - 1
-    times the slowest:  sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
+    GPipe: a closed form. Each phase is a flow shop of M equal jobs whose machines are the stages and
+    the links in between, so it lasts the sum of their times plus M - 1 times the slowest:
+    sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
 
-    1F1B: an estimate, the latest end over stages s assuming no stall after s's first backward:
-    micro-batch 0 reaches s after the stages before it; s runs min(K - s, M) forwards, and its first
-    backward waits for micro-batch 0's round trip through the stages after it; then s runs the rest of
-    its work, and its last gradient goes back down through the stages before it.
+    1F1B has no such form (a stage's warm-up forwards and its first backward wait on different stages):
+    the schedule is replayed on the figures (partitioner.simulate.chain_step), O(K M).
     """
+    return _estimates(schedule, num_microbatches, [figures])[0]
+
+
+def _estimates(
+    schedule: str, num_microbatches: int, splits: list[list[tuple[float, float, float, float]]]
+) -> list[float]:
+    """:func:`_estimate` of each split of ``splits``; the 1F1B replays of splits with as many stages run together."""
     m = num_microbatches
     if schedule == "gpipe":
-        total = sum(f + b + a + g for f, b, a, g in figures)
-        forward = max(max(f, a) for f, _, a, _ in figures)
-        backward = max(max(b, g) for _, b, _, g in figures)
-        return total + (m - 1) * (forward + backward)
-    count = len(figures)
-    latest = 0.0
-    for s, (f, b, a, g) in enumerate(figures):
-        before = figures[:s]
-        after = figures[s + 1 :]
-        start = sum(ft for ft, _, _, _ in before) + a + sum(at for _, _, at, _ in before)
-        warm = min(count - s, m)
-        round_trip = sum(ft + bt + at + gt for ft, bt, at, gt in after)
-        first_backward = start + max(f + round_trip, warm * f)
-        end = first_backward + m * b + (m - warm) * f
-        latest = max(latest, end + g + sum(bt + gt for _, bt, _, gt in before))
-    return latest
+        steps = []
+        for figures in splits:
+            total = sum(f + b + a + g for f, b, a, g in figures)
+            forward = max(max(f, a) for f, _, a, _ in figures)
+            backward = max(max(b, g) for _, b, _, g in figures)
+            steps.append(total + (m - 1) * (forward + backward))
+        return steps
+    result = [0.0] * len(splits)
+    by_count: dict[int, list[int]] = {}
+    for index, figures in enumerate(splits):
+        by_count.setdefault(len(figures), []).append(index)
+    for indices in by_count.values():
+        stacked = np.array([splits[i] for i in indices]).transpose(2, 1, 0)  # [figure, stage, split]
+        for i, step in zip(indices, chain_step(schedule, m, *stacked)):
+            result[i] = float(step)
+    return result
 
 
 def _stage_compute(
@@ -882,24 +888,40 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
 def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
     """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
     objective only approximates, and for GPipe where stages differ in forward share. Each round moves
-    to the neighbour of the least estimate not visited yet, sideways too (equal estimates, plateaus),
-    and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best split visited is
-    returned."""
+    to the neighbour of the shortest step (:func:`_estimate`) not visited yet, sideways too (equal
+    steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best
+    split visited is returned."""
     num_devices = len(tables.capacity)
     current, best, estimate = found.blocks, found.blocks, found.estimate
     current_estimate = estimate
     visited = {current}
+    blocks_seen: dict[tuple[int, int, int, int], tuple[float, float, float, float] | None] = {}
+
+    def figures_of(split: Blocks) -> list[tuple[float, float, float, float]] | None:
+        figures, previous = [], -1
+        for k, start, end in split:
+            key = (previous, k, start, end)
+            if key not in blocks_seen:
+                blocks_seen[key] = _block_figures(tables, previous, k, start, end, schedule)
+            block = blocks_seen[key]
+            if block is None:
+                return None
+            figures.append(block)
+            previous = k
+        return figures
+
     for _ in range(LOCAL_ROUNDS):
-        scored = []
+        candidates, splits = [], []
         for candidate in _neighbours(current, num_devices):
             if candidate in visited:
                 continue
-            figures = _figures(tables, candidate, schedule)
+            figures = figures_of(candidate)
             if figures is not None:
-                scored.append((_estimate(schedule, num_microbatches, figures), candidate))
-        if not scored:
+                candidates.append(candidate)
+                splits.append(figures)
+        if not candidates:
             break
-        value, candidate = min(scored)
+        value, candidate = min(zip(_estimates(schedule, num_microbatches, splits), candidates))
         if value > current_estimate * (1 + 1e-12):
             break
         visited.add(candidate)

@@ -95,12 +95,12 @@ def test_exact_chain_step_equals_brute_force(problem):
         assert plan.step_time_s <= best * ONE_F_ONE_B_SLACK
 
 
-@settings(max_examples=30, deadline=None)
-@given(problem=step_problems())
-def test_gpipe_formula_is_the_simulated_step(problem):
-    """The closed form the DP ranks GPipe plans by is the simulator's step, for any split."""
+@settings(max_examples=40, deadline=None)
+@given(problem=step_problems(), schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_step_formula_is_the_simulated_step(problem, schedule):
+    """The step the DP ranks splits by (GPipe's closed form, 1F1B's replay) is the simulator's, for any split."""
     graph, cluster, m, _ = problem
-    costs = CostModel(graph, cluster, num_microbatches=m)
+    costs = CostModel(graph, cluster, num_microbatches=m, schedule=schedule)
     order, k = costs.order, cluster.num_devices
     labels = [min(k - 1, i * k // len(order)) for i in range(len(order))]
     assignment = {v: cluster.names[d] for v, d in zip(order, labels)}
@@ -113,7 +113,7 @@ def test_gpipe_formula_is_the_simulated_step(problem):
         g = size / cluster.bandwidth(used[s], used[s - 1]) if s else 0.0
         figures.append((c.forward_s, c.backward_s, a, g))
     simulated = simulate_assignment(costs, assignment).step_time_s
-    assert _estimate("gpipe", m, figures) == pytest.approx(simulated, rel=1e-9)
+    assert _estimate(schedule, m, figures) == pytest.approx(simulated, rel=1e-9)
 
 
 def test_exact_chain_one_device_when_nothing_overlaps():
