@@ -8,7 +8,7 @@ recompute policy allows (never the last block).
 
 The step objective (the default, docs/cost-model.md "The objective: the step"). Users pay the simulated
 step. For GPipe it has a closed form over the stages' forward f, backward b, received activation a and
-returned gradient g (:func:`_estimate`, equal to the simulator's step)::
+returned gradient g (:func:`_split_step`, equal to the simulator's step)::
 
     step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
 
@@ -16,8 +16,16 @@ With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a t
 sum of stage times over splits whose every period is at most T (a min-sum DP, O(K^2 N * band)), and
 :func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
 one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
-splits met are ranked by the exact formula, the best few simulated. 1F1B has no closed form: an
-estimate ranks the splits, a local search improves them, and the least-bottleneck plans compete.
+splits met are ranked by the exact formula, the best few simulated.
+
+1F1B has no closed form (a stage's warm-up forwards and its first backward wait on different stages).
+Its step is still exact for a given split: :func:`_split_step` replays the schedule on the stages'
+(f, b, a, g) (partitioner.simulate.chain_step), the simulator's step without its spans. The search is
+not exact: the threshold searches (weighing sum and period as ONE_F_ONE_B_WEIGHTS say) and the
+least-bottleneck split of every prefix of devices give starts, and a local search
+(:func:`_local_search`: boundaries moved, stages split, merged or moved to an idle device) improves the
+LOCAL_STARTS shortest, scored by the replay. On small random chains the plan is within 0.1% of the
+best of every plan enumerated (benchmarks/planner_quality, "Random chains against brute force").
 
 The bottleneck objective (``objective="bottleneck"``), with ``f[k][j]`` the best bottleneck that puts
 layers ``[0, j)`` on devices up to ``k`` with layer ``j - 1`` on ``k``::
@@ -69,11 +77,12 @@ OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
 MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
 PROGRAM_WORK = 1.3e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
-FINALISTS = 4  # splits simulated, the least estimates first
+FINALISTS = 4  # splits simulated (and for GPipe improved when the formula falls short), shortest steps first
+LOCAL_STARTS = 12  # 1F1B: splits of each order and budget the local search starts from, shortest steps first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
 # weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
 ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
-LOCAL_ROUNDS = 32  # moves at most from each 1F1B finalist
+LOCAL_ROUNDS = 32  # moves at most from each start
 LOCAL_WINDOW = 16  # nodes a boundary moves at most, and cut points tried per stage split
 # GPipe's threshold search is exact when one stage holds both the longest forward and backward; the local
 # search (on the exact formula) covers the other case on chains up to this long.
@@ -284,6 +293,9 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
     return best, float(least)
 
 
+Blocks = tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
+
+
 class _Tables(NamedTuple):
     """What the DP reads: the modes' figures along the chain, and each device's memory and links."""
 
@@ -315,17 +327,26 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
 
 def _rebuild(costs: CostModel, tables: _Tables, optimum: float) -> dict[str, str]:
     """The split with the fewest bytes sent among those whose every stage takes at most ``optimum``."""
-    order, n = costs.order, len(costs.order)
+    return {
+        v: costs.devices[k] for k, start, end in _least_bytes_split(tables, optimum) for v in costs.order[start:end]
+    }
+
+
+def _least_bytes_split(tables: _Tables, optimum: float) -> Blocks:
+    """The blocks of :func:`_rebuild`'s split."""
+    n = tables.modes[0].prefix.shape[0] - 1
     sent, parent = _dynamic_program(*tables, limit=optimum * (1 + 1e-9))
-    k = int(np.argmin(sent[:, n]))
-    assignment: dict[str, str] = {}
-    j = n
+    return _blocks(parent, int(np.argmin(sent[:, n])), n)
+
+
+def _blocks(parent: np.ndarray, last: int, n: int) -> Blocks:
+    """The split a DP's ``parent`` table gives for nodes [0, n) ending on device ``last``."""
+    blocks, k, j = [], last, n
     while j > 0:
         k_prev, i = (int(x) for x in parent[k, j])
-        for v in order[i:j]:
-            assignment[v] = costs.devices[k]
+        blocks.append((k, i, j))
         k, j = k_prev, i
-    return assignment
+    return tuple(reversed(blocks))
 
 
 def _solve_chain(costs: CostModel) -> tuple[dict[str, str], float] | None:
@@ -463,7 +484,7 @@ def _relax(
 class _Found(NamedTuple):
     """A split the step search found: its stages and their figures, and the order it is for."""
 
-    estimate: float  # _estimate(): the simulated step for GPipe, an estimate for 1F1B
+    step: float  # _split_step(): the simulated step of the split
     objective: float  # what the threshold search minimises: sum of stage times + (M - 1) * the longest period
     order: int  # index of the search that found it (its device order and tables)
     blocks: tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
@@ -481,7 +502,7 @@ def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
     return np.maximum(np.maximum(f + b, a), g)
 
 
-def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
+def _split_step(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
     """The simulated step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
 
     GPipe: a closed form. Each phase is a flow shop of M equal jobs whose machines are the stages and
@@ -491,13 +512,13 @@ def _estimate(schedule: str, num_microbatches: int, figures: list[tuple[float, f
     1F1B has no such form (a stage's warm-up forwards and its first backward wait on different stages):
     the schedule is replayed on the figures (partitioner.simulate.chain_step), O(K M).
     """
-    return _estimates(schedule, num_microbatches, [figures])[0]
+    return _split_steps(schedule, num_microbatches, [figures])[0]
 
 
-def _estimates(
+def _split_steps(
     schedule: str, num_microbatches: int, splits: list[list[tuple[float, float, float, float]]]
 ) -> list[float]:
-    """:func:`_estimate` of each split of ``splits``; the 1F1B replays of splits with as many stages run together."""
+    """:func:`_split_step` of each split of ``splits``; the 1F1B replays of splits with as many stages run together."""
     m = num_microbatches
     if schedule == "gpipe":
         steps = []
@@ -667,20 +688,14 @@ def _threshold_search(
         k = int(np.argmin(table[:, n]))
         if not np.isfinite(table[k, n]):
             return None
-        blocks, j = [], n
-        while j > 0:
-            k_prev, i = (int(x) for x in parent[k, j])
-            blocks.append((k_prev, k, i, j))
-            k, j = k_prev, i
-        blocks.reverse()
-        stages = tuple((k2, i, j) for _, k2, i, j in blocks)
+        stages = _blocks(parent, k, n)
         figures = _figures(tables, stages, schedule, limit)
         assert figures is not None  # the DP found them
         total = sum(f + b + a + g for f, b, a, g in figures)
         period = max(float(_period(schedule, *x)) for x in figures)
         found.append(
             _Found(
-                _estimate(schedule, m, figures),
+                _split_step(schedule, m, figures),
                 weight * total + (m - 1) * period,
                 order,
                 stages,
@@ -749,6 +764,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
             least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
             searched.append((index, tables))
+            group: list[_Found] = []
             for weight in weights:
                 found_here, bound, done = _threshold_search(
                     tables,
@@ -761,29 +777,33 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     least_here,
                     least_sum,
                 )
-                if costs.schedule != "gpipe":
-                    ranked = sorted(found_here, key=lambda f: f.estimate)[:FINALISTS]
-                    found_here += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
-                found += found_here
+                group += found_here
                 best[weight] = min([best[weight], *(f.objective for f in found_here)])
                 if weight == 1.0:
                     step_bound, complete = min(step_bound, bound), complete and done
+            if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
+                starts = {
+                    f.blocks: f for f in [*group, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
+                }
+                ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
+                group += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+            found += group
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
-    least_estimate = min(f.estimate for f in found)
+    least_step = min(f.step for f in found)
     if (
         costs.schedule == "gpipe"
-        and least_estimate > step_bound * (1 + STEP_TOLERANCE)
+        and least_step > step_bound * (1 + STEP_TOLERANCE)
         and len(costs.order) <= LOCAL_MAX_NODES
     ):
         # the search's objective fell short of the formula (stages of different forward shares): improve the
         # best splits of each search
         for group, (_, tables) in enumerate(searched):
-            ranked = sorted((f for f in found if f.order == group), key=lambda f: f.estimate)[:FINALISTS]
+            ranked = sorted((f for f in found if f.order == group), key=lambda f: f.step)[:FINALISTS]
             found += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
     plan: Plan | None = None
     seen: set[tuple[object, ...]] = set()
-    for candidate in sorted(found, key=lambda f: (f.estimate, f.objective, f.order)):
+    for candidate in sorted(found, key=lambda f: (f.step, f.objective, f.order)):
         key = (searched[candidate.order][0], candidate.blocks)
         if key in seen:
             continue
@@ -796,15 +816,6 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         if len(seen) == FINALISTS:
             break
     assert plan is not None  # found is not empty
-    if costs.schedule != "gpipe":  # an estimate ranked the splits: the least-bottleneck plans compete too
-        if device_order == "search":
-            before = _search_orders(costs, started)
-        else:
-            least_bottleneck = _solve_chain(costs)
-            assert least_bottleneck is not None  # the same splits fit as in the step search
-            before = score_assignment(least_bottleneck[0], costs, method="exact_chain", status="feasible")
-        if shorter_step(before, plan):
-            plan = before
     proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
     optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
     lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
@@ -814,6 +825,22 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         lower_bound_s=min(lower_bound, plan.bottleneck_s),
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def _bottleneck_splits(tables: _Tables, bottleneck: np.ndarray, order: int, costs: CostModel) -> list[_Found]:
+    """The least-bottleneck split (fewest bytes among ties) on each prefix of ``tables``' devices, as
+    starts for the 1F1B local search; ``bottleneck`` is the table of :func:`_dynamic_program`."""
+    n = tables.modes[0].prefix.shape[0] - 1
+    result = []
+    for s in range(1, len(tables.capacity) + 1):
+        least = float(bottleneck[:s, n].min())
+        if not np.isfinite(least):
+            continue
+        split = _least_bytes_split(_prefix_tables(tables, s), least)
+        figures = _figures(tables, split, costs.schedule)
+        if figures is not None:
+            result.append(_Found(_split_step(costs.schedule, costs.num_microbatches, figures), np.inf, order, split))
+    return result
 
 
 def _budget_groups(costs: CostModel) -> list[int]:
@@ -833,9 +860,6 @@ def _max_programs(costs: CostModel) -> int:
     """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
     size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
     return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
-
-
-Blocks = tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
 
 
 def _figures(
@@ -888,12 +912,12 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
 def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
     """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
     objective only approximates, and for GPipe where stages differ in forward share. Each round moves
-    to the neighbour of the shortest step (:func:`_estimate`) not visited yet, sideways too (equal
+    to the neighbour of the shortest step (:func:`_split_step`) not visited yet, sideways too (equal
     steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best
     split visited is returned."""
     num_devices = len(tables.capacity)
-    current, best, estimate = found.blocks, found.blocks, found.estimate
-    current_estimate = estimate
+    current, best, shortest = found.blocks, found.blocks, found.step
+    current_step = shortest
     visited = {current}
     blocks_seen: dict[tuple[int, int, int, int], tuple[float, float, float, float] | None] = {}
 
@@ -921,11 +945,11 @@ def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: 
                 splits.append(figures)
         if not candidates:
             break
-        value, candidate = min(zip(_estimates(schedule, num_microbatches, splits), candidates))
-        if value > current_estimate * (1 + 1e-12):
+        value, candidate = min(zip(_split_steps(schedule, num_microbatches, splits), candidates))
+        if value > current_step * (1 + 1e-12):
             break
         visited.add(candidate)
-        current, current_estimate = candidate, value
-        if value < estimate * (1 - 1e-12):
-            best, estimate = candidate, value
-    return found._replace(estimate=estimate, blocks=best)
+        current, current_step = candidate, value
+        if value < shortest * (1 - 1e-12):
+            best, shortest = candidate, value
+    return found._replace(step=shortest, blocks=best)

@@ -2,10 +2,12 @@
 
 Brute force: every contiguous split of the chain into 1..K blocks, on distinct devices in every order
 (permutations of every subset), each that fits memory simulated by partitioner.simulate. GPipe's step
-is what the planner's formula computes (partitioner.exact._estimate), so the plan must be within the
-threshold search's tolerance, STEP_TOLERANCE. For 1F1B the formula is an estimate and the planner
-simulates finalists after a local search: the test holds it to the bound the benchmark measures
-(benchmarks/planner_quality, "Random chains against brute force").
+is what the planner's formula computes (partitioner.exact._split_step), so the plan must be within the
+threshold search's tolerance, STEP_TOLERANCE. For 1F1B the step of a split is exact too (the schedule
+replayed on the stage figures), but no search over splits is proven: a local search from several starts
+finds the plan, so it can stop at a split a few moves from the best. The test holds it to 1.01 of the best,
+the issue's goal for pt.solve (benchmarks/planner_quality, "Random chains against brute force", measures
+worst and mean): hypothesis found 1.0033 (3 devices of two speeds, M = 3) where 1.001 was asked.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from hypothesis import strategies as st
 import partitioner as pt
 from partitioner.baselines import BASELINES, split_with
 from partitioner.cost import CostModel
-from partitioner.exact import STEP_TOLERANCE, _estimate
+from partitioner.exact import STEP_TOLERANCE, _split_step
 from partitioner.graph import load_graph
 from partitioner.order import fastest_on_heaviest, reorder
 from partitioner.simulate import simulate_assignment
 
-ONE_F_ONE_B_SLACK = 1.10  # 1F1B: the worst ratio allowed (its formula is an estimate; hypothesis found 1.075)
+ONE_F_ONE_B_SLACK = 1.01  # 1F1B: the worst ratio allowed, the issue's goal (module docstring)
 
 
 def every_plan(graph, cluster, **kwargs):
@@ -113,7 +115,7 @@ def test_step_formula_is_the_simulated_step(problem, schedule):
         g = size / cluster.bandwidth(used[s], used[s - 1]) if s else 0.0
         figures.append((c.forward_s, c.backward_s, a, g))
     simulated = simulate_assignment(costs, assignment).step_time_s
-    assert _estimate(schedule, m, figures) == pytest.approx(simulated, rel=1e-9)
+    assert _split_step(schedule, m, figures) == pytest.approx(simulated, rel=1e-9)
 
 
 def test_exact_chain_one_device_when_nothing_overlaps():
