@@ -641,7 +641,7 @@ def _block_figures(
     column = np.array([[start]])
     links = _links(tables, previous, k2, column) if previous >= 0 else (np.zeros((1, 1)), np.zeros((1, 1)))
     a, g = float(links[0][0, 0]), float(links[1][0, 0])
-    least = float(_stage_compute(tables, k2, column, links, schedule, limit)[0, end])
+    least = float(_stage_compute(tables, k2, column, links, schedule, limit, np.array([end]))[0, 0])
     if not np.isfinite(least):
         return None
     for mode in tables.modes:
