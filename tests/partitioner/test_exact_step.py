@@ -28,6 +28,7 @@ from partitioner.exact import STEP_TOLERANCE, _split_step
 from partitioner.graph import load_graph
 from partitioner.order import fastest_on_heaviest, reorder
 from partitioner.simulate import simulate_assignment
+from partitioner.synthetic import random_chain
 
 ONE_F_ONE_B_SLACK = 1.01  # 1F1B: the worst ratio allowed, the goal (module docstring)
 
@@ -161,3 +162,16 @@ def test_the_search_includes_metis_order_where_it_interleaves_device_kinds() -> 
     metis = reorder(cluster, fastest_on_heaviest(cluster, work))
     in_metis_order = pt.exact_chain(graph, metis, num_microbatches=8, device_order="given")
     assert plan.step_time_s <= in_metis_order.step_time_s * (1 + 1e-9)
+
+
+def test_one_f_one_b_plan_is_the_best_split_of_a_random_chain():
+    # Case 16 of benchmarks/planner_quality's random chains: an estimate of the 1F1B step ranked a 3-stage
+    # split first, 1.125x the best of every plan (4 | 3 | 7 | 1 layers on all 4 devices) at M = 16.
+    graph = random_chain(15, seed=335069990)
+    cluster = pt.Cluster.uniform(4, memory=3430564944, flops_per_s=200e12, bandwidth=50e9)
+    costs = CostModel(graph, cluster, num_microbatches=16, schedule="1f1b")
+    sizes = (4, 3, 7, 1)
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    best = {v: cluster.names[s] for s in range(4) for v in costs.order[bounds[s] : bounds[s + 1]]}
+    plan = pt.exact_chain(graph, cluster, num_microbatches=16, schedule="1f1b")
+    assert plan.step_time_s <= simulate_assignment(costs, best).step_time_s * (1 + 1e-9)
