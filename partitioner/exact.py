@@ -637,19 +637,26 @@ def _block_figures(
     tables: _Tables, previous: int, k2: int, start: int, end: int, schedule: str, limit: float = np.inf
 ) -> tuple[float, float, float, float] | None:
     """(f, b, a, g) of block [start, end) on k2 after a stage on ``previous`` (-1: none), in the mode
-    _stage_compute chooses for it; None when no mode fits."""
-    column = np.array([[start]])
-    links = _links(tables, previous, k2, column) if previous >= 0 else (np.zeros((1, 1)), np.zeros((1, 1)))
-    a, g = float(links[0][0, 0]), float(links[1][0, 0])
-    least = float(_stage_compute(tables, k2, column, links, schedule, limit, np.array([end]))[0, 0])
-    if not np.isfinite(least):
-        return None
+    _stage_compute chooses for it (the least compute that fits, is allowed and keeps the period within
+    ``limit``; the first mode among equals), for one block in scalars; None when no mode fits."""
+    a = g = 0.0
+    if previous >= 0:
+        size = tables.out_bytes[start - 1]
+        a, g = size / tables.bandwidth[previous][k2], size / tables.bandwidth[k2][previous]
+    best: tuple[float, float, float, float] | None = None
     for mode in tables.modes:
+        received = mode.boundary[start - 1] if start > 0 else 0.0
+        if not (end > start and mode.allowed[end]):
+            continue
+        if mode.mem_prefix[end] > tables.capacity[k2] + mode.mem_prefix[start] - received:
+            continue
         f = float(mode.forward[end, k2] - mode.forward[start, k2] + mode.fixed_forward[k2])
         b = float(mode.backward[end, k2] - mode.backward[start, k2] + mode.fixed_backward[k2])
-        if f + b == least:
-            return f, b, a, g
-    raise AssertionError("unreachable: the block's least compute comes from one of its modes")
+        if np.isfinite(limit) and _period(schedule, f, b, a, g) > limit:
+            continue
+        if best is None or f + b < best[0] + best[1]:
+            best = (f, b, float(a), float(g))
+    return best
 
 
 def _threshold_search(
@@ -764,7 +771,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
             least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
             searched.append((index, tables))
-            group: list[_Found] = []
+            splits: list[_Found] = []
             for weight in weights:
                 found_here, bound, done = _threshold_search(
                     tables,
@@ -777,17 +784,17 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     least_here,
                     least_sum,
                 )
-                group += found_here
+                splits += found_here
                 best[weight] = min([best[weight], *(f.objective for f in found_here)])
                 if weight == 1.0:
                     step_bound, complete = min(step_bound, bound), complete and done
             if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
                 starts = {
-                    f.blocks: f for f in [*group, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
+                    f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
                 }
                 ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
-                group += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
-            found += group
+                splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+            found += splits
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     least_step = min(f.step for f in found)
