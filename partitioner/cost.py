@@ -293,15 +293,19 @@ class CostModel:
     def on(self, cluster: Cluster) -> CostModel:
         """The same graph and settings (M, optimizer slots, cost source, schedule, recompute) on
         ``cluster``: the devices in another order, or a prefix of them."""
-        return self._with(cluster, self.recompute)
+        return self._with(self.graph, cluster, self.recompute)
+
+    def of(self, graph: nx.DiGraph) -> CostModel:
+        """The same cluster and settings for another graph, such as the chain of a coarsening's units."""
+        return self._with(graph, self.cluster, self.recompute)
 
     def with_recompute(self, recompute: str) -> CostModel:
         """The same graph, cluster and settings under another recompute policy."""
-        return self._with(self.cluster, recompute)
+        return self._with(self.graph, self.cluster, recompute)
 
-    def _with(self, cluster: Cluster, recompute: str) -> CostModel:
+    def _with(self, graph: nx.DiGraph, cluster: Cluster, recompute: str) -> CostModel:
         return CostModel(
-            self.graph,
+            graph,
             cluster,
             num_microbatches=self.num_microbatches,
             optimizer_slots=self.optimizer_slots,

@@ -123,19 +123,12 @@ def _place_units(
 
 def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | None:
     """The exact DP on the chain of ``units``; the placement found, or None when none fits."""
-    from partitioner.exact import exact_chain
+    from partitioner.exact import exact_chain_for
 
     try:
-        plan = exact_chain(
-            chain_quotient(costs.graph, units, cost=costs.cost),
-            costs.cluster,
-            num_microbatches=costs.num_microbatches,
-            optimizer_slots=costs.optimizer_slots,
-            cost=costs.cost,
-            schedule=costs.schedule,
-            recompute=costs.recompute,
-            device_order="given",  # the order is chosen outside (solve's search)
-            objective="bottleneck",  # refines CP-SAT's plan, which minimises the bottleneck
+        # the order is chosen outside (solve's search); the plan refines CP-SAT's, which minimises the bottleneck
+        plan = exact_chain_for(
+            costs.of(chain_quotient(costs.graph, units, cost=costs.cost)), device_order="given", objective="bottleneck"
         )
     except PartitionerError:
         return None
@@ -145,7 +138,7 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
 def coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
     """The chain DP's plan (order and devices searched) on runs of the topological order, scored on the
     graph itself in the order it chose; None when it does not fit, splits a shared layer or moves a pin."""
-    from partitioner.exact import exact_chain
+    from partitioner.exact import exact_chain_for
 
     num_units = min(len(costs.order), COARSE_UNITS_PER_DEVICE_DP * len(costs.devices), 400)
     units = segments(costs, num_units)
@@ -153,15 +146,7 @@ def coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
     starts = list(itertools.accumulate(len(u) for u in units.units))[:-1]
     quotient = chain_quotient(costs.graph, units, cost=costs.cost, edge_bytes=[cut[i] for i in starts])
     try:
-        plan = exact_chain(
-            quotient,
-            costs.cluster,
-            num_microbatches=costs.num_microbatches,
-            optimizer_slots=costs.optimizer_slots,
-            cost=costs.cost,
-            schedule=costs.schedule,
-            recompute=costs.recompute,
-        )
+        plan = exact_chain_for(costs.of(quotient))
     except PartitionerError:
         return None
     assignment = {v: plan.assignment[unit[0]] for unit in units.units for v in unit}

@@ -32,12 +32,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import networkx as nx
+import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel, forward_share
@@ -48,7 +50,16 @@ from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 if TYPE_CHECKING:
     from partitioner.plan import Plan
 
-__all__ = ["SCHEDULES", "SPAN_KINDS", "Simulation", "Span", "forward_share", "simulate", "simulate_assignment"]
+__all__ = [
+    "SCHEDULES",
+    "SPAN_KINDS",
+    "Simulation",
+    "Span",
+    "chain_step",
+    "forward_share",
+    "simulate",
+    "simulate_assignment",
+]
 
 SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient")
 _PASSES = {"F": "forward", "B": "backward"}  # a schedule action's kind -> its span's kind
@@ -285,6 +296,60 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
         peak_in_flight=in_flight,
         timeline=tuple(timeline),
     )
+
+
+def chain_step(
+    schedule: str,
+    num_microbatches: int,
+    forward: np.ndarray,
+    backward: np.ndarray,
+    activation: np.ndarray,
+    gradient: np.ndarray,
+) -> np.ndarray:
+    """The simulated step of pipelines of stages in a line, from each stage's figures: the replay of
+    :func:`simulate_assignment`, without spans, for many pipelines of K stages at once.
+
+    Each array is [K, P] (P pipelines, or [K] for one): stage s's forward and backward seconds per
+    micro-batch, the seconds its activation takes to arrive from stage s - 1 and its gradient to go back
+    (0 for stage 0). Every action of the schedule runs as the simulator runs it: when its device is free
+    and its inputs have arrived, each link one transfer at a time in the order its sender produces.
+    Returns the step of each pipeline ([P], or a 0-d array).
+
+    Example:
+        >>> float(chain_step("1f1b", 4, np.array([1.0, 1.0]), np.array([2.0, 2.0]), np.zeros(2), np.zeros(2)))
+        15.0
+    """
+    f, b = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+    a, g = np.asarray(activation, dtype=np.float64), np.asarray(gradient, dtype=np.float64)
+    count = f.shape[0]
+    device = np.zeros_like(f)  # [s]: when stage s's device is free
+    sending = np.zeros_like(f)  # [s]: when the link into stage s is free (activations)
+    returning = np.zeros_like(f)  # [s]: when the link from stage s back to s - 1 is free (gradients)
+    arrived = np.zeros((count, num_microbatches, *f.shape[1:]))  # [s, m]: m's activation at stage s
+    returned = np.zeros_like(arrived)  # [s, m]: m's gradient at stage s
+    forwarded = np.zeros_like(arrived)  # [s, m]: the end of stage s's forward of m
+    for s, is_forward, m in _replay_order(schedule, count, num_microbatches):
+        if is_forward:
+            end = np.maximum(device[s], arrived[s, m]) + f[s]
+            forwarded[s, m] = end
+            if s + 1 < count:
+                sending[s + 1] = np.maximum(sending[s + 1], end) + a[s + 1]
+                arrived[s + 1, m] = sending[s + 1]
+        else:
+            end = np.maximum(device[s], np.maximum(forwarded[s, m], returned[s, m])) + b[s]
+            if s > 0:
+                returning[s] = np.maximum(returning[s], end) + g[s]
+                returned[s - 1, m] = returning[s]
+        device[s] = end
+    result: np.ndarray = device.max(axis=0)
+    return result
+
+
+@functools.lru_cache(maxsize=256)
+def _replay_order(schedule: str, num_stages: int, num_microbatches: int) -> tuple[tuple[int, bool, int], ...]:
+    """(stage, forward?, micro-batch) of every action of a named schedule, in an order its data allows."""
+    actions = Schedule.make(schedule, num_stages, num_microbatches).global_order()
+    return tuple((a.stage, a.kind == "F", a.microbatch) for a in actions)
 
 
 def _compute_ready(

@@ -133,19 +133,10 @@ def solve(
     if coarsen is None:
         coarsen = size > (AUTO_COARSEN_CHAIN if chain else AUTO_COARSEN_DAG)
     if chain and not coarsen:
-        from partitioner.exact import exact_chain
+        from partitioner.exact import exact_chain_for
 
         try:
-            plan = exact_chain(
-                graph,
-                cluster,
-                num_microbatches=num_microbatches,
-                optimizer_slots=optimizer_slots,
-                cost=cost,
-                schedule=schedule,
-                recompute=recompute,
-                device_order=options.device_order,
-            )
+            plan = exact_chain_for(costs, device_order=options.device_order)
         except InfeasiblePlanError as err:
             return _fitting_baseline(err, costs, legal_baselines(costs, pins), started)
         return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan

@@ -57,22 +57,13 @@ def legal_baselines(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
 
 def exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     """The exact DP's plan (it fits) when the graph is a chain without shared layers and the plan keeps the pins."""
-    from partitioner.exact import exact_chain
+    from partitioner.exact import exact_chain_for
 
     if not is_chain(costs.graph) or colocation_groups(costs.graph):
         return []
     with contextlib.suppress(PartitionerError):
-        plan = exact_chain(
-            costs.graph,
-            costs.cluster,
-            num_microbatches=costs.num_microbatches,
-            optimizer_slots=costs.optimizer_slots,
-            cost=costs.cost,
-            schedule=costs.schedule,
-            recompute=costs.recompute,
-            device_order="given",
-            objective="bottleneck",  # a start for CP-SAT, which minimises the bottleneck
-        )
+        # a start for CP-SAT, which minimises the bottleneck
+        plan = exact_chain_for(costs, device_order="given", objective="bottleneck")
         return [plan] if all(plan.assignment[v] == d for v, d in pins.items()) else []
     return []
 

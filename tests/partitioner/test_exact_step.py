@@ -2,10 +2,12 @@
 
 Brute force: every contiguous split of the chain into 1..K blocks, on distinct devices in every order
 (permutations of every subset), each that fits memory simulated by partitioner.simulate. GPipe's step
-is what the planner's formula computes (partitioner.exact._estimate), so the plan must be within the
-threshold search's tolerance, STEP_TOLERANCE. For 1F1B the formula is an estimate and the planner
-simulates finalists after a local search: the test holds it to the bound the benchmark measures
-(benchmarks/planner_quality, "Random chains against brute force").
+is what the planner's formula computes (partitioner.exact._split_step), so the plan must be within the
+threshold search's tolerance, STEP_TOLERANCE. For 1F1B the step of a split is exact too (the schedule
+replayed on the stage figures), but no search over splits is proven: a local search from several starts
+finds the plan, so it can stop at a split a few moves from the best. The test holds it to 1.01 of the best,
+the issue's goal for pt.solve (benchmarks/planner_quality, "Random chains against brute force", measures
+worst and mean): hypothesis found 1.0033 (3 devices of two speeds, M = 3) where 1.001 was asked.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from hypothesis import strategies as st
 import partitioner as pt
 from partitioner.baselines import BASELINES, split_with
 from partitioner.cost import CostModel
-from partitioner.exact import STEP_TOLERANCE, _estimate
+from partitioner.exact import STEP_TOLERANCE, _split_step
 from partitioner.graph import load_graph
 from partitioner.order import fastest_on_heaviest, reorder
 from partitioner.simulate import simulate_assignment
+from partitioner.synthetic import random_chain
 
-ONE_F_ONE_B_SLACK = 1.10  # 1F1B: the worst ratio allowed (its formula is an estimate; hypothesis found 1.075)
+ONE_F_ONE_B_SLACK = 1.01  # 1F1B: the worst ratio allowed, the issue's goal (module docstring)
 
 
 def every_plan(graph, cluster, **kwargs):
@@ -95,12 +98,12 @@ def test_exact_chain_step_equals_brute_force(problem):
         assert plan.step_time_s <= best * ONE_F_ONE_B_SLACK
 
 
-@settings(max_examples=30, deadline=None)
-@given(problem=step_problems())
-def test_gpipe_formula_is_the_simulated_step(problem):
-    """The closed form the DP ranks GPipe plans by is the simulator's step, for any split."""
+@settings(max_examples=40, deadline=None)
+@given(problem=step_problems(), schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_step_formula_is_the_simulated_step(problem, schedule):
+    """The step the DP ranks splits by (GPipe's closed form, 1F1B's replay) is the simulator's, for any split."""
     graph, cluster, m, _ = problem
-    costs = CostModel(graph, cluster, num_microbatches=m)
+    costs = CostModel(graph, cluster, num_microbatches=m, schedule=schedule)
     order, k = costs.order, cluster.num_devices
     labels = [min(k - 1, i * k // len(order)) for i in range(len(order))]
     assignment = {v: cluster.names[d] for v, d in zip(order, labels)}
@@ -113,7 +116,7 @@ def test_gpipe_formula_is_the_simulated_step(problem):
         g = size / cluster.bandwidth(used[s], used[s - 1]) if s else 0.0
         figures.append((c.forward_s, c.backward_s, a, g))
     simulated = simulate_assignment(costs, assignment).step_time_s
-    assert _estimate("gpipe", m, figures) == pytest.approx(simulated, rel=1e-9)
+    assert _split_step(schedule, m, figures) == pytest.approx(simulated, rel=1e-9)
 
 
 def test_exact_chain_one_device_when_nothing_overlaps():
@@ -159,3 +162,16 @@ def test_the_search_includes_metis_order_where_it_interleaves_device_kinds() -> 
     metis = reorder(cluster, fastest_on_heaviest(cluster, work))
     in_metis_order = pt.exact_chain(graph, metis, num_microbatches=8, device_order="given")
     assert plan.step_time_s <= in_metis_order.step_time_s * (1 + 1e-9)
+
+
+def test_one_f_one_b_plan_is_the_best_split_of_a_random_chain():
+    # Case 16 of benchmarks/planner_quality's random chains: an estimate of the 1F1B step ranked a 3-stage
+    # split first, 1.125x the best of every plan (4 | 3 | 7 | 1 layers on all 4 devices) at M = 16.
+    graph = random_chain(15, seed=335069990)
+    cluster = pt.Cluster.uniform(4, memory=3430564944, flops_per_s=200e12, bandwidth=50e9)
+    costs = CostModel(graph, cluster, num_microbatches=16, schedule="1f1b")
+    sizes = (4, 3, 7, 1)
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    best = {v: cluster.names[s] for s in range(4) for v in costs.order[bounds[s] : bounds[s + 1]]}
+    plan = pt.exact_chain(graph, cluster, num_microbatches=16, schedule="1f1b")
+    assert plan.step_time_s <= simulate_assignment(costs, best).step_time_s * (1 + 1e-9)
