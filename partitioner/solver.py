@@ -26,6 +26,7 @@ from partitioner.infeasibility import explain_infeasible
 from partitioner.multilevel import coarse_chain_plan, solve_coarsened
 from partitioner.order import by_speed, check_device_order, fast_island, fastest_on_heaviest, reorder, signature
 from partitioner.plan import Plan
+from partitioner.refine import refine_step
 from partitioner.score import score_assignment, shorter_step
 from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
 
@@ -149,6 +150,7 @@ def solve(
         except InfeasiblePlanError as err:
             return _fitting_baseline(err, costs, legal_baselines(costs, pins), started)
         return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
+    called, call_limit_s = started, float(time_limit_s)
     island = fast_island(cluster) if not pins and options.shortest_step else None
     island_plan = None
     if island is not None:  # a third of the time: the devices of one node alone
@@ -168,11 +170,45 @@ def solve(
         if island_plan is None:
             raise
         return island_plan
-    if island_plan is None or not shorter_step(island_plan, plan):
+    if island_plan is not None and shorter_step(island_plan, plan):
+        bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
+        status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
+        plan = dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
+    if not options.shortest_step or coarsen:
         return plan
-    bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
-    status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
-    return dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
+    return _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
+
+
+def _refined(
+    plan: Plan, costs: CostModel, pins: Mapping[str, str], options: SolverOptions, called: float, *, deadline: float
+) -> Plan:
+    """``plan``, or the plan of shorter simulated step that local moves find from it (partitioner.refine).
+
+    The search minimised the bottleneck; the moves judge the step. ``plan``'s lower bound, a bound on
+    the bottleneck of every plan, stays; the status says whether the new plan's bottleneck meets it.
+    """
+    ordered = costs.on(reorder(costs.cluster, list(plan.devices)))
+    found = refine_step(
+        ordered,
+        plan.assignment,
+        pins=pins,
+        deadline=deadline,
+        exchange=options.device_order == "search",
+        seed=options.seed,
+    )
+    if found is None:
+        return plan
+    order, assignment = found
+    bound = plan.lower_bound_s
+    refined = score_assignment(
+        assignment,
+        costs.on(reorder(costs.cluster, list(order))),
+        method=f"{plan.method}, then step refinement",
+        lower_bound_s=bound,
+        solve_time_s=time.perf_counter() - called,
+    )
+    status = "heuristic" if bound is None else "optimal" if refined.bottleneck_s <= bound else "feasible"
+    return dataclasses.replace(refined, status=status)
 
 
 def _island_plan(
@@ -269,9 +305,7 @@ def _search_orders(
     for i, (order, start) in enumerate(candidates):
         now = time.perf_counter()
         share = max((deadline - now) / (len(candidates) - i), 0.05)
-        permuted = (
-            costs if order == tuple(range(len(costs.devices))) else costs.on(reorder(costs.cluster, order))
-        )
+        permuted = costs if order == tuple(range(len(costs.devices))) else costs.on(reorder(costs.cluster, order))
         try:
             plan = _solve_in_order(
                 permuted,
