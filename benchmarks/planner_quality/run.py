@@ -9,8 +9,8 @@ script. A second section plans on the heterogeneous bundled clusters (slow devic
 ``pt.solve`` with the device-order search, the listed order, Metis' "fastest device on the heaviest
 stage" order and the fastest-first order, and the baselines. A third lets the planner choose
 M and the schedule for the batch (``pt.plan_for_batch``) against today's fixed M = 8 GPipe. A fourth
-checks ``pt.solve`` on small random chains against brute force over every legal plan. Run from the
-repository root:
+checks ``pt.solve`` on small random chains against brute force over every legal plan, a fifth
+(``--section random-dags``) on small random DAGs. Run from the repository root:
 
     .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
     .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models
