@@ -9,8 +9,8 @@ script. A second section plans on the heterogeneous bundled clusters (slow devic
 ``pt.solve`` with the device-order search, the listed order, Metis' "fastest device on the heaviest
 stage" order and the fastest-first order, and the baselines. A third lets the planner choose
 M and the schedule for the batch (``pt.plan_for_batch``) against today's fixed M = 8 GPipe. A fourth
-checks ``pt.solve`` on small random chains against brute force over every legal plan. Run from the
-repository root:
+checks ``pt.solve`` on small random chains against brute force over every legal plan, a fifth
+(``--section random-dags``) on small random DAGs. Run from the repository root:
 
     .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
     .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models
@@ -80,7 +80,7 @@ QUICK = ("ResNet50", "DenseNet121", "VGG16", "GPT2-12")
 HETERO_CLUSTERS = ("2xT4+2xA100", "4xT4+4xV100", "2x4xV100+A100-ib")
 HETERO_QUICK = ("ResNet50", "VGG16", "GPT2-12")
 HETERO_ORDERS = ("search", "given", "metis", "fastest_first")  # the pipeline orders solve plans in
-SECTIONS = ("quality", "hetero", "choose", "random-chains")
+SECTIONS = ("quality", "hetero", "choose", "random-chains", "random-dags")
 # Planner-chosen M and schedule against fixed M = 8 GPipe: two chains and two transformer DAGs, on a fast
 # cluster and on one where memory is tight.
 CHOOSE_MODELS = ("VGG16", "ResNet50", "GPT2-12", "GPT2-48")
@@ -616,6 +616,184 @@ def random_chain_tables(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----- random DAGs against brute force -------------------------------------------------------------
+
+RANDOM_DAG_CASES = {"quick": 12, "full": 40}  # (DAG, cluster) pairs, each planned for every M and schedule
+RANDOM_DAG_MS = (1, 4, 16)
+RANDOM_DAG_MAX_PLANS = {"quick": 1500, "full": 4000}  # plans to enumerate per pair at most (sizes redrawn above)
+
+
+def random_dag_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, str]:
+    """A random DAG of 6-10 layers with branches and joins (``partitioner.synthetic.random_block_dag``:
+    residual and inception blocks) and a cluster of 2-4 devices (uniform, or two kinds of device with
+    mixed speeds and memories), redrawn until it has at most ``max_plans`` legal placements."""
+    from partitioner.synthetic import random_block_dag
+
+    while True:
+        n, k = rng.randint(6, 10), rng.randint(2, 4)
+        graph = random_block_dag(n, seed=rng.randint(0, 10**9))
+        need = sum(pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16).memory.values())
+        bandwidth = rng.choice(BANDWIDTHS)
+        if rng.random() < 0.5:
+            kind = "uniform"
+            cluster = pt.Cluster.uniform(k, memory=int(2 * need), flops_per_s=rng.choice(SPEEDS), bandwidth=bandwidth)
+        else:
+            kind = "mixed"
+            kinds = [(rng.choice(SPEEDS), int(need * rng.choice((0.4, 0.7, 2.0)))) for _ in range(2)]
+            picks = [rng.randrange(2) for _ in range(k)]
+            picks[rng.randrange(k)] = 1 - picks[0]  # both kinds present
+            devices = [pt.Device(f"/GPU:{i}", memory=kinds[p][1], flops_per_s=kinds[p][0]) for i, p in enumerate(picks)]
+            cluster = pt.Cluster(devices, bandwidth=bandwidth)
+        if sum(len(assignments) for _, assignments in every_dag_placement(graph, cluster)) <= max_plans:
+            return graph, cluster, kind
+
+
+def monotone_labelings(graph: nx.DiGraph, num_stages: int) -> list[dict[str, int]]:
+    """Every {node: stage} onto stages 0..num_stages-1 (each used) where every edge goes forward
+    (stage of u <= stage of v): the rule of the CP-SAT model and of ``validate_plan``."""
+    order = list(nx.topological_sort(graph))
+    preds = {v: list(graph.predecessors(v)) for v in order}
+    found: list[dict[str, int]] = []
+    labels: dict[str, int] = {}
+
+    def place(i: int) -> None:
+        if i == len(order):
+            if len(set(labels.values())) == num_stages:
+                found.append(dict(labels))
+            return
+        v = order[i]
+        for s in range(max((labels[u] for u in preds[v]), default=0), num_stages):
+            labels[v] = s
+            place(i + 1)
+        del labels[v]
+
+    place(0)
+    return found
+
+
+def every_dag_placement(graph: nx.DiGraph, cluster: pt.Cluster) -> list[tuple[pt.Cluster, list[dict[str, str]]]]:
+    """Every legal plan of a DAG, grouped by pipeline: for 1..K stages, each labeling of
+    :func:`monotone_labelings` on each sequence of that many distinct devices in any order, up to swapping
+    interchangeable devices (partitioner.order.device_classes). Each item is (the cluster listed in the
+    pipeline order, the idle devices after it; the assignments on it)."""
+    import itertools
+
+    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+
+    classes = device_classes(cluster)
+    groups = []
+    for blocks in range(1, min(graph.number_of_nodes(), cluster.num_devices) + 1):
+        labelings = monotone_labelings(graph, blocks)
+        for counts in itertools.product(*(range(len(c) + 1) for c in classes)):
+            if sum(counts) != blocks:
+                continue
+            for labels in _label_sequences(list(counts)):
+                used = _devices(classes, labels)
+                listed = reorder(cluster, [*used, *(d for d in range(cluster.num_devices) if d not in used)])
+                groups.append((listed, [{v: listed.names[s] for v, s in lab.items()} for lab in labelings]))
+    return groups
+
+
+def run_random_dags(cases: int, max_plans: int, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per (pair, M, schedule): pt.solve's simulated step against the best of every legal plan."""
+    import random
+
+    from partitioner.simulate import simulate_assignment
+
+    rng = random.Random(seed)
+    rows = []
+    for case in range(cases):
+        graph, cluster, kind = random_dag_pair(rng, max_plans)
+        placements = every_dag_placement(graph, cluster)
+        count = sum(len(assignments) for _, assignments in placements)
+        for schedule in RANDOM_CHAIN_SCHEDULES:
+            for m in RANDOM_DAG_MS:
+                best, best_stages = None, None
+                for listed, assignments in placements:
+                    costs = pt.CostModel(graph, listed, num_microbatches=m, schedule=schedule)
+                    for assignment in assignments:
+                        if not costs.fits(costs.evaluate(assignment)):
+                            continue
+                        step = simulate_assignment(costs, assignment).step_time_s
+                        if best is None or step < best:
+                            best, best_stages = step, len(set(assignment.values()))
+                started = time.perf_counter()
+                try:
+                    plan = pt.solve(graph, cluster, num_microbatches=m, schedule=schedule)
+                    ours = pt.simulate(plan, graph, cluster).step_time_s
+                except pt.InfeasiblePlanError:
+                    ours = None
+                rows.append(
+                    {
+                        "case": case,
+                        "layers": graph.number_of_nodes(),
+                        "devices": cluster.num_devices,
+                        "cluster": kind,
+                        "num_microbatches": m,
+                        "schedule": schedule,
+                        "plans": count,
+                        "best_step_s": best,
+                        "best_stages": best_stages,
+                        "solve_step_s": ours,
+                        "solve_stages": None if ours is None else plan.num_stages,
+                        "solve_method": None if ours is None else plan.method,
+                        "solve_s": time.perf_counter() - started,
+                        "ratio": None if best is None or ours is None else ours / best,
+                    }
+                )
+        mine = [r["ratio"] for r in rows[-len(RANDOM_DAG_MS) * len(RANDOM_CHAIN_SCHEDULES) :] if r["ratio"]]
+        print(
+            f"random DAG {case}: {graph.number_of_nodes()} layers, {graph.number_of_edges()} edges, "
+            f"{cluster.num_devices} {kind} devices, {count} plans: worst solve/best "
+            f"{max(mine, default=float('nan')):.4f}",
+            flush=True,
+        )
+    return rows
+
+
+def random_dag_tables(results: dict[str, Any]) -> str:
+    rows = results["random_dag_rows"]
+    lines = [
+        f"Generated by `{results['command']}` on {results['date']} ({results['machine']}). "
+        f"{len({r['case'] for r in rows})} random DAGs (`partitioner.synthetic.random_block_dag`, 6-10 layers in "
+        "residual and inception blocks) on clusters of 2-4 devices (uniform, or two kinds drawn from 25-200 "
+        "TFLOP/s with memories of 0.4x, 0.7x or 2x the DAG's need at M = 16; links of 10, 50 or 450 GB/s), sizes "
+        f"redrawn while a pair has more than {results['random_dag_max_plans']} legal plans; each pair planned for "
+        f"M in {', '.join(map(str, RANDOM_DAG_MS))} and both schedules. Brute force: every assignment of the "
+        "nodes to 1..K stages in which every edge goes forward (stage of u <= stage of v, the rule of the CP-SAT "
+        "model and `validate_plan`; a stage need not be contiguous in one topological order), on distinct "
+        "devices in every order (up to swapping interchangeable devices), each that fits simulated "
+        "(`partitioner.simulate`). Ratio = `pt.solve`'s simulated step / the best enumerated step (goal: worst "
+        "<= 1.01, mean <= 1.002).",
+        "",
+        "| schedule | M | cases | worst | mean | cases above 1.001 | solve time, mean (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in RANDOM_DAG_MS] + [("all", None)]
+    for schedule, m in groups:
+        mine = [
+            r
+            for r in rows
+            if r["ratio"] is not None and schedule in ("all", r["schedule"]) and m in (None, r["num_microbatches"])
+        ]
+        if not mine:
+            continue
+        ratios = [r["ratio"] for r in mine]
+        label = "**all**" if schedule == "all" else schedule
+        lines.append(
+            f"| {label} | {m or 'all'} | {len(mine)} | {max(ratios):.4f} | {sum(ratios) / len(ratios):.4f} "
+            f"| {sum(x > 1.001 for x in ratios)} | {sum(r['solve_s'] for r in mine) / len(mine):.3f} |"
+        )
+    neither = sum(r["best_step_s"] is None and r["solve_step_s"] is None for r in rows)
+    missed = sum(r["best_step_s"] is not None and r["solve_step_s"] is None for r in rows)
+    lines += [
+        "",
+        f"Cases where no plan fits (brute force and solve agree): {neither}. Cases where a plan fits but solve "
+        f"found none: {missed}.",
+    ]
+    return "\n".join(lines)
+
+
 # ----- report ----------------------------------------------------------------------------------------
 
 
@@ -880,6 +1058,15 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine,
         }
+    if "random-dags" in args.section:
+        size = "full" if args.full else "quick"
+        dag_rows = run_random_dags(RANDOM_DAG_CASES[size], RANDOM_DAG_MAX_PLANS[size])
+        results.update(random_dag_rows=dag_rows, random_dag_max_plans=RANDOM_DAG_MAX_PLANS[size])
+        results["random_dag_run"] = {
+            "command": "python benchmarks/planner_quality/run.py" + flag,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine,
+        }
     path.write_text(json.dumps(results, indent=1))
     write_readme(results, args.section)
     print(f"wrote {path}")
@@ -916,6 +1103,13 @@ def write_readme(results: dict[str, Any], sections: list[str]) -> None:
         text = re.sub(
             r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S
         )
+        print(table)
+    if "random-dags" in sections:
+        if "<!-- random-dags:start -->" not in text:
+            text += "\n## Random DAGs against brute force\n\n<!-- random-dags:start -->\n<!-- random-dags:end -->\n"
+        table = random_dag_tables({**results, **results["random_dag_run"]})
+        generated = "<!-- random-dags:start -->\n" + table + "\n<!-- random-dags:end -->"
+        text = re.sub(r"<!-- random-dags:start -->.*<!-- random-dags:end -->", lambda _: generated, text, flags=re.S)
         print(table)
     readme.write_text(text)
     print(f"wrote the tables of {', '.join(sections)} in {readme}")
