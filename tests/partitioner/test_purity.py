@@ -11,7 +11,7 @@ import json, sys
 import partitioner as pt
 graph = pt.chain_graph([1e9, 2e9, 1e9], edge_bytes=[4096, 4096])
 plan = pt.solve(graph, pt.Cluster.uniform(2, memory="1GiB"), time_limit_s=5,
-                options=pt.SolverOptions(exact_chains=False, device_order="given"))
+                options=pt.SolverOptions(exact_chains=False, device_order="given", shortest_step=False))
 print(json.dumps({"modules": sorted(sys.modules), "status": plan.status}))
 """
 
