@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 KERAS_HUB := keras-hub==0.32.0
 KERAS_HUB_DEPS := regex tokenizers
 
-.PHONY: install demo test lint bench clean
+.PHONY: test-slow install demo test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ demo: $(STAMP)
 	$(PY) examples/plan_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules partitioner  # the docstrings' examples
+
+# the tests marked slow (keras.applications models, minutes on 2 cores); CI runs them after `make test`
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

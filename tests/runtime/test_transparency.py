@@ -120,8 +120,24 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
 _RNN_UNDER_XLA = pytest.mark.xfail(
     reason="TensorList crossing the XLA/TF boundary is not implemented (LSTM in a jit-compiled stage)", strict=True
 )
-CASES = [(name, k, m, "gpipe", "never", False) for name in ZOO for k in (2, 4) for m in (1, 4)] + [
-    pytest.param(name, 4, 4, schedule, recompute, jit, marks=[_RNN_UNDER_XLA] if jit and name == "tagger" else [])
+# MobileNetV2 (keras.applications) takes 40-85 s a case on 2 cores, half of the runtime suite: its cases
+# run in the slow suite (`make test-slow`, which CI runs after `make test`)
+_SLOW = {"mobilenet_v2": [pytest.mark.slow]}
+CASES = [
+    pytest.param(name, k, m, "gpipe", "never", False, marks=_SLOW.get(name, []))
+    for name in ZOO
+    for k in (2, 4)
+    for m in (1, 4)
+] + [
+    pytest.param(
+        name,
+        4,
+        4,
+        schedule,
+        recompute,
+        jit,
+        marks=[*_SLOW.get(name, []), *([_RNN_UNDER_XLA] if jit and name == "tagger" else [])],
+    )
     for name in ZOO
     for schedule, recompute, jit in (
         ("1f1b", "never", False),
