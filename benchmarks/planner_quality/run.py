@@ -30,7 +30,7 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -591,7 +591,14 @@ def random_chain_tables(results: dict[str, Any]) -> str:
         "| schedule | M | cases | worst | mean | cases above 1.001 | solve time, mean (s) |",
         "|---|---|---|---|---|---|---|",
     ]
-    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in RANDOM_CHAIN_MS] + [("all", None)]
+    return "\n".join(lines + _brute_force_rows(rows, RANDOM_CHAIN_MS))
+
+
+def _brute_force_rows(rows: list[dict[str, Any]], microbatches: Sequence[int]) -> list[str]:
+    """The rows of a brute-force table (random chains or DAGs): worst and mean ratio per schedule and M,
+    then overall, and the cases where no plan fits."""
+    lines = []
+    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in microbatches] + [("all", None)]
     for schedule, m in groups:
         mine = [
             r
@@ -613,7 +620,7 @@ def random_chain_tables(results: dict[str, Any]) -> str:
         f"Cases where no plan fits (brute force and solve agree): {neither}. Cases where a plan fits but solve "
         f"found none: {missed}.",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 # ----- random DAGs against brute force -------------------------------------------------------------
@@ -769,29 +776,7 @@ def random_dag_tables(results: dict[str, Any]) -> str:
         "| schedule | M | cases | worst | mean | cases above 1.001 | solve time, mean (s) |",
         "|---|---|---|---|---|---|---|",
     ]
-    groups = [(s, m) for s in RANDOM_CHAIN_SCHEDULES for m in RANDOM_DAG_MS] + [("all", None)]
-    for schedule, m in groups:
-        mine = [
-            r
-            for r in rows
-            if r["ratio"] is not None and schedule in ("all", r["schedule"]) and m in (None, r["num_microbatches"])
-        ]
-        if not mine:
-            continue
-        ratios = [r["ratio"] for r in mine]
-        label = "**all**" if schedule == "all" else schedule
-        lines.append(
-            f"| {label} | {m or 'all'} | {len(mine)} | {max(ratios):.4f} | {sum(ratios) / len(ratios):.4f} "
-            f"| {sum(x > 1.001 for x in ratios)} | {sum(r['solve_s'] for r in mine) / len(mine):.3f} |"
-        )
-    neither = sum(r["best_step_s"] is None and r["solve_step_s"] is None for r in rows)
-    missed = sum(r["best_step_s"] is not None and r["solve_step_s"] is None for r in rows)
-    lines += [
-        "",
-        f"Cases where no plan fits (brute force and solve agree): {neither}. Cases where a plan fits but solve "
-        f"found none: {missed}.",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + _brute_force_rows(rows, RANDOM_DAG_MS))
 
 
 # ----- report ----------------------------------------------------------------------------------------
