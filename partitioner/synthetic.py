@@ -33,13 +33,7 @@ def random_dag(num_nodes: int, *, seed: int = 0, skip_probability: float = 0.15,
     graph = nx.DiGraph(model_name=f"random_dag_{num_nodes}_{seed}")
     names = [f"n{i}" for i in range(num_nodes)]
     for name in names:
-        graph.add_node(
-            name,
-            flops=rng.uniform(1e9, 1e10),
-            param_bytes=rng.randint(10**5, 10**7),
-            activation_bytes=rng.randint(10**5, 10**7),
-            layer_type="Dense",
-        )
+        graph.add_node(name, **_random_layer(rng))
     out_bytes = [rng.randint(10**5, 10**7) for _ in names]
     for i in range(1, num_nodes):
         graph.add_edge(names[i - 1], names[i], bytes=out_bytes[i - 1])
@@ -76,13 +70,7 @@ def random_block_dag(num_nodes: int, *, seed: int = 0) -> nx.DiGraph:
 
     def layer(*inputs: str) -> str:
         name = f"n{graph.number_of_nodes()}"
-        graph.add_node(
-            name,
-            flops=rng.uniform(1e9, 1e10),
-            param_bytes=rng.randint(10**5, 10**7),
-            activation_bytes=rng.randint(10**5, 10**7),
-            layer_type="Dense",
-        )
+        graph.add_node(name, **_random_layer(rng))
         out_bytes[name] = rng.randint(10**5, 10**7)
         for u in inputs:
             graph.add_edge(u, name, bytes=out_bytes[u])
@@ -111,3 +99,13 @@ def random_block_dag(num_nodes: int, *, seed: int = 0) -> nx.DiGraph:
                 ends.append(end)
             tail = layer(*ends)
     return graph
+
+
+def _random_layer(rng: random.Random) -> dict[str, object]:
+    """A random Dense node's costs: 1-10 GFLOP, 0.1-10 MB of weights and of activations."""
+    return {
+        "flops": rng.uniform(1e9, 1e10),
+        "param_bytes": rng.randint(10**5, 10**7),
+        "activation_bytes": rng.randint(10**5, 10**7),
+        "layer_type": "Dense",
+    }

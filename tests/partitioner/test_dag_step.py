@@ -90,15 +90,20 @@ def test_solve_dag_step_matches_brute_force(problem):
     assert pt.simulate(plan, graph, cluster).step_time_s <= best * STEP_TOLERANCE
 
 
-def test_refine_step_leaves_one_device_when_pipelining_cannot_pay():
-    # Two heavy layers with a huge tensor between them on two slow-linked devices at M = 1: any split pays
-    # the transfer and overlaps nothing, so the refinement merges the stages.
+def _two_heavy_layers() -> CostModel:
+    """a -> b, 1 TFLOP each, a 1 GB tensor between them, on two devices linked at 1 GB/s, M = 1."""
     graph = nx.DiGraph()
     for name in ("a", "b"):
         graph.add_node(name, flops=1e12, param_bytes=0, activation_bytes=0, layer_type="Dense")
     graph.add_edge("a", "b", bytes=10**9)
     cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e13, bandwidth="1GB/s")
-    costs = CostModel(graph, cluster, num_microbatches=1)
+    return CostModel(graph, cluster, num_microbatches=1)
+
+
+def test_refine_step_leaves_one_device_when_pipelining_cannot_pay():
+    # Two heavy layers with a huge tensor between them on two slow-linked devices at M = 1: any split pays
+    # the transfer and overlaps nothing, so the refinement merges the stages.
+    costs = _two_heavy_layers()
     found = refine_step(costs, {"a": "/GPU:0", "b": "/GPU:1"})
     assert found is not None
     _, assignment = found
@@ -106,12 +111,7 @@ def test_refine_step_leaves_one_device_when_pipelining_cannot_pay():
 
 
 def test_refine_step_keeps_pins_and_returns_none_at_a_local_optimum():
-    graph = nx.DiGraph()
-    for name in ("a", "b"):
-        graph.add_node(name, flops=1e12, param_bytes=0, activation_bytes=0, layer_type="Dense")
-    graph.add_edge("a", "b", bytes=10**9)
-    cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e13, bandwidth="1GB/s")
-    costs = CostModel(graph, cluster, num_microbatches=1)
+    costs = _two_heavy_layers()
     pins = {"a": "/GPU:0", "b": "/GPU:1"}
     assert refine_step(costs, pins, pins=pins) is None  # both nodes pinned: nothing may move
     assert refine_step(costs, {"a": "/GPU:0", "b": "/GPU:0"}) is None  # already the shortest step
