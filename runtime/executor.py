@@ -674,7 +674,7 @@ def _take(stacked: Any, m: Any) -> Any:
 
 def _collect(collector: Any, m: Any, value: tf.Tensor) -> Any:
     """Leaves micro-batch m's ``value`` in a collector (``Executor._collector``); returns the collector to carry on."""
-    return value if collector is None or not isinstance(collector, tf.TensorArray) else collector.write(m, value)
+    return collector.write(m, value) if isinstance(collector, tf.TensorArray) else value
 
 
 def _whole(collector: Any) -> tf.Tensor:
