@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -422,8 +422,9 @@ class CostModel:
             "path": path_step_bound(into[last], speeds, num_microbatches=m, fixed_s=2 * overhead, hops_s=hops),
             "pipeline": pipeline_path_bound(
                 [work[v] for v in path],
-                speeds,
+                speed,
                 num_microbatches=m,
+                total_work=sum(work.values()),
                 early_forwards=early,
                 forward_share=share,
                 overhead_s=overhead,
@@ -670,16 +671,18 @@ def pipeline_path_bound(
     speeds: Sequence[float],
     *,
     num_microbatches: int,
+    total_work: float | None = None,
     early_forwards: int = 0,
     forward_share: float = 1.0,
     overhead_s: float = 0.0,
     hops_s: Sequence[float] = (),
 ) -> float:
     """The least step of any plan, under a schedule whose stages run at most ``early_forwards`` forwards
-    beyond micro-batch 0's before their first backward (:func:`early_forwards`), for a path of nodes of
-    ``works`` FLOPs each, in path order: a lower bound, proven in docs/cost-model.md.
+    beyond micro-batch 0's before their first backward (:func:`early_forwards`), for a graph of
+    ``total_work`` FLOPs with a path of nodes of ``works`` FLOPs each, in path order, on devices of
+    ``speeds`` FLOP/s: a lower bound, proven in docs/cost-model.md ("A lower bound on the step").
 
-    With the path's stages at positions 1..j (x_t: the path's work on t over t's FLOP/s; f_t, b_t: t's
+    With the path's stages at positions 1..j (x_t: t's work over its device's FLOP/s; f_t, b_t: t's
     forward and backward seconds per micro-batch, each with its overhead), stage t runs its first
     forwards, then waits for a micro-batch's forward and backward through the later positions, then
     runs the rest of its passes; with the earlier positions' forward before it and backward after it::
@@ -689,15 +692,18 @@ def pipeline_path_bound(
 
     (w = ``early_forwards``, share = ``forward_share``, the most forward work per unit of a stage's work;
     o = ``overhead_s``). For GPipe (w = 0) and equal stages this is (M + j - 1) (x + 2 o), the step.
-    A plan cannot do better than the path's work on the fastest device for sum_t x_t, the j - 1
-    cheapest hops, and for max_t x_t the larger of the work over the j fastest devices together and
-    the least largest piece of any cut of the path into j runs (on the fastest device); the bound is
-    the least over j.
+    The path's stages hold the path's work, and whatever of the rest the other devices cannot: each
+    other stage runs M times its work, so it holds at most (step / M - 2 o) x its FLOP/s. So sum_t x_t
+    is at least that work on the fastest device, max_t x_t at least that work over the j fastest devices
+    together and the least largest piece of any cut of the path into j runs (on the fastest device),
+    and the hops at least the j - 1 cheapest. For each j the least step that meets this is found by
+    bisection (the right side falls as the step grows); the bound is the least over j.
 
     Args:
         works: FLOPs of each node of the path (forward and backward of one micro-batch), in path order.
-        speeds: FLOP/s of the devices the path's stages may use, at most one per node of the path.
+        speeds: FLOP/s of every device.
         num_microbatches: M.
+        total_work: FLOPs of the whole graph (forward and backward of one micro-batch); the path's when None.
         early_forwards: w, 0 for GPipe.
         forward_share: the largest share of a stage's work its forward can be (the nodes' largest).
         overhead_s: the least action_overhead_s of a device (paid per forward and per backward).
@@ -706,22 +712,52 @@ def pipeline_path_bound(
     Example:
         >>> pipeline_path_bound([4.0, 4.0], [1.0, 1.0], num_microbatches=4)  # two stages of 4: (4 + 1) x 4
         20.0
+        >>> round(pipeline_path_bound([4.0, 4.0], [1.0, 1.0], num_microbatches=4, total_work=12.0), 6)  # 4 off the path
+        30.0
     """
     m = num_microbatches
-    work = float(sum(works))
-    fastest = max(speeds)
+    path_work = float(sum(works))
+    graph_work = max(path_work, float(total_work) if total_work is not None else path_work)
+    ranked = sorted(speeds, reverse=True)
+    fastest = ranked[0]
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(works, dtype=float))))
     cheapest = [0.0, *itertools.accumulate(sorted(hops_s))]
     steady = m - 1 - early_forwards * forward_share  # the weight of the busiest position's work
     fixed = (2 * m - early_forwards) * overhead_s
     best = math.inf
-    together = 0.0
-    for j, speed in enumerate(sorted(speeds, reverse=True), start=1):
-        together += speed
-        busiest = max(work / together, _least_largest_piece(prefix, j) / fastest)
-        hops = cheapest[min(j - 1, len(cheapest) - 1)]
-        best = min(best, work / fastest + (j - 1) * 2 * overhead_s + hops + steady * busiest + fixed)
+    for j in range(1, min(len(ranked), len(works)) + 1):
+        together = sum(ranked[:j])  # the j fastest devices
+        others = sum(ranked[: len(ranked) - j])  # the most FLOP/s the devices off the path can have
+        piece = _least_largest_piece(prefix, j) / fastest
+        constant = (j - 1) * 2 * overhead_s + cheapest[min(j - 1, len(cheapest) - 1)] + fixed
+
+        def right(
+            step: float,
+            together: float = together,
+            others: float = others,
+            piece: float = piece,
+            constant: float = constant,
+        ) -> float:
+            """What a step must be at least, if it is ``step``: the path's stages hold what the others cannot."""
+            held = max(path_work, graph_work - max(0.0, step / m - 2 * overhead_s) * others)
+            return held / fastest + steady * max(held / together, piece) + constant
+
+        best = min(best, _least_fixed_point(right))
     return best
+
+
+def _least_fixed_point(right: Callable[[float], float]) -> float:
+    """A lower bound on the least T with T >= right(T), for a ``right`` that does not grow with T: bisected
+    between right(inf) and right(right(inf)) to 1e-12, rounded down to a T that fails (or is the answer)."""
+    lo = right(math.inf)
+    hi = right(lo)
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        if mid >= right(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def _least_largest_piece(prefix: np.ndarray, pieces: int) -> float:
