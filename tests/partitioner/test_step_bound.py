@@ -140,3 +140,19 @@ def test_step_lower_bound_counts_the_transfer_of_a_cut():
     best = min(every_step(graph, cluster, random.Random(0), num_microbatches=4, schedule=schedule))
     assert best == pytest.approx(5.2)
     assert costs.step_lower_bound_s() == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_solve_reports_optimal_where_the_step_meets_its_bound(schedule, skip):
+    # Three layers of 1 s, 1 GB tensors on 1 GB/s links, M = 1: nothing overlaps and a cut costs 2 s, so one
+    # device is the best plan, and its step (every layer once, its fixed costs) is the bound on any plan's:
+    # proven optimal under either schedule, on the chain (the exact DP) and with a skip edge (CP-SAT, then
+    # the refinement on the step), where the bottleneck alone proved nothing about the step.
+    graph = chain([1e12] * 3, edge_bytes=[10**9] * 2)
+    if skip:
+        graph.add_edge("l0", "l2", bytes=10**9)
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth="1GB/s", action_overhead_s=1e-3)
+    plan = pt.solve(graph, cluster, num_microbatches=1, schedule=schedule, time_limit_s=10)
+    assert plan.num_stages == 1 and plan.step_time_s == pytest.approx(3.002)
+    assert plan.status == "optimal" and plan.objective == "step" and plan.gap == pytest.approx(0.0, abs=1e-9)
