@@ -400,9 +400,9 @@ class CostModel:
         out_of: dict[str, float] = {}
         for v in reversed(self.order):
             out_of[v] = work[v] + max((out_of[x] for x in self.graph.successors(v)), default=0.0)
-        node = m * max(
-            min(t + 2 * o for t, o in zip(row, self.action_overhead_s, strict=True)) for row in self.compute_s.values()
-        )
+        # the costliest node on its best device, with that device's fixed costs: [node, device] -> min -> max
+        passes = np.array([self.compute_s[v] for v in self.order]) + 2 * np.array(self.action_overhead_s)
+        node = m * float(passes.min(axis=1).max())
         for v in self.order:
             through = into[v] + out_of[v] - work[v]
             node = max(

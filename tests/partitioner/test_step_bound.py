@@ -17,12 +17,13 @@ import networkx as nx
 import pytest
 from graphs import BANDWIDTHS, SPEEDS, chain
 from graphs import random_dag as random_test_dag
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_dag_step import stage_labelings
 
 import partitioner as pt
 from partitioner.cost import CostModel, path_step_bound, pipeline_path_bound
+from partitioner.exact import STEP_TOLERANCE
 from partitioner.order import reorder
 from partitioner.simulate import simulate_assignment
 
@@ -83,6 +84,20 @@ def test_step_lower_bound_never_exceeds_a_plans_step(problem):
     bound = costs.step_lower_bound_s()
     shortest = min(every_step(graph, cluster, random.Random(seed), num_microbatches=m, schedule=schedule))
     assert bound <= shortest * SLACK, costs.step_bound_terms()
+
+
+@settings(max_examples=15, deadline=None)
+@given(bound_problems())
+def test_solve_claims_optimal_only_for_the_shortest_step(problem):
+    # Every plan fits (1 GiB devices), so brute force over all plans is the optimum solve is judged against.
+    graph, cluster, m, schedule, _ = problem
+    assume(graph.number_of_nodes() >= cluster.num_devices)  # every device could hold a stage
+    best = min(every_step(graph, cluster, random.Random(0), num_microbatches=m, schedule=schedule))
+    plan = pt.solve(graph, cluster, num_microbatches=m, schedule=schedule, time_limit_s=5)
+    assert plan.objective == "step"
+    assert plan.step_lower_bound_s <= best * SLACK
+    if plan.status == "optimal":
+        assert plan.step_time_s <= best * (1 + STEP_TOLERANCE)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
