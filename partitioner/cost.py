@@ -411,8 +411,8 @@ class CostModel:
             )
         last = max(self.order, key=into.__getitem__)
         path = [last]
-        while parent[path[-1]] is not None:
-            path.append(parent[path[-1]])  # type: ignore[arg-type]
+        while (u := parent[path[-1]]) is not None:
+            path.append(u)
         path.reverse()
         hops = sorted(2 * self.out_bytes[u] / fastest_link for u in path[:-1])  # a cut's activation and gradient
         speeds = sorted(speed, reverse=True)[: len(path)]
