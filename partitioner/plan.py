@@ -22,7 +22,7 @@ from partitioner.schedule import SCHEDULES
 if TYPE_CHECKING:
     from partitioner.cost import CostModel
 
-PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed)
+PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
