@@ -739,7 +739,8 @@ def pipeline_path_bound(
             constant: float = constant,
         ) -> float:
             """What a step must be at least, if it is ``step``: the path's stages hold what the others cannot."""
-            held = max(path_work, graph_work - max(0.0, step / m - 2 * overhead_s) * others)
+            spare = max(0.0, step / m - 2 * overhead_s) * others if others else 0.0  # (inf x 0 is nan)
+            held = max(path_work, graph_work - spare)
             return held / fastest + steady * max(held / together, piece) + constant
 
         best = min(best, _least_fixed_point(right))

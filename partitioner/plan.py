@@ -22,7 +22,8 @@ from partitioner.schedule import SCHEDULES
 if TYPE_CHECKING:
     from partitioner.cost import CostModel
 
-PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
+# 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
+PLAN_SCHEMA_VERSION = 2
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
