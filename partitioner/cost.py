@@ -387,7 +387,7 @@ class CostModel:
             (self.forward_s[v][fastest] / self.compute_s[v][fastest] for v in self.order if self.compute_s[v][fastest]),
             default=0.0,
         )
-        early = early_forwards(self.schedule, len(self.devices), m)
+        early = [early_forwards(self.schedule, len(self.devices), m, t) for t in range(1, len(self.devices) + 1)]
         links = [self.cluster.bandwidth(a, b) for a in range(len(speed)) for b in range(len(speed)) if a != b]
         fastest_link = max(links, default=math.inf)
         # the heaviest path ending at (into) and starting from (out of) each node
@@ -407,7 +407,7 @@ class CostModel:
             through = into[v] + out_of[v] - work[v]
             node = max(
                 node,
-                through / top + (m - 1 - early * share) * work[v] / top + (2 * m - early) * overhead,
+                through / top + (m - 1 - early[0] * share) * work[v] / top + (2 * m - early[0]) * overhead,
             )
         last = max(self.order, key=into.__getitem__)
         path = [last]
@@ -599,17 +599,21 @@ def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule.make(name, num_stages, num_microbatches)
 
 
-def early_forwards(schedule: str, num_devices: int, num_microbatches: int) -> int:
+def early_forwards(schedule: str, num_devices: int, num_microbatches: int, position: int = 1) -> int:
     """The most forwards a stage runs, beyond micro-batch 0's, before its first backward can start under
-    ``schedule`` on at most ``num_devices`` stages: 0 for GPipe (all M forwards, then micro-batch M - 1's
-    backward, which waits for it to pass every later stage), min(K - 1, M - 1) for 1F1B (stage 0's warm-up).
+    ``schedule``, for a stage at ``position`` (1 or more) of a chain of stages on at most ``num_devices``
+    devices: 0 for GPipe (all M forwards, then micro-batch M - 1's backward, which waits for it to pass
+    every later stage); for 1F1B min(num_devices - position, M - 1) (the warm-up of a stage with at most
+    that many stages after it).
 
     Example:
         >>> early_forwards("gpipe", 8, 8), early_forwards("1f1b", 8, 8), early_forwards("1f1b", 8, 3)
         (0, 7, 2)
+        >>> early_forwards("1f1b", 8, 8, position=8)  # the last of 8: no warm-up
+        0
     """
     check_schedule_name(schedule)
-    return 0 if schedule == "gpipe" else min(num_devices - 1, num_microbatches - 1)
+    return 0 if schedule == "gpipe" else max(0, min(num_devices - position, num_microbatches - 1))
 
 
 def path_step_bound(
@@ -672,39 +676,42 @@ def pipeline_path_bound(
     *,
     num_microbatches: int,
     total_work: float | None = None,
-    early_forwards: int = 0,
+    early_forwards: Sequence[int] = (),
     forward_share: float = 1.0,
     overhead_s: float = 0.0,
     hops_s: Sequence[float] = (),
 ) -> float:
-    """The least step of any plan, under a schedule whose stages run at most ``early_forwards`` forwards
-    beyond micro-batch 0's before their first backward (:func:`early_forwards`), for a graph of
-    ``total_work`` FLOPs with a path of nodes of ``works`` FLOPs each, in path order, on devices of
-    ``speeds`` FLOP/s: a lower bound, proven in docs/cost-model.md ("A lower bound on the step").
+    """The least step of any plan, under a schedule whose stage at position t of a chain runs at most
+    ``early_forwards[t - 1]`` forwards beyond micro-batch 0's before its first backward
+    (:func:`early_forwards`), for a graph of ``total_work`` FLOPs with a path of nodes of ``works`` FLOPs
+    each, in path order, on devices of ``speeds`` FLOP/s: a lower bound, proven in docs/cost-model.md
+    ("A lower bound on the step").
 
     With the path's stages at positions 1..j (x_t: t's work over its device's FLOP/s; f_t, b_t: t's
     forward and backward seconds per micro-batch, each with its overhead), stage t runs its first
     forwards, then waits for a micro-batch's forward and backward through the later positions, then
     runs the rest of its passes; with the earlier positions' forward before it and backward after it::
 
-        step >= sum over t' != t of (f + b)_t'  +  (M - w) f_t + M b_t  +  the path's hops
-             >= sum_t x_t + (j - 1) 2 o + hops + (M - 1 - w share) x_t + (2 M - w) o
+        step >= sum over t' != t of (f + b)_t'  +  (M - w_t) f_t + M b_t  +  the path's hops
+             >= sum_t x_t + (j - 1) 2 o + hops + max_t (a_t x_t + b_t)
+        a_t = M - 1 - w_t share,  b_t = (2 M - w_t) o
 
-    (w = ``early_forwards``, share = ``forward_share``, the most forward work per unit of a stage's work;
-    o = ``overhead_s``). For GPipe (w = 0) and equal stages this is (M + j - 1) (x + 2 o), the step.
-    The path's stages hold the path's work, and whatever of the rest the other devices cannot: each
-    other stage runs M times its work, so it holds at most (step / M - 2 o) x its FLOP/s. So sum_t x_t
-    is at least that work on the fastest device, max_t x_t at least that work over the j fastest devices
-    together and the least largest piece of any cut of the path into j runs (on the fastest device),
-    and the hops at least the j - 1 cheapest. For each j the least step that meets this is found by
-    bisection (the right side falls as the step grows); the bound is the least over j.
+    (share = ``forward_share``, the most forward work per unit of a stage's work; o = ``overhead_s``).
+    For GPipe (w = 0) and equal stages this is (M + j - 1) (x + 2 o), the step. The path's stages hold
+    the path's work, and whatever of the rest the other devices cannot: each other stage runs M times
+    its work, so it holds at most (step / M - 2 o) x its FLOP/s. So sum_t x_t is at least that work on
+    the fastest device; the hops at least the j - 1 cheapest; and max_t (a_t x_t + b_t) at least the Z
+    at which x_t = (Z - b_t) / a_t on the j fastest devices (fastest first: a_t and b_t grow with t) hold
+    that work, and at least a_1 x + b_1 for the least largest piece of any cut of the path into j runs
+    (on the fastest device). For each j the least step that meets this is found by bisection (the right
+    side falls as the step grows); the bound is the least over j.
 
     Args:
         works: FLOPs of each node of the path (forward and backward of one micro-batch), in path order.
         speeds: FLOP/s of every device.
         num_microbatches: M.
         total_work: FLOPs of the whole graph (forward and backward of one micro-batch); the path's when None.
-        early_forwards: w, 0 for GPipe.
+        early_forwards: w_t for positions t = 1, 2, ... (non-increasing); none (GPipe) when empty.
         forward_share: the largest share of a stage's work its forward can be (the nodes' largest).
         overhead_s: the least action_overhead_s of a device (paid per forward and per backward).
         hops_s: the seconds an activation and its gradient take at least across each edge of the path.
@@ -722,26 +729,37 @@ def pipeline_path_bound(
     fastest = ranked[0]
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(works, dtype=float))))
     cheapest = [0.0, *itertools.accumulate(sorted(hops_s))]
-    steady = m - 1 - early_forwards * forward_share  # the weight of the busiest position's work
-    fixed = (2 * m - early_forwards) * overhead_s
+    num_positions = min(len(ranked), len(works))
+    early = [early_forwards[t] if t < len(early_forwards) else 0 for t in range(num_positions)]
+    weight = [m - 1 - w * forward_share for w in early]  # a_t: the weight of position t's work
+    fixed = [(2 * m - w) * overhead_s for w in early]  # b_t: its fixed costs
     best = math.inf
-    for j in range(1, min(len(ranked), len(works)) + 1):
-        together = sum(ranked[:j])  # the j fastest devices
+    for j in range(1, num_positions + 1):
         others = sum(ranked[: len(ranked) - j])  # the most FLOP/s the devices off the path can have
-        piece = _least_largest_piece(prefix, j) / fastest
-        constant = (j - 1) * 2 * overhead_s + cheapest[min(j - 1, len(cheapest) - 1)] + fixed
+        piece = weight[0] * _least_largest_piece(prefix, j) / fastest + fixed[0]
+        floor = max(fixed[:j])  # every position's b_t, at x_t = 0
+        # at Z >= floor, positions 1..j hold sum_t speed_(t) (Z - b_t) / a_t: per: sum speed / a, less: sum speed b / a
+        if min(weight[:j]) > 0:
+            per = sum(ranked[t] / weight[t] for t in range(j))
+            less = sum(ranked[t] * fixed[t] / weight[t] for t in range(j))
+        else:
+            per, less = math.inf, 0.0  # a position of weight 0 holds any work at Z = its b_t
+        constant = (j - 1) * 2 * overhead_s + cheapest[min(j - 1, len(cheapest) - 1)]
 
         def right(
             step: float,
-            together: float = together,
             others: float = others,
             piece: float = piece,
+            floor: float = floor,
+            per: float = per,
+            less: float = less,
             constant: float = constant,
         ) -> float:
             """What a step must be at least, if it is ``step``: the path's stages hold what the others cannot."""
             spare = max(0.0, step / m - 2 * overhead_s) * others if others else 0.0  # (inf x 0 is nan)
             held = max(path_work, graph_work - spare)
-            return held / fastest + steady * max(held / together, piece) + constant
+            busiest = max(floor, piece, (held + less) / per if math.isfinite(per) else floor)
+            return held / fastest + busiest + constant
 
         best = min(best, _least_fixed_point(right))
     return best
