@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -406,8 +407,10 @@ def _saved_bytes(
 ) -> float | None:
     """Bytes of what a composite layer keeps for its backward: the forward tensors that its gradient reads
     (a view counted as the tensor it views, the layer's own inputs left to their producers) plus its
-    outputs (which the next layer reads). None where they cannot be sized (a loop, or the layer has no
-    gradient): the caller falls back to every op's outputs."""
+    outputs (which the next layer reads). The gradient is the inputs' and the trainable weights', or the
+    inputs' alone where the weights cannot be differentiated (declared without being allocated, as in
+    keras.StatelessScope). None where they cannot be sized (a loop, or no gradient at all): the caller
+    falls back to every op's outputs."""
     from profiles.flops import num_elements
 
     if any(op.type in _LOOP_OPS for op in traced.get_operations()):
@@ -417,7 +420,7 @@ def _saved_bytes(
     forward_ops: set[str] = set()
     output_names: list[str] = []
 
-    def forward_backward(*values: Any) -> Any:
+    def forward_backward(weights: list[Any], *values: Any) -> Any:
         inputs, seed = values[: len(specs)], values[len(specs) :]
         sources = [v for v in inputs if v.dtype.is_floating]
         with tf.GradientTape() as tape:
@@ -427,9 +430,17 @@ def _saved_bytes(
         forward_ops.update(op.name for op in tf.compat.v1.get_default_graph().get_operations())
         return tape.gradient(ys, sources + weights, output_gradients=list(seed), unconnected_gradients="zero")
 
-    try:
-        graph = tf.function(forward_backward, autograph=False).get_concrete_function(*specs, *seeds).graph
-    except Exception:  # no gradient to read: keep the upper bound
+    graph = None
+    for sources in (weights, []):  # a model declared without allocating its weights: the inputs' gradient
+        forward_ops.clear()
+        output_names.clear()
+        try:
+            function = tf.function(partial(forward_backward, sources), autograph=False)
+            graph = function.get_concrete_function(*specs, *seeds).graph
+            break
+        except Exception:
+            graph = None
+    if graph is None:  # no gradient to read: keep the upper bound
         return None
     kept: dict[str, int] = {}
 
