@@ -213,7 +213,8 @@ class CostModel:
         # runs stage s on device k runs its K - s - 1 later stages on distinct devices after k, of which
         # there are D - k - 1, so K - s <= D - k and the stage holds min(K - s, M) <= min(D - k, M)
         # (GPipe: M = M), whichever devices the plan leaves idle.
-        self.device_in_flight = [in_flight(schedule, len(self.devices), num_microbatches, k) for k in range(len(self.devices))]
+        num_devices = len(self.devices)
+        self.device_in_flight = [in_flight(schedule, num_devices, num_microbatches, k) for k in range(num_devices)]
         self.max_in_flight = max(self.device_in_flight)  # the fullest stage's: the first device's
         self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index], kept mode
         shares = {v: forward_share(graph.nodes[v]) for v in self.order}

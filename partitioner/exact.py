@@ -871,9 +871,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             if weight == 1.0:
                 step_bound, complete = min(step_bound, bound), complete and done
         if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
-            starts = {
-                f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
-            }
+            starts = {f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]}
             ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
             splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
         found += splits
