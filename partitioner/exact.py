@@ -45,8 +45,10 @@ level r holds splits whose last block has r stages from it to the end (itself in
 of level r follows one of level r + 1 (:func:`_by_level`). Levels that budget alike are one: the top
 level R stands for every r >= R and follows itself (GPipe: the single level 1, R = 1; 1F1B: R =
 min(number of devices, M)). The answer is level 1's (the last stage) at the chain's end. A block of
-level r leaves r - 1 stages for later devices, so only the first D - r + 1 devices take it: the levels
-cost about what one table of every device did (O(K^3 N^2 / 6) for 1F1B, K^2 N^2 / 2 for GPipe).
+level r leaves r - 1 stages for later devices, so only the first D - r + 1 devices take it: about
+K^3 N^2 / 6 block figures for 1F1B with M >= K, three times one table of every device (K^2 N^2 / 2,
+GPipe's). Where the whole chain fits the smallest device at the top level's budget, memory cannot bind
+and the top level alone serves every stage (:func:`_memory_binds`).
 
 With ``device_order="search"`` (the default) the pipeline order is a decision too: the DPs run on every
 candidate order of partitioner.order (orders of classes of interchangeable devices). One table covers
@@ -419,9 +421,25 @@ def _in_flight_levels(costs: CostModel) -> list[int]:
     return held
 
 
+def _memory_binds(costs: CostModel, num_in_flight: int) -> bool:
+    """False when the whole chain, in every mode with ``num_in_flight`` micro-batches and its largest
+    received tensor, fits the smallest device: then every block fits wherever it goes, at this budget
+    and every smaller one, and one level serves every stage."""
+    smallest = min(d.memory_bytes for d in costs.cluster.devices)
+    for mode in costs.modes:
+        whole = sum(costs.node_memory_bytes(mode, num_in_flight).values())
+        received = max(costs.input_memory_bytes(mode, num_in_flight).values(), default=0)
+        if whole + received > smallest:
+            return True
+    return False
+
+
 def _tables(costs: CostModel) -> _Tables:
     """The DP's inputs for ``costs`` (a chain), each level budgeted for its micro-batches in flight."""
-    levels = tuple(_modes(costs, held) for held in _in_flight_levels(costs))
+    held = _in_flight_levels(costs)
+    if not _memory_binds(costs, held[-1]):
+        held = held[-1:]  # the top level alone: its tables are every level's
+    levels = tuple(_modes(costs, c) for c in held)
     k_total = len(costs.devices)
     capacity = [d.memory_bytes for d in costs.cluster.devices]
     out_bytes = np.array([costs.out_bytes[v] for v in costs.order], dtype=np.float64)

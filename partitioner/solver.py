@@ -406,9 +406,10 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
 def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
     """The legal baseline of the shortest simulated step when the search found no plan, else ``err``.
 
-    The search budgets every node's activations for the fullest stage (with 1F1B, min(number of devices,
-    M) micro-batches in flight on every stage), while a plan is scored for what each of its stages
-    holds (K - s on stage s): a split the search rules out can fit. The plan then has no bound (status
+    CP-SAT budgets the device at position k of D for the most micro-batches its stage can hold (with
+    1F1B, min(D - k, M): CostModel.device_in_flight), while a plan is scored for what each of its stages
+    holds (K - s on stage s): a split whose first devices stay idle can fit where the search's budget
+    rules it out (the chain DP's budget is each stage's own). The plan then has no bound (status
     "heuristic"), and its method says why it was chosen.
     """
     if not legal:
@@ -417,7 +418,7 @@ def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequenc
     return score_assignment(
         best.assignment,
         costs,
-        method=f"{best.method} (fits; the search's memory budget, the fullest stage's for every stage, fit none)",
+        method=f"{best.method} (fits; the search's memory budget, the most each device's stage can hold, fit none)",
         solve_time_s=time.perf_counter() - started,
     )
 
