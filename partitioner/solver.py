@@ -407,10 +407,10 @@ def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequenc
     """The legal baseline of the shortest simulated step when the search found no plan, else ``err``.
 
     CP-SAT budgets the device at position k of D for the most micro-batches its stage can hold (with
-    1F1B, min(D - k, M): CostModel.device_in_flight), while a plan is scored for what each of its stages
-    holds (K - s on stage s): a split whose first devices stay idle can fit where the search's budget
-    rules it out (the chain DP's budget is each stage's own). The plan then has no bound (status
-    "heuristic"), and its method says why it was chosen.
+    1F1B, min(D - k, M): CostModel.device_in_flight) and counts memory in KiB rounded up, while a plan
+    is scored for what each of its stages holds (K - s on stage s) in bytes: a split can fit where the
+    search's budget rules it out (the chain DP's budget is each stage's own). The plan then has no
+    bound (status "heuristic"), and its method says why it was chosen.
     """
     if not legal:
         raise err
