@@ -437,7 +437,7 @@ def _memory_binds(costs: CostModel, num_in_flight: int) -> bool:
 def _tables(costs: CostModel) -> _Tables:
     """The DP's inputs for ``costs`` (a chain), each level budgeted for its micro-batches in flight."""
     held = _in_flight_levels(costs)
-    if not _memory_binds(costs, held[-1]):
+    if len(held) > 1 and not _memory_binds(costs, held[-1]):
         held = held[-1:]  # the top level alone: its tables are every level's
     levels = tuple(_modes(costs, c) for c in held)
     k_total = len(costs.devices)
