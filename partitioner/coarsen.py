@@ -104,13 +104,14 @@ class UnitCosts:
     """
 
     compute_s: list[list[float]]  # [unit][device index]: seconds of the unit's nodes on that device (kept)
-    memory: list[int]  # bytes per unit (sum of its nodes' memory, kept)
+    memory: list[int]  # bytes per unit (sum of its nodes' memory, kept, on the fullest stage)
     edges: list[tuple[int, int]]  # (unit, later unit) joined by at least one edge of the graph
     senders: list[tuple[str, int, tuple[int, ...]]]  # (node, its unit, the other units reading its output)
     colocated: list[list[int]]  # units that hold calls of one shared layer: one device for all
-    # per mode of CostModel.modes (partitioner.cost.mode_cost): seconds [unit][device] and bytes [unit]
+    # per mode of CostModel.modes (partitioner.cost.mode_cost): seconds [unit][device], and bytes [device][unit]
+    # budgeted for the micro-batches in flight of the device's position (CostModel.device_in_flight)
     mode_compute_s: dict[str, list[list[float]]] = field(default_factory=dict)
-    mode_memory: dict[str, list[int]] = field(default_factory=dict)
+    mode_memory: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 def _check_pins(pins: Mapping[str, int] | None, costs: CostModel) -> dict[str, int]:
@@ -320,11 +321,20 @@ def unit_costs(costs: CostModel, coarsening: Coarsening) -> UnitCosts:
         if group is not None:
             groups.setdefault(str(group), set()).add(unit_of[v])
     colocated = [sorted(units) for units in groups.values() if len(units) > 1]
-    mode_compute, mode_memory = {"kept": compute}, {"kept": memory}
-    for mode in costs.modes[1:]:
-        rows = costs.mode_compute_s[mode]
-        mode_compute[mode] = [[sum(rows[v][k] for v in unit) for k in range(num_devices)] for unit in coarsening.units]
-        mode_memory[mode] = [sum(costs.mode_memory[mode][v] for v in unit) for unit in coarsening.units]
+    mode_compute: dict[str, list[list[float]]] = {"kept": compute}
+    mode_memory: dict[str, list[list[int]]] = {}
+    for mode in costs.modes:
+        if mode != "kept":
+            rows = costs.mode_compute_s[mode]
+            mode_compute[mode] = [
+                [sum(rows[v][k] for v in unit) for k in range(num_devices)] for unit in coarsening.units
+            ]
+        by_count: dict[int, list[int]] = {}
+        for held in costs.device_in_flight:
+            if held not in by_count:
+                node = costs.node_memory_bytes(mode, held)
+                by_count[held] = [sum(node[v] for v in unit) for unit in coarsening.units]
+        mode_memory[mode] = [by_count[held] for held in costs.device_in_flight]
     return UnitCosts(compute, memory, edges, senders, colocated, mode_compute, mode_memory)
 
 

@@ -26,9 +26,10 @@ keeps the tape). ``recompute`` picks the modes: "never", "always" (every stage b
 "auto" (a stage is recomputed only when its kept activations do not fit and recomputing holds less;
 recomputation never shortens a step in this model, it only saves memory).
 
-Planners cannot know a node's stage before they place it, so they budget each node's activations
-``max_in_flight`` times, the most any stage holds on this cluster (M for GPipe, min(number of devices,
-M) for 1F1B); :meth:`CostModel.evaluate` then counts each stage's own figure.
+What the planners budget (docs/cost-model.md, "Memory budgets"): the chain DP each stage's own
+in_flight (it knows K - s); CP-SAT and the start heuristics, which place a node before they know its
+stage, the most the device at position k can hold in any plan, ``device_in_flight[k]`` (M for GPipe,
+min(number of devices - k, M) for 1F1B); :meth:`CostModel.evaluate` counts each stage's own figure.
 """
 
 from __future__ import annotations
@@ -208,10 +209,15 @@ class CostModel:
         self.flops_per_s = [d.flops_per_s_for(self.compute_dtype) for d in cluster.devices]
         # Fixed seconds per forward or backward of a stage on each device: what makes micro-batches not free.
         self.action_overhead_s = [d.action_overhead_s for d in cluster.devices]
-        # What the planners budget per node: the most micro-batches any stage holds if every device is a stage.
-        self.max_in_flight = max(
-            in_flight(schedule, len(self.devices), num_microbatches, s) for s in range(len(self.devices))
-        )
+        # [k]: the micro-batches budgeted on the device at position k of the cluster's order by the planners
+        # that place a node before they know its stage: in_flight of stage k of a pipeline of every device,
+        # M for GPipe, min(D - k, M) for 1F1B (D devices). It never under-budgets: a plan of K stages that
+        # runs stage s on device k runs its K - s - 1 later stages on distinct devices after k, of which
+        # there are D - k - 1, so K - s <= D - k and the stage holds min(K - s, M) <= min(D - k, M)
+        # (GPipe: M = M), whichever devices the plan leaves idle.
+        num_devices = len(self.devices)
+        self.device_in_flight = [in_flight(schedule, num_devices, num_microbatches, k) for k in range(num_devices)]
+        self.max_in_flight = max(self.device_in_flight)  # the fullest stage's: the first device's
         self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index], kept mode
         shares = {v: forward_share(graph.nodes[v]) for v in self.order}
         self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
@@ -224,15 +230,13 @@ class CostModel:
         self.out_bytes = {
             u: max((int(b) for _, _, b in graph.out_edges(u, data="bytes")), default=0) for u in self.order
         }
-        # The modes a stage may take under ``recompute``, and each node's figures in them for the planners:
-        # seconds per device, and bytes budgeted with max_in_flight micro-batches (input_memory: a received
-        # tensor's bytes on a stage in that mode).
+        # The modes a stage may take under ``recompute``, and each node's seconds per device in them for the
+        # planners (bytes: node_memory_bytes and input_memory_bytes, for a stage's micro-batches in flight).
         self.modes = ("kept",) if recompute == "never" else MODES
         self.mode_compute_s: dict[str, dict[str, list[float]]] = {}
-        self.mode_memory: dict[str, dict[str, int]] = {}
-        self.input_memory: dict[str, dict[str, int]] = {}
+        self._node_memory: dict[tuple[str, int], dict[str, int]] = {}
+        self._input_memory: dict[tuple[str, int], dict[str, int]] = {}
         for mode in self.modes:
-            node = {v: self.node_cost(v, mode) for v in self.order}
             self.mode_compute_s[mode] = (
                 self.compute_s  # forward + backward, as measured
                 if mode == "kept"
@@ -241,11 +245,8 @@ class CostModel:
                     for v in self.order
                 }
             )
-            self.mode_memory[mode] = {v: node[v].memory_bytes(self.max_in_flight) for v in self.order}
-            self.input_memory[mode] = {
-                u: mode_cost(mode, input_bytes=self.out_bytes[u]).memory_bytes(self.max_in_flight) for u in self.order
-            }
-        self.memory = self.mode_memory["kept"]  # bytes per node with its activations kept
+        # bytes per node with its activations kept, on the fullest stage (a node's share of the memory for coarsening)
+        self.memory = self.node_memory_bytes("kept", self.max_in_flight)
         self._step_bound: float | None = None  # step_lower_bound_s, once computed
 
     def _compute_row(self, node: str) -> list[float]:
@@ -276,6 +277,33 @@ class CostModel:
             weight_bytes=self.weight_bytes(node),
             activation_bytes=self.activation_bytes[node],
         )
+
+    def node_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
+        """{node: bytes} in ``mode`` on a stage that holds ``num_in_flight`` micro-batches: each node's
+        ``node_cost(v, mode).memory_bytes(num_in_flight)``, whose sum over a stage's nodes is the stage's
+        figure without its received tensors (:meth:`input_memory_bytes`).
+
+        Example:
+            >>> import partitioner as pt
+            >>> graph = pt.chain_graph([1e9, 1e9], param_bytes=[100, 100], activation_bytes=[10, 10])
+            >>> costs = pt.CostModel(graph, pt.Cluster.uniform(2, memory="1GiB"), optimizer_slots=0)
+            >>> costs.node_memory_bytes("kept", 2)["layer_0"]  # weights and their gradients + 2 x activations
+            220
+        """
+        key = (mode, num_in_flight)
+        if key not in self._node_memory:
+            self._node_memory[key] = {v: self.node_cost(v, mode).memory_bytes(num_in_flight) for v in self.order}
+        return self._node_memory[key]
+
+    def input_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
+        """{node: bytes} that a stage in ``mode`` holding ``num_in_flight`` micro-batches needs for receiving
+        the node's output: the saved input per micro-batch when recomputed, nothing when kept (mode_cost)."""
+        key = (mode, num_in_flight)
+        if key not in self._input_memory:
+            self._input_memory[key] = {
+                u: mode_cost(mode, input_bytes=self.out_bytes[u]).memory_bytes(num_in_flight) for u in self.order
+            }
+        return self._input_memory[key]
 
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:

@@ -15,13 +15,16 @@ domain lo(U)..hi(U) (all devices, or its pinned one); outside it x is 0 and y is
     edge U -> V:     y[V, k] <= y[U, k]  for every k              (stage(U) <= stage(V))
     c[k] == 1      iff the stage on device k recomputes its forward  (only when recompute != "never")
 
-    memory:          sum_U mem(U) x[U, k] <= capacity(k)      (activations counted max_in_flight times)
+    memory:          sum_U mem(U, k) x[U, k] <= capacity(k)   (activations counted device_in_flight[k] times)
                      in the mode c[k] gives: kept, or recomputed, which adds in(u) r[u, k] for received tensors
     stage time:      T >= sum_U compute(U, k) x[U, k] + sum_u recv(u, k) r[u, k]   (compute in c[k]'s mode)
     last stage:      c[k] => some unit on a device after k    ("always": <=>)
     objective:       minimise T * W + sum_{u, k} bytes(u) r[u, k]   (W > any byte term: lexicographic)
 
-The modes' compute and memory per unit come from the cost model (partitioner.cost.mode_cost).
+The modes' compute and memory per unit come from the cost model (partitioner.cost.mode_cost). The
+device at position k of the order budgets CostModel.device_in_flight[k] micro-batches: M for GPipe,
+min(D - k, M) for 1F1B on D devices, the most the stage on it holds whichever devices stay idle (the
+proof is at CostModel.device_in_flight), so the budget never refuses a plan that fits for being short.
 
 Times and bytes are scaled to integers (``time_resolution`` steps for the slowest device running
 everything; ``byte_resolution`` steps for all possible transfers), so "optimal" is exact up to that
@@ -205,17 +208,14 @@ def build_model(
     for k, device in enumerate(cluster.devices):
         capacity = device.memory_bytes // 1024
         for mode in costs.modes:
-            memory = uc.mode_memory[mode]
+            memory = uc.mode_memory[mode][k]  # budgeted for device_in_flight[k] micro-batches
+            received = costs.input_memory_bytes(mode, costs.device_in_flight[k])
             held = [
                 math.ceil(memory[i] / 1024) * on(i, k)
                 for i, (lo, hi) in enumerate(domains)
                 if memory[i] > 0 and lo <= k <= hi
             ]
-            held += [
-                math.ceil(costs.input_memory[mode][u] / 1024) * r[u, k]
-                for u in received_on[k]
-                if costs.input_memory[mode][u] > 0
-            ]
+            held += [math.ceil(received[u] / 1024) * r[u, k] for u in received_on[k] if received[u] > 0]
             constraint = model.add(sum(held) <= capacity)
             if c:
                 constraint.only_enforce_if(c[k] if mode == "recomputed" else c[k].Not())

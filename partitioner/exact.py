@@ -38,12 +38,23 @@ O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynam
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
 
+Memory: each block is budgeted for the micro-batches its stage holds, in_flight(K - s) (M for GPipe,
+min(K - s, M) for 1F1B on stage s of K), the figure :meth:`CostModel.evaluate` charges. K - s is the
+number of stages from s to the end of the pipeline, so every DP carries it as a *level*: the table of
+level r holds splits whose last block has r stages from it to the end (itself included), and a block
+of level r follows one of level r + 1 (:func:`_by_level`). Levels that budget alike are one: the top
+level R stands for every r >= R and follows itself (GPipe: the single level 1, R = 1; 1F1B: R =
+min(number of devices, M)). The answer is level 1's (the last stage) at the chain's end. A block of
+level r leaves r - 1 stages for later devices, so only the first D - r + 1 devices take it: about
+K^3 N^2 / 6 block figures for 1F1B with M >= K, three times one table of every device (K^2 N^2 / 2,
+GPipe's). Where the whole chain fits the smallest device at the top level's budget, memory cannot bind
+and the top level alone serves every stage (:func:`_memory_binds`).
+
 With ``device_order="search"`` (the default) the pipeline order is a decision too: the DPs run on every
 candidate order of partitioner.order (orders of classes of interchangeable devices). One table covers
-every subset of an order's devices (a block may skip devices), for each group of prefixes whose stages
-budget the same micro-batches in flight. Under the bottleneck objective each prefix's plan (least
-bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the least bottleneck,
-then the fewest bytes, then the first candidate): ties go the same way every run.
+every subset of an order's devices (a block may skip devices). Under the bottleneck objective each
+prefix's plan (least bottleneck, then fewest bytes) is simulated, and the shortest step wins (then the
+least bottleneck, then the fewest bytes, then the first candidate): ties go the same way every run.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import networkx as nx
@@ -133,8 +145,8 @@ def exact_chain(
     when the search covers every order of the device classes (status "optimal" when the plan reaches
     it), else the cost model's bound.
 
-    Memory is budgeted as in the CP-SAT model: each layer's activations ``CostModel.max_in_flight`` times
-    (``schedule`` "gpipe": M; "1f1b": min(number of devices, M)); the plan reports each stage's own need.
+    Memory is budgeted per stage as the plan is scored (module docstring): ``schedule`` "gpipe" holds M
+    micro-batches on every stage, "1f1b" min(K - s, M) on stage s of K.
     ``recompute`` ("never", "always", "auto") chooses each block's mode: "always" recomputes every
     block but the last, "auto" the fastest mode that fits (kept where it fits).
 
@@ -259,9 +271,9 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
     """``best``, or the least-bottleneck plan (fewest bytes among ties) on a prefix of ``costs.cluster``'s
     order whose simulated step is shorter, scored on the whole order; and the least bottleneck of any prefix.
 
-    One table serves every prefix whose stages budget the same micro-batches in flight (all of them for
-    GPipe; 1F1B holds min(K, M)): table[k, n] is the best split ending on device k, so the least over
-    k < s is the best on the first s devices. Prefixes go longest first, and one is skipped when no
+    One table serves every prefix: table[k, n] is the best split ending on device k (each stage budgeted
+    for its own micro-batches in flight), so the least over k < s is the best on the first s devices.
+    Prefixes go longest first, and one is skipped when no
     plan on it can step faster than ``best``: a step lasts at least M times the busiest stage's compute
     (at least the average, W / s, with W the work on the fastest device of the prefix for each node) and,
     under GPipe, (M - 1) times it plus every stage's compute (a micro-batch passes every stage there and back).
@@ -270,29 +282,22 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
     m = costs.num_microbatches
     kept = np.array([costs.compute_s[v] for v in costs.order]).reshape(n, num_devices)
     least_work = np.minimum.accumulate(kept, axis=1).sum(axis=0)  # [s - 1]: W on the first s devices
-    sizes_by_budget: dict[int, list[int]] = {}
-    for s in range(num_devices, 0, -1):
-        budget = max(in_flight(costs.schedule, s, m, stage) for stage in range(s))
-        sizes_by_budget.setdefault(budget, []).append(s)
     least = np.inf
-    for sizes in sizes_by_budget.values():
-        top = sizes[0]
-        prefix = costs if top == num_devices else costs.on(costs.cluster.take(top))
-        tables = _tables(prefix)
-        table, _ = _dynamic_program(*tables)
-        for s in sizes:
-            bottleneck = float(table[:s, n].min())
-            least = min(least, bottleneck)
-            if not np.isfinite(bottleneck):
-                continue
-            work = float(least_work[s - 1])
-            floor = max(m * work / s, work) if costs.schedule != "gpipe" else (m - 1) * work / s + work
-            if best is not None and floor >= best.step_time_s:
-                continue
-            assignment = _rebuild(prefix, _prefix_tables(tables, s), bottleneck)
-            plan = score_assignment(assignment, costs, method="exact_chain", status="feasible")
-            if best is None or shorter_step(plan, best):
-                best = plan
+    tables = _tables(costs)
+    table, _ = _dynamic_program(tables)
+    for s in range(num_devices, 0, -1):
+        bottleneck = float(table[:s, n].min())
+        least = min(least, bottleneck)
+        if not np.isfinite(bottleneck):
+            continue
+        work = float(least_work[s - 1])
+        floor = max(m * work / s, work) if costs.schedule != "gpipe" else (m - 1) * work / s + work
+        if best is not None and floor >= best.step_time_s:
+            continue
+        assignment = _rebuild(costs, _prefix_tables(tables, s), bottleneck)
+        plan = score_assignment(assignment, costs, method="exact_chain", status="feasible")
+        if best is None or shorter_step(plan, best):
+            best = plan
     return best, float(least)
 
 
@@ -302,17 +307,26 @@ Blocks = tuple[tuple[int, int, int], ...]  # (device index in the order, first n
 class _Tables(NamedTuple):
     """What the DP reads: the modes' figures along the chain, and each device's memory and links."""
 
-    modes: list[_Mode]
+    modes: list[_Mode]  # budgeted for one level's micro-batches in flight (levels[-1] unless _level chose)
     capacity: list[int]
     out_bytes: np.ndarray
     bandwidth: list[list[float]]
+    # [r - 1]: the modes budgeted for a stage r stages from the pipeline's end (itself included), r = 1..R;
+    # the last also for every r > R (module docstring, "Memory")
+    levels: tuple[list[_Mode], ...]
+
+
+def _level(tables: _Tables, r: int) -> _Tables:
+    """``tables`` budgeted for a stage r stages from the end of the pipeline (itself included)."""
+    return tables._replace(modes=tables.levels[min(r, len(tables.levels)) - 1])
 
 
 def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
     """``tables`` for the first ``num_devices`` devices only."""
     s = num_devices
-    return _Tables(
-        [
+
+    def cut(modes: list[_Mode]) -> list[_Mode]:
+        return [
             m._replace(
                 prefix=m.prefix[:, :s],
                 forward=m.forward[:, :s],
@@ -320,11 +334,15 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
                 fixed_forward=m.fixed_forward[:s],
                 fixed_backward=m.fixed_backward[:s],
             )
-            for m in tables.modes
-        ],
+            for m in modes
+        ]
+
+    return _Tables(
+        cut(tables.modes),
         tables.capacity[:s],
         tables.out_bytes,
         [row[:s] for row in tables.bandwidth[:s]],
+        tuple(cut(modes) for modes in tables.levels),
     )
 
 
@@ -338,32 +356,101 @@ def _rebuild(costs: CostModel, tables: _Tables, optimum: float) -> dict[str, str
 def _least_bytes_split(tables: _Tables, optimum: float) -> Blocks:
     """The blocks of :func:`_rebuild`'s split."""
     n = tables.modes[0].prefix.shape[0] - 1
-    sent, parent = _dynamic_program(*tables, limit=optimum * (1 + 1e-9))
+    sent, parent = _dynamic_program(tables, limit=optimum * (1 + 1e-9))
     return _blocks(parent, int(np.argmin(sent[:, n])), n)
 
 
 def _blocks(parent: np.ndarray, last: int, n: int) -> Blocks:
-    """The split a DP's ``parent`` table gives for nodes [0, n) ending on device ``last``."""
-    blocks, k, j = [], last, n
+    """The split a DP's ``parent`` table ([level - 1, k, j], :func:`_by_level`) gives for nodes [0, n)
+    ending on device ``last`` (the last stage: level 1)."""
+    blocks, k, j, level = [], last, n, 0
     while j > 0:
-        k_prev, i = (int(x) for x in parent[k, j])
+        k_prev, i = (int(x) for x in parent[level, k, j])
         blocks.append((k, i, j))
-        k, j = k_prev, i
+        k, j, level = k_prev, i, min(level + 1, len(parent) - 1)
     return tuple(reversed(blocks))
+
+
+def _by_level(
+    tables: _Tables, program: Callable[[_Tables, np.ndarray | None, int], tuple[np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Runs a DP level by level (module docstring, "Memory"): table[k, j] of level 1 (the last stage ends
+    on device k at node j), and the parents of every level, [level - 1, k, j].
+
+    ``program(level_tables, source, num_devices)`` fills one level's table from ``source``, the table
+    of the level after it (None: its own, for the top level, which stands for every level above it),
+    for blocks on the first ``num_devices`` devices only (D - r + 1 at level r: r - 1 stages follow).
+    """
+    num_devices = len(tables.capacity)
+    source, parents = None, []
+    for r in range(len(tables.levels), 0, -1):
+        table, parent = program(_level(tables, r), source, num_devices - r + 1)
+        source = table
+        parents.append(parent)
+    assert source is not None  # there is at least one level
+    return source, np.stack(parents[::-1])
 
 
 def _solve_chain(costs: CostModel) -> tuple[dict[str, str], float] | None:
     """The least-bottleneck split of ``costs.graph`` (a chain), fewest bytes among ties; None if none fits."""
     tables = _tables(costs)
-    best, _ = _dynamic_program(*tables)
+    best, _ = _dynamic_program(tables)
     optimum = float(best[:, len(costs.order)].min())
     if not np.isfinite(optimum):
         return None
     return _rebuild(costs, tables, optimum), optimum
 
 
+def _in_flight_levels(costs: CostModel) -> list[int]:
+    """[r - 1]: the micro-batches a stage r stages from the end of its pipeline (itself included) holds,
+    for r = 1..R, with R the least level from which every stage holds as many (module docstring, "Memory").
+
+    ``in_flight(schedule, K, M, s)`` depends on K - s alone (M for GPipe, min(K - s, M) for 1F1B), so a
+    stage r from the end of any pipeline holds in_flight(schedule, r, M, 0).
+
+    Example:
+        >>> import partitioner as pt
+        >>> graph, cluster = pt.chain_graph([1e9] * 6), pt.Cluster.uniform(4, memory="1GiB")
+        >>> _in_flight_levels(pt.CostModel(graph, cluster, num_microbatches=3, schedule="1f1b"))
+        [1, 2, 3]
+        >>> _in_flight_levels(pt.CostModel(graph, cluster, num_microbatches=3, schedule="gpipe"))
+        [3]
+    """
+    m = costs.num_microbatches
+    held = [in_flight(costs.schedule, r, m, 0) for r in range(1, len(costs.devices) + 1)]
+    while len(held) > 1 and held[-2] == held[-1]:
+        held.pop()
+    return held
+
+
+def _memory_binds(costs: CostModel, num_in_flight: int) -> bool:
+    """False when the whole chain, in every mode with ``num_in_flight`` micro-batches and its largest
+    received tensor, fits the smallest device: then every block fits wherever it goes, at this budget
+    and every smaller one, and one level serves every stage."""
+    smallest = min(d.memory_bytes for d in costs.cluster.devices)
+    for mode in costs.modes:
+        whole = sum(costs.node_memory_bytes(mode, num_in_flight).values())
+        received = max(costs.input_memory_bytes(mode, num_in_flight).values(), default=0)
+        if whole + received > smallest:
+            return True
+    return False
+
+
 def _tables(costs: CostModel) -> _Tables:
-    """The DP's inputs for ``costs`` (a chain)."""
+    """The DP's inputs for ``costs`` (a chain), each level budgeted for its micro-batches in flight."""
+    held = _in_flight_levels(costs)
+    if len(held) > 1 and not _memory_binds(costs, held[-1]):
+        held = held[-1:]  # the top level alone: its tables are every level's
+    levels = tuple(_modes(costs, c) for c in held)
+    k_total = len(costs.devices)
+    capacity = [d.memory_bytes for d in costs.cluster.devices]
+    out_bytes = np.array([costs.out_bytes[v] for v in costs.order], dtype=np.float64)
+    bandwidth = [[costs.cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
+    return _Tables(levels[-1], capacity, out_bytes, bandwidth, levels)
+
+
+def _modes(costs: CostModel, num_in_flight: int) -> list[_Mode]:
+    """The figures of ``costs.modes`` along the chain, memory budgeted for ``num_in_flight`` micro-batches."""
     order = costs.order
     n, k_total = len(order), len(costs.devices)
     last = np.arange(n + 1) == n  # a block ending at n is the last stage: never recomputed
@@ -373,7 +460,8 @@ def _tables(costs: CostModel) -> _Tables:
         node = [[costs.node_cost(v, mode, k) for k in range(k_total)] for v in order]
         forward = np.array([[c.forward_s for c in row] for row in node]).reshape(n, k_total)
         backward = np.array([[c.backward_s for c in row] for row in node]).reshape(n, k_total)
-        memory = [costs.mode_memory[mode][v] for v in order]
+        memory = costs.node_memory_bytes(mode, num_in_flight)
+        received = costs.input_memory_bytes(mode, num_in_flight)
         overhead = np.array(costs.action_overhead_s, dtype=np.float64)
         fixed = mode_cost(mode, forward_s=1.0, backward_s=1.0)  # how often each pass pays it in this mode
         modes.append(
@@ -381,17 +469,14 @@ def _tables(costs: CostModel) -> _Tables:
                 prefix=np.vstack([np.zeros(k_total), np.cumsum(compute, axis=0)]),
                 forward=np.vstack([np.zeros(k_total), np.cumsum(forward, axis=0)]),
                 backward=np.vstack([np.zeros(k_total), np.cumsum(backward, axis=0)]),
-                mem_prefix=np.concatenate([[0], np.cumsum(memory)]).astype(np.float64),
-                boundary=np.array([costs.input_memory[mode][v] for v in order], dtype=np.float64),
+                mem_prefix=np.concatenate([[0], np.cumsum([memory[v] for v in order])]).astype(np.float64),
+                boundary=np.array([received[v] for v in order], dtype=np.float64),
                 allowed=~last if mode == "recomputed" else (last if costs.recompute == "always" else ~last | last),
                 fixed_forward=fixed.forward_s * overhead,
                 fixed_backward=fixed.backward_s * overhead,
             )
         )
-    capacity = [d.memory_bytes for d in costs.cluster.devices]
-    out_bytes = np.array([costs.out_bytes[v] for v in order], dtype=np.float64)
-    bandwidth = [[costs.cluster.bandwidth(k, k2) for k2 in range(k_total)] for k in range(k_total)]
-    return _Tables(modes, capacity, out_bytes, bandwidth)
+    return modes
 
 
 def _fits_with_recompute(costs: CostModel) -> bool:
@@ -402,23 +487,28 @@ def _fits_with_recompute(costs: CostModel) -> bool:
     return _solve_chain(auto) is not None
 
 
-def _dynamic_program(
-    modes: list[_Mode],
-    capacity: list[int],
-    out_bytes: np.ndarray,
-    bandwidth: list[list[float]],
-    limit: float | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fills table[k, j] over layers [0, j) with layer j - 1 on device k, and the parents to rebuild it.
+def _dynamic_program(tables: _Tables, limit: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Fills table[k, j] over layers [0, j) with layer j - 1 on device k, the last stage, and the parents
+    to rebuild it (:func:`_by_level`: each stage budgeted for its own micro-batches in flight).
 
     A block takes the fastest of ``modes`` that fits and is allowed for it. Without ``limit`` the table
     holds the least bottleneck (min-max); with it, the fewest bytes sent (min-sum) over splits whose
     every stage takes at most ``limit`` seconds.
     """
+    return _by_level(tables, lambda level, source, usable: _level_program(level, source, usable, limit))
+
+
+def _level_program(
+    tables: _Tables, source: np.ndarray | None, usable: int, limit: float | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One level of :func:`_dynamic_program`: blocks on the first ``usable`` devices after a split of
+    ``source`` (the next level's table; None: this level's own)."""
+    modes, capacity, out_bytes, bandwidth = tables.modes, tables.capacity, tables.out_bytes, tables.bandwidth
     num_devices, n = modes[0].prefix.shape[1], modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
-    for k2 in range(num_devices):
+    source = table if source is None else source
+    for k2 in range(usable):
         first = np.full(n + 1, np.inf)  # the first block starts the chain on k2: nothing received
         for mode in modes:
             fits = (mode.mem_prefix <= capacity[k2]) & mode.allowed
@@ -433,13 +523,14 @@ def _dynamic_program(
         for k in range(k2):
             receive = out_bytes / bandwidth[k][k2] + out_bytes / bandwidth[k2][k]  # as CostModel.receive_s
             byte_limit = None if limit is None else (out_bytes, limit)
-            _relax(table, parent, k, k2, modes, capacity[k2], receive, byte_limit)
+            _relax(table, parent, source, k, k2, modes, capacity[k2], receive, byte_limit)
     return table, parent
 
 
 def _relax(
     best: np.ndarray,
     parent: np.ndarray,
+    source: np.ndarray,
     k: int,
     k2: int,
     modes: list[_Mode],
@@ -447,13 +538,13 @@ def _relax(
     receive: np.ndarray,
     byte_limit: tuple[np.ndarray, float] | None = None,
 ) -> None:
-    """Improves best[k2, j] with blocks [i, j) on k2 after a block ending at i - 1 on k (in place).
+    """Improves best[k2, j] with blocks [i, j) on k2 after a block ending at i - 1 on k, of ``source`` (in place).
 
     Without ``byte_limit`` ``best`` holds bottlenecks (min-max). With ``byte_limit=(out_bytes, T)``
     it holds bytes sent (min-sum) over splits whose every stage takes at most T seconds.
     """
     n = modes[0].prefix.shape[0] - 1
-    starts = np.flatnonzero(np.isfinite(best[k, 1:n])) + 1  # i in [1, n) with a finite best[k, i]
+    starts = np.flatnonzero(np.isfinite(source[k, 1:n])) + 1  # i in [1, n) with a finite source[k, i]
     ends = np.arange(n + 1)
     chunk = max(1, 2_000_000 // ((n + 1) * len(modes)))
     for lo in range(0, len(starts), chunk):
@@ -468,9 +559,9 @@ def _relax(
             stage = np.minimum(stage, np.where(fits, prefix[None, :] - prefix[i] + fixed + receive[i - 1], np.inf))
         valid = np.isfinite(stage)
         if byte_limit is None:
-            cand = np.maximum(best[k, i], stage)
+            cand = np.maximum(source[k, i], stage)
         else:
-            cand = best[k, i] + byte_limit[0][i - 1]
+            cand = source[k, i] + byte_limit[0][i - 1]
             valid &= stage <= byte_limit[1]
         cand = np.where(valid, cand, np.inf)
         arg = np.argmin(cand, axis=0)
@@ -595,18 +686,28 @@ def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.nda
 
 
 def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
-    """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) ending
-    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them.
+    """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) whose
+    last stage ends on device k, every stage's period at most ``limit`` and its memory budgeted for its
+    own micro-batches in flight (:func:`_by_level`); and the parents to rebuild them.
 
     A finite ``limit`` bounds how far a block reaches (:func:`_reach`), so each start's ends are a
     band, not the whole chain: the work falls from O(N^2) per device pair to O(N * band).
     """
+    return _by_level(tables, lambda level, source, usable: _step_level(level, schedule, limit, source, usable))
+
+
+def _step_level(
+    tables: _Tables, schedule: str, limit: float, source: np.ndarray | None, usable: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One level of :func:`_step_program`: blocks on the first ``usable`` devices after a split of
+    ``source`` (the next level's table; None: this level's own)."""
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
+    source = table if source is None else source
     none = np.zeros((1, 1))
     budget = max(1, 2_000_000 // len(tables.modes))  # array cells per chunk of starts
-    for k2 in range(num_devices):
+    for k2 in range(usable):
         zero = np.zeros(1, dtype=np.int64)
         ends = np.arange(1, int(_reach(tables, k2, zero, limit)[0]) + 1)
         first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
@@ -614,7 +715,7 @@ def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndar
         table[k2, ends[better]] = first[better]
         parent[k2, ends[better]] = (-1, 0)
         for k in range(k2):
-            starts = np.flatnonzero(np.isfinite(table[k, 1:n])) + 1
+            starts = np.flatnonzero(np.isfinite(source[k, 1:n])) + 1
             if not len(starts):
                 continue
             reach = _reach(tables, k2, starts, limit)
@@ -626,7 +727,7 @@ def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndar
                 if not len(ends):
                     continue
                 a, g = _links(tables, k, k2, i)
-                cand = table[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                cand = source[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
                 arg = np.argmin(cand, axis=0)
                 value = cand[arg, np.arange(len(ends))]
                 better = value < table[k2, ends]
@@ -765,39 +866,35 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         identity = list(order) == list(range(cluster.num_devices))
         permuted = costs if identity else costs.on(reorder(cluster, order))
         scored.append(permuted)
-        for top in _budget_groups(permuted):
-            prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
-            tables = _tables(prefix)
-            bottleneck, _ = _dynamic_program(*tables)
-            least_here = float(bottleneck[:, len(costs.order)].min())
-            least = min(least, least_here)
-            # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
-            least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
-            searched.append((index, tables))
-            splits: list[_Found] = []
-            for weight in weights:
-                found_here, bound, done = _threshold_search(
-                    tables,
-                    costs.schedule,
-                    costs.num_microbatches,
-                    len(searched) - 1,
-                    best[weight],
-                    _max_programs(prefix),
-                    weight,
-                    least_here,
-                    least_sum,
-                )
-                splits += found_here
-                best[weight] = min([best[weight], *(f.objective for f in found_here)])
-                if weight == 1.0:
-                    step_bound, complete = min(step_bound, bound), complete and done
-            if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
-                starts = {
-                    f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
-                }
-                ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
-                splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
-            found += splits
+        tables = _tables(permuted)
+        bottleneck, _ = _dynamic_program(tables)
+        least_here = float(bottleneck[:, len(costs.order)].min())
+        least = min(least, least_here)
+        # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
+        least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
+        searched.append((index, tables))
+        splits: list[_Found] = []
+        for weight in weights:
+            found_here, bound, done = _threshold_search(
+                tables,
+                costs.schedule,
+                costs.num_microbatches,
+                len(searched) - 1,
+                best[weight],
+                _max_programs(tables),
+                weight,
+                least_here,
+                least_sum,
+            )
+            splits += found_here
+            best[weight] = min([best[weight], *(f.objective for f in found_here)])
+            if weight == 1.0:
+                step_bound, complete = min(step_bound, bound), complete and done
+        if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
+            starts = {f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]}
+            ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
+            splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+        found += splits
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     least_step = min(f.step for f in found)
@@ -852,33 +949,24 @@ def _bottleneck_splits(tables: _Tables, bottleneck: np.ndarray, order: int, cost
     return result
 
 
-def _budget_groups(costs: CostModel) -> list[int]:
-    """The largest prefix of each group of prefixes whose stages budget the same micro-batches in flight.
-
-    One search on such a prefix covers every subset of its devices (the DP may skip any device), with
-    memory budgeted for its fullest stage: all of them for GPipe; 1F1B holds min(K, M).
-    """
-    m = costs.num_microbatches
-    tops: dict[int, int] = {}
-    for s in range(len(costs.devices), 0, -1):
-        tops.setdefault(max(in_flight(costs.schedule, s, m, stage) for stage in range(s)), s)
-    return list(tops.values())
-
-
-def _max_programs(costs: CostModel) -> int:
-    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
-    size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
+def _max_programs(tables: _Tables) -> int:
+    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large (its
+    levels, each on the devices that may hold it: about (D - r + 1)^2 N^2 / 2 block figures at level r)."""
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    pairs = sum((num_devices - r + 1) ** 2 for r in range(1, len(tables.levels) + 1))
+    size = pairs * n**2 / 2 * len(tables.modes)
     return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
 
 
 def _figures(
     tables: _Tables, blocks: Blocks, schedule: str, limit: float = np.inf
 ) -> list[tuple[float, float, float, float]] | None:
-    """(f, b, a, g) of each stage of ``blocks``, or None when a block fits in no mode."""
+    """(f, b, a, g) of each stage of ``blocks``, or None when a block fits in no mode (each budgeted for
+    its own micro-batches in flight)."""
     figures = []
     previous = -1
-    for k, start, end in blocks:
-        block = _block_figures(tables, previous, k, start, end, schedule, limit)
+    for s, (k, start, end) in enumerate(blocks):
+        block = _block_figures(_level(tables, len(blocks) - s), previous, k, start, end, schedule, limit)
         if block is None:
             return None
         figures.append(block)
@@ -928,14 +1016,16 @@ def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: 
     current, best, shortest = found.blocks, found.blocks, found.step
     current_step = shortest
     visited = {current}
-    blocks_seen: dict[tuple[int, int, int, int], tuple[float, float, float, float] | None] = {}
+    blocks_seen: dict[tuple[int, int, int, int, int], tuple[float, float, float, float] | None] = {}
+    levels = [_level(tables, r) for r in range(1, len(tables.levels) + 1)]
 
     def figures_of(split: Blocks) -> list[tuple[float, float, float, float]] | None:
         figures, previous = [], -1
-        for k, start, end in split:
-            key = (previous, k, start, end)
+        for s, (k, start, end) in enumerate(split):
+            level = min(len(split) - s, len(levels))  # its micro-batches in flight (module docstring, "Memory")
+            key = (previous, k, start, end, level)
             if key not in blocks_seen:
-                blocks_seen[key] = _block_figures(tables, previous, k, start, end, schedule)
+                blocks_seen[key] = _block_figures(levels[level - 1], previous, k, start, end, schedule)
             block = blocks_seen[key]
             if block is None:
                 return None

@@ -26,19 +26,31 @@ def _advice(costs: CostModel, fits_with_recompute: bool) -> str:
     )
 
 
+def _least_in_flight(costs: CostModel) -> int:
+    """The fewest micro-batches any stage of any plan holds: M under GPipe, 1 under 1F1B (the last stage)."""
+    return min(costs.device_in_flight)
+
+
 def _what(costs: CostModel) -> str:
-    held = (
-        f"activations of {costs.max_in_flight} micro-batch(es) in flight under {costs.schedule}"
-        if costs.recompute == "never"
-        else f"activations in the mode that needs least, recompute={costs.recompute!r}"
+    least = _least_in_flight(costs)
+    rule = (
+        f"every stage holds all M = {costs.num_microbatches}"
+        if costs.schedule == "gpipe"
+        else f"the fewest a stage holds: stage s of K holds min(K - s, M), M = {costs.num_microbatches}, "
+        "so 1 on the last stage"
     )
+    held = f"activations of {least} micro-batch(es) in flight under {costs.schedule} ({rule})"
+    if costs.recompute != "never":
+        held += f", in the mode that needs least, recompute={costs.recompute!r}"
     return f"weights, gradients and {costs.optimizer_slots} optimizer slot(s) of trainable weights, {held}"
 
 
 def _need(costs: CostModel, node: str) -> int:
     """The least bytes ``node`` can need in a stage: its figure in the mode that needs least (without
-    the received tensors a recomputed stage holds), so no plan needs less."""
-    return min(costs.mode_memory[mode][node] for mode in costs.modes)
+    the received tensors a recomputed stage holds) on a stage holding the fewest micro-batches any
+    stage holds, so no plan needs less."""
+    least = _least_in_flight(costs)
+    return min(costs.node_memory_bytes(mode, least)[node] for mode in costs.modes)
 
 
 def _split_group(

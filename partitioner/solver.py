@@ -102,8 +102,9 @@ def solve(
         pins: {node: device name} placements that must hold.
         cost: "flops" or "time" (measured time_s); see docs/cost-model.md.
         schedule: "gpipe" or "1f1b": the plan records it, its memory counts that schedule's micro-batches
-            in flight (the constraints budget every node for the fullest stage: M for GPipe, min(number
-            of devices, M) for 1F1B) and its step time is that schedule simulated.
+            in flight (M for GPipe, min(K - s, M) on stage s of K for 1F1B; the chain DP budgets each
+            stage that, CP-SAT the device at position k of D min(D - k, M)) and its step time is that
+            schedule simulated.
         options: search knobs (workers, seed, hints, resolution, coarsening).
         recompute: "never" (every stage keeps its activations), "always" (every stage but the last
             recomputes its forward in the backward: more compute, activations of one micro-batch plus
@@ -419,10 +420,11 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
 def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
     """The legal baseline of the shortest simulated step when the search found no plan, else ``err``.
 
-    The search budgets every node's activations for the fullest stage (with 1F1B, min(number of devices,
-    M) micro-batches in flight on every stage), while a plan is scored for what each of its stages
-    holds (K - s on stage s): a split the search rules out can fit. The plan then has no bound (status
-    "heuristic"), and its method says why it was chosen.
+    CP-SAT budgets the device at position k of D for the most micro-batches its stage can hold (with
+    1F1B, min(D - k, M): CostModel.device_in_flight) and counts memory in KiB rounded up, while a plan
+    is scored for what each of its stages holds (K - s on stage s) in bytes: a split can fit where the
+    search's budget rules it out (the chain DP's budget is each stage's own). The plan then has no
+    bound (status "heuristic"), and its method says why it was chosen.
     """
     if not legal:
         raise err
@@ -430,7 +432,7 @@ def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequenc
     return score_assignment(
         best.assignment,
         costs,
-        method=f"{best.method} (fits; the search's memory budget, the fullest stage's for every stage, fit none)",
+        method=f"{best.method} (fits; the search's memory budget, the most each device's stage can hold, fit none)",
         solve_time_s=time.perf_counter() - started,
     )
 

@@ -83,7 +83,8 @@ def fill_start(costs: CostModel, pins: Mapping[str, str]) -> Candidate | None:
 
     Devices are filled in pipeline order; a device is left for the next one once the next run would
     overflow its memory or its time target (the cost model's lower bound plus 2%, 10%, 30%, or none:
-    the best of the four is returned). Runs never split the calls of a shared layer.
+    the best of the four is returned). Runs never split the calls of a shared layer. Each device's
+    memory is budgeted for the most micro-batches its stage can hold (CostModel.device_in_flight).
     """
     order = costs.order
     position = {v: i for i, v in enumerate(order)}
@@ -98,6 +99,11 @@ def fill_start(costs: CostModel, pins: Mapping[str, str]) -> Candidate | None:
         else:
             runs.append([v])
     capacity = [d.memory_bytes for d in costs.cluster.devices]
+    # [k][node]: the least bytes of a node on device k (the mode that needs least, k's budget)
+    least = [
+        {v: min(costs.node_memory_bytes(mode, held)[v] for mode in costs.modes) for v in order}
+        for held in costs.device_in_flight
+    ]
     last = len(capacity) - 1
     best: Candidate | None = None
     for slack in (0.02, 0.1, 0.3, math.inf):
@@ -105,11 +111,12 @@ def fill_start(costs: CostModel, pins: Mapping[str, str]) -> Candidate | None:
         k, load, held = 0, 0.0, 0
         assignment: dict[str, str] = {}
         for run in runs:
-            need = sum(min(costs.mode_memory[mode][v] for mode in costs.modes) for v in run)
             while k < last and (
-                held + need > capacity[k] or (held > 0 and load + sum(costs.compute_s[v][k] for v in run) > target)
+                held + sum(least[k][v] for v in run) > capacity[k]
+                or (held > 0 and load + sum(costs.compute_s[v][k] for v in run) > target)
             ):
                 k, load, held = k + 1, 0.0, 0
+            need = sum(least[k][v] for v in run)
             if held + need > capacity[k]:
                 break
             assignment.update(dict.fromkeys(run, costs.devices[k]))

@@ -77,9 +77,10 @@ def test_solve_dag_step_matches_brute_force(problem):
         plan = pt.solve(graph, cluster, num_microbatches=m, schedule=schedule, time_limit_s=10)
     except pt.InfeasiblePlanError:
         if schedule == "1f1b" and best is not None:
-            # The planners budget every stage for the fullest one's min(K, M) micro-batches in flight
-            # (docs/cost-model.md, "The planners budget 1F1B conservatively"): then no plan fits that
-            # budget, which is GPipe's memory at min(K, M) micro-batches.
+            # CP-SAT budgets the device at position k of D for min(D - k, M) micro-batches, the most its
+            # stage can hold (docs/cost-model.md, "Memory budgets"), so a plan that leaves earlier devices
+            # idle may fit only by room the budget does not see; no plan then fits the fullest stage's
+            # budget on every device, GPipe's memory at min(D, M) micro-batches.
             fullest = min(cluster.num_devices, m)
             assert best_step(graph, cluster, num_microbatches=fullest, schedule="gpipe") is None
             return

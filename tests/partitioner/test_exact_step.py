@@ -12,7 +12,6 @@ worst and mean): hypothesis found 1.0033 (3 devices of two speeds, M = 3) where 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 
@@ -62,15 +61,10 @@ def step_problems(draw: st.DrawFn):
     )
     m = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
     schedule = draw(st.sampled_from(["gpipe", "1f1b"]))
-    # 1F1B plans budget every stage for the fullest one (min(K, M) micro-batches): ample memory there,
-    # so that brute force, which counts each stage's own, judges the same plans legal.
-    headroom = 3.0 if schedule == "gpipe" else 50.0
-    cluster = draw_cluster(draw, k, memory_need(graph, m), headroom=headroom)
-    if schedule == "1f1b":
-        cluster = pt.Cluster(
-            [dataclasses.replace(d, memory_bytes=max(KIB, memory_need(graph, m) * 2)) for d in cluster.devices],
-            bandwidth=[[cluster.bandwidth(a, b) for b in range(k)] for a in range(k)],
-        )
+    # Memory around what a plan holds: M micro-batches on every stage for GPipe, at most min(K, M) for
+    # 1F1B (the DP budgets each stage its own min(K - s, M), as brute force counts it).
+    held = m if schedule == "gpipe" else min(k, m)
+    cluster = draw_cluster(draw, k, memory_need(graph, held))
     return graph, cluster, m, schedule
 
 

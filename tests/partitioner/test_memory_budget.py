@@ -1,0 +1,183 @@
+"""The planners' memory budgets against the memory ``CostModel.evaluate`` charges each stage.
+
+Under 1F1B stage s of K holds min(K - s, M) micro-batches. The chain DP budgets each block exactly that
+(partitioner.exact, "Memory"), so on chains it finds the same optimum as brute force over every split
+scored by ``CostModel.evaluate``, also where memory is tight enough that budgeting every stage for the
+fullest one, min(number of devices, M), misses it. CP-SAT budgets the device at position k of D for
+min(D - k, M) (``CostModel.device_in_flight``): never less than its stage holds, tighter than the fullest.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+from graphs import KIB, add_layer, brute_force, chain, draw_cluster
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import partitioner as pt
+from partitioner.cost import CostModel, in_flight
+
+
+def fullest_budget_bottleneck(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int, **kwargs: object):
+    """The least bottleneck when every stage is budgeted for the fullest one's min(D, M) micro-batches,
+    the planners' budget before: GPipe's memory at that many micro-batches (the bottleneck does not
+    depend on M)."""
+    fullest = min(cluster.num_devices, num_microbatches)
+    return brute_force(graph, cluster, num_microbatches=fullest, schedule="gpipe", **kwargs)
+
+
+@st.composite
+def tight_1f1b_chains(draw: st.DrawFn):
+    """(chain of 2-7 layers, cluster of 1-3 devices, M in 1..6, recompute policy), memory about what a
+    1F1B plan needs: activations dominate, so the stage's in-flight count decides what fits."""
+    k = draw(st.integers(1, 3))
+    n = draw(st.integers(max(2, k), 7))
+    activations = [draw(st.integers(0, 8)) * KIB for _ in range(n)]
+    graph = chain(
+        [draw(st.integers(1, 100)) * 1e9 for _ in range(n)],
+        param_bytes=[draw(st.integers(0, 2)) * KIB for _ in range(n)],
+        activation_bytes=activations,
+        edge_bytes=[draw(st.integers(0, 4)) * KIB for _ in range(n - 1)],
+    )
+    m = draw(st.integers(1, 6))
+    # What the whole chain needs on one stage holding 1..min(k, m) micro-batches: the range where the
+    # per-stage count matters.
+    need = sum(4 * int(d["param_bytes"]) for _, d in graph.nodes(data=True)) + sum(activations) * min(k, m)
+    cluster = draw_cluster(draw, k, max(need, KIB), headroom=1.5)
+    return graph, cluster, m, draw(st.sampled_from(["never", "auto"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(problem=tight_1f1b_chains())
+def test_exact_chain_1f1b_tight_memory_equals_brute_force(problem):
+    graph, cluster, m, recompute = problem
+    kwargs = {"num_microbatches": m, "schedule": "1f1b", "recompute": recompute}
+    best = brute_force(graph, cluster, **kwargs)
+    if best is None:
+        event("infeasible")
+        with pytest.raises(pt.InfeasiblePlanError):
+            pt.exact_chain(graph, cluster, device_order="given", objective="bottleneck", **kwargs)
+        return
+    before = fullest_budget_bottleneck(graph, cluster, m, recompute=recompute)
+    if before is None or before > best * (1 + 1e-9):
+        event("only the per-stage budget finds the optimum")
+    plan = pt.exact_chain(graph, cluster, device_order="given", objective="bottleneck", **kwargs)
+    assert plan.bottleneck_s == pytest.approx(best, rel=1e-12)
+    assert plan.fits_memory and plan.status == "optimal"
+    pt.validate_plan(plan, graph, cluster)
+    stepped = pt.exact_chain(graph, cluster, device_order="given", **kwargs)  # the step objective fits too
+    assert stepped.fits_memory
+    pt.validate_plan(stepped, graph, cluster)
+    assert stepped.step_time_s <= plan.step_time_s * (1 + 1e-12)
+
+
+def test_exact_chain_1f1b_last_stage_holds_one_microbatch():
+    # l1's activations (10 KiB) fit a 14 KiB device only on the last stage, which holds 1 micro-batch
+    # under 1F1B; l0 holds 2 x 5 KiB on the first; one stage would hold 15 KiB. Budgeting both stages
+    # for the fullest (2 micro-batches) fits nothing.
+    graph = chain([1e12, 1e12], activation_bytes=[5 * KIB, 10 * KIB])
+    cluster = pt.Cluster.uniform(2, memory=14 * KIB, flops_per_s=1e12)
+    assert fullest_budget_bottleneck(graph, cluster, 2) is None
+    plan = pt.exact_chain(graph, cluster, num_microbatches=2, schedule="1f1b")
+    assert plan.assignment == {"l0": "/GPU:0", "l1": "/GPU:1"}
+    assert plan.memory_bytes == {"/GPU:0": 10 * KIB, "/GPU:1": 10 * KIB}
+    pt.validate_plan(plan, graph, cluster)
+    with pytest.raises(pt.InfeasiblePlanError):  # GPipe holds 2 micro-batches on every stage
+        pt.exact_chain(graph, cluster, num_microbatches=2)
+
+
+def test_exact_chain_1f1b_counts_stages_to_the_end_not_devices():
+    # Three devices, two used: the first used stage holds min(2, M) = 2, not min(3, M) = 3. Devices 0 and
+    # 2 hold 13 KiB, device 1 only 1 KiB; l0 needs 3 x 6 KiB = 18 KiB at 3 in flight, 12 KiB at 2, and
+    # l2's 8 KiB fit only on device 2 (one stage of all three layers would hold 14 KiB).
+    graph = chain([1e12] * 3, activation_bytes=[6 * KIB, 0, 8 * KIB])
+    cluster = pt.Cluster(
+        [pt.Device(f"/GPU:{i}", memory=kib * KIB, flops_per_s=1e12) for i, kib in enumerate([13, 1, 13])]
+    )
+    plan = pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b", device_order="given")
+    assert plan.stages == ("/GPU:0", "/GPU:2")
+    assert plan.memory_bytes["/GPU:0"] == 12 * KIB and plan.memory_bytes["/GPU:2"] == 8 * KIB
+    assert fullest_budget_bottleneck(graph, cluster, 4) is None  # 3 x 6 KiB > 13 KiB
+
+
+def test_device_in_flight_never_below_what_a_stage_holds():
+    """min(D - k, M) on the device at position k bounds stage s's min(K - s, M) in every plan using it."""
+    graph = chain([1e12] * 6)
+    for num_devices in range(1, 6):
+        cluster = pt.Cluster.uniform(num_devices, memory="1GiB")
+        for m in range(1, 7):
+            budget = CostModel(graph, cluster, num_microbatches=m, schedule="1f1b").device_in_flight
+            assert budget == [min(num_devices - k, m) for k in range(num_devices)]
+            assert CostModel(graph, cluster, num_microbatches=m).device_in_flight == [m] * num_devices
+            for num_stages in range(1, num_devices + 1):
+                for s in range(num_stages):
+                    # stage s runs on device k >= s with num_stages - s - 1 later devices after k
+                    for k in range(s, num_devices - (num_stages - s - 1)):
+                        assert in_flight("1f1b", num_stages, m, s) <= budget[k]
+                    assert in_flight("1f1b", num_stages, m, s) == in_flight("1f1b", num_stages - s, m, 0)
+
+
+def _skip_dag() -> nx.DiGraph:
+    """a -> b -> c with a skip edge a -> c; c has the most work and the largest activations."""
+    graph = nx.DiGraph()
+    add_layer(graph, "a", flops=1e12, activation_bytes=3 * KIB)
+    add_layer(graph, "b", flops=1e12, activation_bytes=3 * KIB)
+    add_layer(graph, "c", flops=2e12, activation_bytes=10 * KIB)
+    graph.add_edge("a", "b", bytes=KIB)
+    graph.add_edge("b", "c", bytes=KIB)
+    graph.add_edge("a", "c", bytes=KIB)
+    return graph
+
+
+def test_solve_dag_1f1b_fits_only_with_the_per_position_budget():
+    # c (10 KiB) fits a 15 KiB device only on the last stage (1 micro-batch in flight), a and b (3 + 3 KiB)
+    # twice over on the first: the fullest stage's budget, 2 micro-batches everywhere, fits nothing.
+    graph = _skip_dag()
+    cluster = pt.Cluster.uniform(2, memory=15 * KIB, flops_per_s=1e12)
+    assert fullest_budget_bottleneck(graph, cluster, 2) is None
+    assert CostModel(graph, cluster, num_microbatches=2, schedule="1f1b").device_in_flight == [2, 1]
+    for options in (pt.SolverOptions(), pt.SolverOptions(shortest_step=False, device_order="given")):
+        plan = pt.solve(graph, cluster, num_microbatches=2, schedule="1f1b", time_limit_s=10, options=options)
+        assert plan.method.startswith("cp-sat"), plan.method  # not a baseline the search's budget refused
+        assert plan.assignment == {"a": "/GPU:0", "b": "/GPU:0", "c": "/GPU:1"}
+        assert plan.status != "heuristic"  # the search's own plan, with a proven bound
+        pt.validate_plan(plan, graph, cluster)
+        assert plan.bottleneck_s == pytest.approx(brute_force(graph, cluster, num_microbatches=2, schedule="1f1b"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 4),
+    memory_kib=st.integers(8, 24),
+    num_devices=st.integers(1, 3),
+    recompute=st.sampled_from(["never", "auto"]),
+)
+def test_solve_dag_1f1b_plans_fit_as_evaluate_charges(m, memory_kib, num_devices, recompute):
+    """Every plan CP-SAT returns under the per-position budget passes validate_plan; it fails only where
+    brute force finds no plan that fits its budget's order."""
+    graph = _skip_dag()
+    cluster = pt.Cluster.uniform(num_devices, memory=memory_kib * KIB, flops_per_s=1e12)
+    kwargs = {"num_microbatches": m, "schedule": "1f1b", "recompute": recompute}
+    best = brute_force(graph, cluster, **kwargs)
+    options = pt.SolverOptions(exact_chains=False, shortest_step=False, device_order="given")
+    if best is None:
+        with pytest.raises(pt.InfeasiblePlanError):
+            pt.solve(graph, cluster, time_limit_s=10, options=options, **kwargs)
+        return
+    plan = pt.solve(graph, cluster, time_limit_s=10, options=options, **kwargs)
+    pt.validate_plan(plan, graph, cluster)
+    # On identical devices any plan's stages can move to the last devices, where the budget is exact.
+    assert plan.bottleneck_s == pytest.approx(best, rel=1e-5)
+
+
+def test_infeasible_1f1b_message_states_the_per_stage_rule():
+    # One layer of 10 KiB activations on 8 KiB devices: too large even on the last stage (1 in flight).
+    graph = chain([1e12, 1e12], activation_bytes=[KIB, 10 * KIB])
+    cluster = pt.Cluster.uniform(2, memory=8 * KIB, flops_per_s=1e12)
+    with pytest.raises(
+        pt.InfeasiblePlanError,
+        match=r"layer 'l1' alone needs 10.0 KiB .*activations of 1 micro-batch\(es\) in flight under 1f1b "
+        r"\(the fewest a stage holds: stage s of K holds min\(K - s, M\), M = 4, so 1 on the last stage\)",
+    ):
+        pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b")
