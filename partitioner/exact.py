@@ -76,8 +76,8 @@ from partitioner.simulate import chain_step
 
 OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
-MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
-PROGRAM_WORK = 1.3e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
+MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most
+PROGRAM_WORK = 1.3e8  # ... and block figures (cells of _step_program, times modes) per order and budget
 FINALISTS = 4  # splits simulated (and for GPipe improved when the formula falls short), shortest steps first
 LOCAL_STARTS = 12  # 1F1B: splits of each order and budget the local search starts from, shortest steps first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
@@ -545,12 +545,13 @@ def _stage_compute(
     k2: int,
     starts: np.ndarray,
     links: tuple[np.ndarray, np.ndarray],
-    schedule: str,
+    schedule: str | None,
     limit: float,
     ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """[start, end]: the least compute seconds of block [start, end) on device k2 in a mode that fits
-    its memory, is allowed there, and keeps the stage's period within ``limit``; inf where none.
+    its memory, is allowed there, and keeps the stage's period under ``schedule`` (its stage time,
+    compute + receive, for None) within ``limit``; inf where none.
 
     ``starts`` is a column of block starts (0: the first block, which receives nothing); ``links``
     the activation and gradient seconds of each start's received tensor (columns too); ``ends`` the
@@ -570,7 +571,7 @@ def _stage_compute(
         f = forward[ends][None, :] - forward[starts] + mode.fixed_forward[k2]
         b = backward[ends][None, :] - backward[starts] + mode.fixed_backward[k2]
         if np.isfinite(limit):
-            fits &= _period(schedule, f, b, a, g) <= limit
+            fits &= (f + b + a + g if schedule is None else _period(schedule, f, b, a, g)) <= limit
         best = np.minimum(best, np.where(fits, f + b, np.inf))
     return best
 
@@ -592,46 +593,131 @@ def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.nda
     return size / tables.bandwidth[k][k2], size / tables.bandwidth[k2][k]  # as CostModel.receive_s, one way each
 
 
-def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
+def _viable_ends(tables: _Tables, limit: float) -> np.ndarray:
+    """[k]: the first end j from which nodes [j, N) can still be covered by the devices after k with
+    every block's compute within ``limit``, the kept compute (modes[0]) being the least of any mode.
+
+    A relaxation (memory and transfers left out), so a split ending a block on k before it has no
+    completion: :func:`_step_program` leaves those cells out. Each device's block goes as far back as
+    it can (:func:`_reach` backwards): from a start further back no device after it reaches N.
+    """
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    first = np.full(num_devices, n, dtype=np.int64)
+    if not np.isfinite(limit):
+        first[:-1] = 0
+        return first
+    for k in range(num_devices - 2, -1, -1):
+        fastest = tables.modes[0].prefix[:, k + 1]
+        back = fastest[first[k + 1]] - limit * (1 + 1e-9)  # generous: never drops a split that fits
+        first[k] = min(first[k + 1], int(np.searchsorted(fastest, back, side="left")))
+    return first
+
+
+def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray, int]:
     """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) ending
-    on device k whose every stage's period is at most ``limit``; and the parents to rebuild them.
+    on device k whose every stage's period is at most ``limit``; the parents to rebuild them; and the
+    number of (start, end) cells computed, the DP's work (:func:`_banded_program`)."""
+    return _banded_program(tables, limit, schedule, "time")
+
+
+def _banded_program(
+    tables: _Tables, limit: float, schedule: str | None, value: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """table[k, j] over splits of nodes [0, j) ending on device k whose every stage keeps within
+    ``limit`` its period under ``schedule`` (its stage time, compute + receive, for None); the parents
+    to rebuild them; and the number of (start, end) cells computed.
+
+    ``value`` says what the table holds: "time", the least sum of stage times; "bottleneck", the least
+    longest stage time; "bytes", the fewest bytes sent. Ties go to the first device, then the first start.
 
     A finite ``limit`` bounds how far a block reaches (:func:`_reach`), so each start's ends are a
-    band, not the whole chain: the work falls from O(N^2) per device pair to O(N * band).
+    band, not the whole chain, and how early a block on device k may end (:func:`_viable_ends`: the
+    devices after k must cover the rest). Near the least feasible limit both leave a narrow window of
+    cut positions per device: the work falls from O(N^2) per device pair to O(N * band), and near
+    that limit to about the window squared.
     """
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
     none = np.zeros((1, 1))
     budget = max(1, 2_000_000 // len(tables.modes))  # array cells per chunk of starts
+    viable = _viable_ends(tables, limit)
+    work = 0
     for k2 in range(num_devices):
         zero = np.zeros(1, dtype=np.int64)
-        ends = np.arange(1, int(_reach(tables, k2, zero, limit)[0]) + 1)
-        first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
-        better = first < table[k2, ends]
-        table[k2, ends[better]] = first[better]
-        parent[k2, ends[better]] = (-1, 0)
+        ends = np.arange(max(1, int(viable[k2])), int(_reach(tables, k2, zero, limit)[0]) + 1)
+        if len(ends):
+            first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
+            work += len(ends)
+            if value == "bytes":
+                first = np.where(np.isfinite(first), 0.0, np.inf)
+            better = first < table[k2, ends]
+            table[k2, ends[better]] = first[better]
+            parent[k2, ends[better]] = (-1, 0)
         for k in range(k2):
             starts = np.flatnonzero(np.isfinite(table[k, 1:n])) + 1
+            reach = _reach(tables, k2, starts, limit)
+            keep = reach >= viable[k2]  # a start whose block cannot reach a viable end is no use
+            starts, reach = starts[keep], reach[keep]
             if not len(starts):
                 continue
-            reach = _reach(tables, k2, starts, limit)
-            band = max(1, int((reach - starts).max()))
+            band = max(1, int((reach - np.maximum(starts, viable[k2] - 1)).max()))
             chunk = max(1, budget // band - band)  # a chunk's ends span its starts and one band
             for lo in range(0, len(starts), chunk):
                 i = starts[lo : lo + chunk][:, None]
-                ends = np.arange(int(i[0, 0]) + 1, max(int(reach[lo : lo + chunk].max()), int(i[0, 0])) + 1)
+                ends = np.arange(max(int(i[0, 0]) + 1, int(viable[k2])), int(reach[lo : lo + chunk].max()) + 1)
                 if not len(ends):
                     continue
                 a, g = _links(tables, k, k2, i)
-                cand = table[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                stage = _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                work += stage.size
+                if value == "time":
+                    cand = table[k, i] + stage
+                elif value == "bottleneck":
+                    cand = np.maximum(table[k, i], stage)
+                else:
+                    cand = np.where(np.isfinite(stage), table[k, i] + tables.out_bytes[i - 1], np.inf)
                 arg = np.argmin(cand, axis=0)
-                value = cand[arg, np.arange(len(ends))]
-                better = value < table[k2, ends]
-                table[k2, ends[better]] = value[better]
+                best = cand[arg, np.arange(len(ends))]
+                better = best < table[k2, ends]
+                table[k2, ends[better]] = best[better]
                 parent[k2, ends[better], 0] = k
                 parent[k2, ends[better], 1] = i[arg[better], 0]
-    return table, parent
+    return table, parent, work
+
+
+def _least_bottleneck(tables: _Tables) -> tuple[float, Blocks]:
+    """The least bottleneck (longest stage time) of any split on ``tables``' devices (any subset of them,
+    in order), and the split of it with the fewest bytes sent (the first among ties); (inf, ()) when
+    none fits.
+
+    The same as :func:`_dynamic_program` and :func:`_least_bytes_split`, by banded programs
+    (:func:`_banded_program`): at a limit at or above the least bottleneck the min-max program finds it
+    exactly, below it finds none. Limits grow from a floor (the least compute spread over the devices,
+    or the costliest node) by 1/64, 1/32, ... of it, so the last tried is at most about twice as far
+    above the least bottleneck as needed, and each try is cheap while its limit stays near the floor.
+    """
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
+    floor = max(float(nodes.sum()) / num_devices, float(nodes.max(initial=0.0)))
+    # no stage takes longer: every node in its slowest mode on its slowest device, the largest fixed
+    # seconds and the slowest transfer; from there on a limit prunes nothing
+    ceiling = sum(
+        float(np.diff(m.prefix, axis=0).max(axis=1).sum() + (m.fixed_forward + m.fixed_backward).max())
+        for m in tables.modes
+    ) + 2 * float(tables.out_bytes.max(initial=0.0)) / min(min(row) for row in tables.bandwidth)
+    step = floor / 64
+    while True:
+        limit = floor + step if step > 0 and floor + step < ceiling else np.inf
+        table, _, _ = _banded_program(tables, limit, None, "bottleneck")
+        least = float(table[:, n].min())
+        if np.isfinite(least) or not np.isfinite(limit):
+            break
+        step *= 2
+    if not np.isfinite(least):
+        return least, ()
+    sent, parent, _ = _banded_program(tables, least * (1 + 1e-9), None, "bytes")
+    return least, _blocks(parent, int(np.argmin(sent[:, n])), n)
 
 
 def _block_figures(
@@ -666,14 +752,14 @@ def _threshold_search(
     num_microbatches: int,
     order: int,
     incumbent: float,
-    max_programs: int,
     weight: float,
     least_bottleneck: float,
     least_sum: float,
 ) -> tuple[list[_Found], float, bool]:
     """Splits that minimise weight * sum(stage times) + (M - 1) * max(period) on ``tables``' devices
     (any subset of them in order), by bisection on the period threshold T; with a lower bound on that
-    objective over every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
+    objective over every split, and whether the search finished (else it stopped after MAX_PROGRAMS DPs or
+    PROGRAM_WORK cells of them).
 
     The DP at threshold T gives s(T), the least sum among splits whose periods are all <= T, and
     s is non-increasing in T. A split y with period p(y) in an interval (lo, hi] of thresholds has
@@ -690,9 +776,12 @@ def _threshold_search(
     n = tables.modes[0].prefix.shape[0] - 1
     m = num_microbatches
     found: list[_Found] = []
+    work = 0
 
     def run(limit: float) -> tuple[float, float] | None:
-        table, parent = _step_program(tables, schedule, limit)
+        nonlocal work
+        table, parent, cells = _step_program(tables, schedule, limit)
+        work += cells * len(tables.modes)
         k = int(np.argmin(table[:, n]))
         if not np.isfinite(table[k, n]):
             return None
@@ -733,7 +822,7 @@ def _threshold_search(
         if result is not None and result[1] > least_bottleneck:
             best = min(best, weight * result[0] + (m - 1) * result[1])
             heapq.heappush(heap, (weight * result[0] + (m - 1) * least_bottleneck, least_bottleneck, *result[::-1]))
-    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
+    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < MAX_PROGRAMS and work < PROGRAM_WORK:
         _, lo, hi, at_hi = heapq.heappop(heap)
         mid = (lo + hi) / 2
         result = run(mid)
@@ -766,8 +855,10 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         for top in _budget_groups(permuted):
             prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
             tables = _tables(prefix)
-            bottleneck, _ = _dynamic_program(*tables)
-            least_here = float(bottleneck[:, len(costs.order)].min())
+            # the least bottleneck on these devices (every prefix of them for 1F1B's starts) and its split
+            sizes = range(1, top + 1) if costs.schedule != "gpipe" else [top]
+            bottlenecks = [_least_bottleneck(_prefix_tables(tables, s)) for s in sizes]
+            least_here = bottlenecks[-1][0]
             least = min(least, least_here)
             # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
             least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
@@ -780,7 +871,6 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     costs.num_microbatches,
                     len(searched) - 1,
                     best[weight],
-                    _max_programs(prefix),
                     weight,
                     least_here,
                     least_sum,
@@ -791,7 +881,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     step_bound, complete = min(step_bound, bound), complete and done
             if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
                 starts = {
-                    f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]
+                    f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottlenecks, len(searched) - 1, costs)]
                 }
                 ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
                 splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
@@ -835,17 +925,14 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     )
 
 
-def _bottleneck_splits(tables: _Tables, bottleneck: np.ndarray, order: int, costs: CostModel) -> list[_Found]:
-    """The least-bottleneck split (fewest bytes among ties) on each prefix of ``tables``' devices, as
-    starts for the 1F1B local search; ``bottleneck`` is the table of :func:`_dynamic_program`."""
-    n = tables.modes[0].prefix.shape[0] - 1
+def _bottleneck_splits(
+    tables: _Tables, bottlenecks: list[tuple[float, Blocks]], order: int, costs: CostModel
+) -> list[_Found]:
+    """The least-bottleneck splits (fewest bytes among ties) of :func:`_least_bottleneck` on each prefix
+    of ``tables``' devices (``bottlenecks``), as starts for the 1F1B local search."""
     result = []
-    for s in range(1, len(tables.capacity) + 1):
-        least = float(bottleneck[:s, n].min())
-        if not np.isfinite(least):
-            continue
-        split = _least_bytes_split(_prefix_tables(tables, s), least)
-        figures = _figures(tables, split, costs.schedule)
+    for least, split in bottlenecks:
+        figures = _figures(tables, split, costs.schedule) if np.isfinite(least) else None
         if figures is not None:
             result.append(_Found(_split_step(costs.schedule, costs.num_microbatches, figures), np.inf, order, split))
     return result
@@ -862,12 +949,6 @@ def _budget_groups(costs: CostModel) -> list[int]:
     for s in range(len(costs.devices), 0, -1):
         tops.setdefault(max(in_flight(costs.schedule, s, m, stage) for stage in range(s)), s)
     return list(tops.values())
-
-
-def _max_programs(costs: CostModel) -> int:
-    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large."""
-    size = len(costs.devices) ** 2 * len(costs.order) ** 2 / 2 * len(costs.modes)
-    return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
 
 
 def _figures(
