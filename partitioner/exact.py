@@ -78,6 +78,10 @@ OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
 MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most
 PROGRAM_WORK = 1.3e8  # ... and block figures (cells of _step_program, times modes) per order and budget
+# the least bottleneck of the step search: the whole table (_dynamic_program) up to this many of its cells
+# (K^2 N^2 / 2), where a banded program's fixed cost per device pair is the larger (about 400 nodes on 2
+# devices, 170 on 4, 90 on 8); banded programs (_least_bottleneck) above
+FULL_TABLE_CELLS = 1e6
 FINALISTS = 4  # splits simulated (and for GPipe improved when the formula falls short), shortest steps first
 LOCAL_STARTS = 12  # 1F1B: splits of each order and budget the local search starts from, shortest steps first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
@@ -577,13 +581,18 @@ def _stage_compute(
 
 
 def _reach(tables: _Tables, k2: int, starts: np.ndarray, limit: float) -> np.ndarray:
-    """The last end j of a block [start, j) on k2 whose compute can be within ``limit``, per start
-    (a period is at least the compute, and no node computes less in any mode than kept, modes[0])."""
+    """The last end j of a block [start, j) on k2 that fits its memory in some mode and whose compute
+    can be within ``limit``, per start (a period is at least the compute, and no node computes less in
+    any mode than kept, modes[0])."""
     n = tables.modes[0].prefix.shape[0] - 1
-    if not np.isfinite(limit):
-        return np.full(len(starts), n)
-    fastest = tables.modes[0].prefix[:, k2]
-    reach: np.ndarray = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
+    reach = np.full(len(starts), -1, dtype=np.int64)
+    for mode in tables.modes:  # memory: as _stage_compute's ``last``
+        received = np.where(starts > 0, mode.boundary[np.maximum(starts - 1, 0)], 0.0)
+        room = tables.capacity[k2] + mode.mem_prefix[starts] - received
+        reach = np.maximum(reach, np.searchsorted(mode.mem_prefix, room, side="right") - 1)
+    if np.isfinite(limit):
+        fastest = tables.modes[0].prefix[:, k2]
+        reach = np.minimum(reach, np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1)
     return np.asarray(np.minimum(reach, n))
 
 
@@ -594,22 +603,27 @@ def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.nda
 
 
 def _viable_ends(tables: _Tables, limit: float) -> np.ndarray:
-    """[k]: the first end j from which nodes [j, N) can still be covered by the devices after k with
-    every block's compute within ``limit``, the kept compute (modes[0]) being the least of any mode.
+    """[k]: the first end j from which nodes [j, N) can still be covered by the devices after k, every
+    block's compute within ``limit`` (the kept compute, modes[0], is the least of any mode) and its
+    memory, less the tensor it receives, within its device's in some mode.
 
-    A relaxation (memory and transfers left out), so a split ending a block on k before it has no
-    completion: :func:`_step_program` leaves those cells out. Each device's block goes as far back as
-    it can (:func:`_reach` backwards): from a start further back no device after it reaches N.
+    A relaxation (transfers and received tensors left out, any mode anywhere), so a split ending a
+    block on k before it has no completion: :func:`_banded_program` leaves those cells out. Each
+    device's block goes as far back as it can: from a start further back no device after it reaches N.
     """
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     first = np.full(num_devices, n, dtype=np.int64)
-    if not np.isfinite(limit):
-        first[:-1] = 0
-        return first
     for k in range(num_devices - 2, -1, -1):
-        fastest = tables.modes[0].prefix[:, k + 1]
-        back = fastest[first[k + 1]] - limit * (1 + 1e-9)  # generous: never drops a split that fits
-        first[k] = min(first[k + 1], int(np.searchsorted(fastest, back, side="left")))
+        end = first[k + 1]
+        back = min(
+            int(np.searchsorted(m.mem_prefix, m.mem_prefix[end] - tables.capacity[k + 1], side="left"))
+            for m in tables.modes
+        )
+        if np.isfinite(limit):
+            fastest = tables.modes[0].prefix[:, k + 1]
+            # generous: never drops a split that fits
+            back = max(back, int(np.searchsorted(fastest, fastest[end] - limit * (1 + 1e-9), side="left")))
+        first[k] = min(end, back)
     return first
 
 
@@ -684,6 +698,21 @@ def _banded_program(
                 parent[k2, ends[better], 0] = k
                 parent[k2, ends[better], 1] = i[arg[better], 0]
     return table, parent, work
+
+
+def _least_bottlenecks(tables: _Tables, sizes: Any) -> list[tuple[float, Blocks]]:
+    """(least bottleneck, its split of fewest bytes) on the first s of ``tables``' devices (any subset of
+    them, in order), for each s of ``sizes``; (inf, ()) where none fits: from one :func:`_dynamic_program`
+    table on small problems (FULL_TABLE_CELLS), else from :func:`_least_bottleneck` on each prefix."""
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    if num_devices**2 * n**2 / 2 > FULL_TABLE_CELLS:
+        return [_least_bottleneck(_prefix_tables(tables, s)) for s in sizes]
+    table, _ = _dynamic_program(*tables)
+    result: list[tuple[float, Blocks]] = []
+    for s in sizes:
+        least = float(table[:s, n].min())
+        result.append((least, _least_bytes_split(_prefix_tables(tables, s), least) if np.isfinite(least) else ()))
+    return result
 
 
 def _least_bottleneck(tables: _Tables) -> tuple[float, Blocks]:
@@ -856,8 +885,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             prefix = permuted if top == cluster.num_devices else permuted.on(permuted.cluster.take(top))
             tables = _tables(prefix)
             # the least bottleneck on these devices (every prefix of them for 1F1B's starts) and its split
-            sizes = range(1, top + 1) if costs.schedule != "gpipe" else [top]
-            bottlenecks = [_least_bottleneck(_prefix_tables(tables, s)) for s in sizes]
+            bottlenecks = _least_bottlenecks(tables, range(1, top + 1) if costs.schedule != "gpipe" else [top])
             least_here = bottlenecks[-1][0]
             least = min(least, least_here)
             # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
@@ -884,7 +912,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                     f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottlenecks, len(searched) - 1, costs)]
                 }
                 ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
-                splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+                splits += _local_search(tables, costs.schedule, costs.num_microbatches, ranked)
             found += splits
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
@@ -898,7 +926,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         # best splits of each search
         for group, (_, tables) in enumerate(searched):
             ranked = sorted((f for f in found if f.order == group), key=lambda f: f.step)[:FINALISTS]
-            found += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+            found += _local_search(tables, costs.schedule, costs.num_microbatches, ranked)
     plan: Plan | None = None
     seen: set[tuple[object, ...]] = set()
     for candidate in sorted(found, key=lambda f: (f.step, f.objective, f.order)):
@@ -998,17 +1026,32 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
     return result
 
 
-def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
-    """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
-    objective only approximates, and for GPipe where stages differ in forward share. Each round moves
-    to the neighbour of the shortest step (:func:`_split_step`) not visited yet, sideways too (equal
-    steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best
-    split visited is returned."""
+@dataclasses.dataclass
+class _Walk:
+    """One local search of :func:`_local_search`: where it stands, the best split it visited, its path."""
+
+    current: Blocks
+    current_step: float
+    best: Blocks
+    shortest: float  # the step of ``best``
+    visited: set[Blocks]
+    candidates: list[Blocks] = dataclasses.field(default_factory=list)  # this round's unvisited neighbours
+
+
+def _local_search(tables: _Tables, schedule: str, num_microbatches: int, starts: list[_Found]) -> list[_Found]:
+    """Each of ``starts`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold
+    search's objective only approximates, and for GPipe where stages differ in forward share. Each round
+    moves to the neighbour of the shortest step (:func:`_split_step`) not visited yet, sideways too
+    (equal steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the
+    best split visited is returned, one per start.
+
+    The searches run side by side, one round of all of them at a time, so that the neighbours of every
+    search are replayed together (one partitioner.simulate.chain_step per stage count) and a split met
+    by several searches, or again, is replayed once: each search takes the path it would take alone.
+    """
     num_devices = len(tables.capacity)
-    current, best, shortest = found.blocks, found.blocks, found.step
-    current_step = shortest
-    visited = {current}
     blocks_seen: dict[tuple[int, int, int, int], tuple[float, float, float, float] | None] = {}
+    steps: dict[Blocks, float | None] = {}  # the step of each split met, None where a block fits no mode
 
     def figures_of(split: Blocks) -> list[tuple[float, float, float, float]] | None:
         figures, previous = [], -1
@@ -1023,22 +1066,34 @@ def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: 
             previous = k
         return figures
 
+    walks = [_Walk(f.blocks, f.step, f.blocks, f.step, {f.blocks}) for f in starts]
+    active = list(walks)
     for _ in range(LOCAL_ROUNDS):
-        candidates, splits = [], []
-        for candidate in _neighbours(current, num_devices):
-            if candidate in visited:
+        pending: dict[Blocks, list[tuple[float, float, float, float]]] = {}
+        for walk in active:
+            walk.candidates = [c for c in _neighbours(walk.current, num_devices) if c not in walk.visited]
+            for candidate in walk.candidates:
+                if candidate not in steps and candidate not in pending:
+                    figures = figures_of(candidate)
+                    if figures is None:
+                        steps[candidate] = None
+                    else:
+                        pending[candidate] = figures
+        steps.update(zip(pending, _split_steps(schedule, num_microbatches, list(pending.values()))))
+        moved = []
+        for walk in active:
+            scored = [(step, c) for c in walk.candidates if (step := steps[c]) is not None]
+            if not scored:
                 continue
-            figures = figures_of(candidate)
-            if figures is not None:
-                candidates.append(candidate)
-                splits.append(figures)
-        if not candidates:
+            value, candidate = min(scored)
+            if value > walk.current_step * (1 + 1e-12):
+                continue
+            walk.visited.add(candidate)
+            walk.current, walk.current_step = candidate, value
+            if value < walk.shortest * (1 - 1e-12):
+                walk.best, walk.shortest = candidate, value
+            moved.append(walk)
+        active = moved
+        if not active:
             break
-        value, candidate = min(zip(_split_steps(schedule, num_microbatches, splits), candidates))
-        if value > current_step * (1 + 1e-12):
-            break
-        visited.add(candidate)
-        current, current_step = candidate, value
-        if value < shortest * (1 - 1e-12):
-            best, shortest = candidate, value
-    return found._replace(step=shortest, blocks=best)
+    return [found._replace(step=walk.shortest, blocks=walk.best) for found, walk in zip(starts, walks)]
