@@ -13,10 +13,16 @@ returned gradient g (:func:`_split_step`, equal to the simulator's step)::
     step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
 
 With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a threshold T, the least
-sum of stage times over splits whose every period is at most T (a min-sum DP, O(K^2 N * band)), and
+sum of stage times over splits whose every period is at most T (a min-sum DP), and
 :func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
 one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
-splits met are ranked by the exact formula, the best few simulated.
+splits met are ranked by the exact formula, the best few simulated. The DPs are banded
+(:func:`_banded_program`): a block's compute and memory bound how far it reaches, and a block on device
+k must end where the devices after k can still cover the rest (:func:`_viable_ends`), so near the least
+period, where the search spends its DPs, each device's cuts lie in a narrow window: O(K^2 window^2)
+work instead of O(K^2 N^2). The search starts from the least bottleneck, found the same way
+(:func:`_least_bottleneck`: banded min-max DPs at limits growing from a floor; the whole table of the
+bottleneck DP below on small chains).
 
 1F1B has no closed form (a stage's warm-up forwards and its first backward wait on different stages).
 Its step is still exact for a given split: :func:`_split_step` replays the schedule on the stages'
@@ -24,7 +30,8 @@ Its step is still exact for a given split: :func:`_split_step` replays the sched
 not exact: the threshold searches (weighing sum and period as ONE_F_ONE_B_WEIGHTS say) and the
 least-bottleneck split of every prefix of devices give starts, and a local search
 (:func:`_local_search`: boundaries moved, stages split, merged or moved to an idle device) improves the
-LOCAL_STARTS shortest, scored by the replay. On the 200 1F1B cases of benchmarks/planner_quality
+LOCAL_STARTS shortest, scored by the replay (the searches side by side, each round's neighbours of all
+of them replayed together, each split once). On the 200 1F1B cases of benchmarks/planner_quality
 ("Random chains against brute force") every plan is within 0.1% of the best enumerated; hypothesis
 found one 0.33% off (tests/partitioner/test_exact_step.py).
 
