@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import networkx as nx
@@ -707,7 +708,7 @@ def _banded_program(
     return table, parent, work
 
 
-def _least_bottlenecks(tables: _Tables, sizes: Any) -> list[tuple[float, Blocks]]:
+def _least_bottlenecks(tables: _Tables, sizes: Sequence[int]) -> list[tuple[float, Blocks]]:
     """(least bottleneck, its split of fewest bytes) on the first s of ``tables``' devices (any subset of
     them, in order), for each s of ``sizes``; (inf, ()) where none fits: from one :func:`_dynamic_program`
     table on small problems (FULL_TABLE_CELLS), else from :func:`_least_bottleneck` on each prefix."""
