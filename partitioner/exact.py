@@ -408,8 +408,9 @@ def _fits_with_recompute(costs: CostModel) -> bool:
     """True iff some split fits when stages may recompute ("auto"), for a problem that fits no split without."""
     if costs.recompute != "never":
         return False
-    auto = costs.with_recompute("auto")
-    return _solve_chain(auto) is not None
+    tables = _tables(costs.with_recompute("auto"))
+    least, _ = _least_bottlenecks(tables, [len(tables.capacity)])[0]
+    return bool(np.isfinite(least))
 
 
 def _dynamic_program(
