@@ -733,7 +733,8 @@ def _least_bottleneck(tables: _Tables) -> tuple[float, Blocks]:
     (:func:`_banded_program`): at a limit at or above the least bottleneck the min-max program finds it
     exactly, below it finds none. Limits grow from a floor (the least compute spread over the devices,
     or the costliest node) by 1/64, 1/32, ... of it, so the last tried is at most about twice as far
-    above the least bottleneck as needed, and each try is cheap while its limit stays near the floor.
+    above the least bottleneck as needed, and each try is cheap while its limit stays near the floor;
+    past a ceiling (no stage can take longer) the program runs unbanded, at most 27 tries in all.
     """
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
@@ -746,7 +747,8 @@ def _least_bottleneck(tables: _Tables) -> tuple[float, Blocks]:
     ) + 2 * float(tables.out_bytes.max(initial=0.0)) / min(min(row) for row in tables.bandwidth)
     step = floor / 64
     while True:
-        limit = floor + step if step > 0 and floor + step < ceiling else np.inf
+        # the whole table past the ceiling, or a million floors above the floor (an infinite ceiling)
+        limit = floor + step if 0 < step < floor * 2**20 and floor + step < ceiling else np.inf
         table, _, _ = _banded_program(tables, limit, None, "bottleneck")
         least = float(table[:, n].min())
         if np.isfinite(least) or not np.isfinite(limit):
