@@ -29,8 +29,10 @@ from partitioner.exact import (
     STEP_TOLERANCE,
     _dynamic_program,
     _figures,
+    _Found,
     _least_bottleneck,
     _least_bytes_split,
+    _local_search,
     _split_step,
     _step_program,
     _tables,
@@ -251,3 +253,21 @@ def test_exact_chain_proves_the_step_of_a_long_chain():
     plan = pt.exact_chain(graph, cluster, num_microbatches=8)
     assert plan.status == "optimal"
     assert plan.num_stages == 8
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_local_searches_side_by_side_take_the_paths_they_take_alone(schedule):
+    # The searches share their replays (one per round and stage count, each split once); each must still
+    # end where it ends alone. Starts: every split of 40 layers into 1-4 equal blocks on devices 0..s-1.
+    graph = random_chain(40, seed=7)
+    cluster = pt.Cluster.uniform(4, memory="64GiB", flops_per_s=100e12, bandwidth=10e9)
+    tables = _tables(CostModel(graph, cluster, num_microbatches=4, schedule=schedule))
+    starts = []
+    for count in range(1, 5):
+        bounds = [len(graph) * s // count for s in range(count + 1)]
+        split = tuple((s, bounds[s], bounds[s + 1]) for s in range(count))
+        figures = _figures(tables, split, schedule)
+        starts.append(_Found(_split_step(schedule, 4, figures), np.inf, 0, split))
+    together = _local_search(tables, schedule, 4, starts)
+    assert together == [_local_search(tables, schedule, 4, [start])[0] for start in starts]
+    assert all(f.step < start.step for f, start in zip(together, starts))  # every search moved
