@@ -34,11 +34,13 @@ M) for 1F1B); :meth:`CostModel.evaluate` then counts each stage's own figure.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
@@ -244,6 +246,7 @@ class CostModel:
                 u: mode_cost(mode, input_bytes=self.out_bytes[u]).memory_bytes(self.max_in_flight) for u in self.order
             }
         self.memory = self.mode_memory["kept"]  # bytes per node with its activations kept
+        self._step_bound: float | None = None  # step_lower_bound_s, once computed
 
     def _compute_row(self, node: str) -> list[float]:
         data = self.graph.nodes[node]
@@ -332,6 +335,102 @@ class CostModel:
         total = sum(self.compute_s[v][fastest] for v in self.order) * speed[fastest] / sum(speed)
         single = max(min(row) for row in self.compute_s.values())
         return max(total, single) + 2 * min(self.action_overhead_s)
+
+    def step_lower_bound_s(self) -> float:
+        """A step no legal plan can beat on this graph, cluster, M and schedule: whatever its stages,
+        devices, device order and recomputation. The largest of :meth:`step_bound_terms`, whose
+        proofs docs/cost-model.md ("A lower bound on the step") writes out; cached (a CostModel does not change).
+
+        Example:
+            >>> import partitioner as pt
+            >>> cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12)
+            >>> costs = CostModel(pt.chain_graph([1e12] * 4), cluster, num_microbatches=4)
+            >>> costs.step_lower_bound_s()  # two stages of 2 s: (4 + 2 - 1) x 2 s, the best plan's step
+            10.0
+        """
+        if self._step_bound is None:
+            self._step_bound = max(self.step_bound_terms().values())
+        return self._step_bound
+
+    def step_bound_terms(self) -> dict[str, float]:
+        """Each proven lower bound on the step of every legal plan, by name (docs/cost-model.md has the proofs).
+
+        With W a node's kept forward + backward work in FLOPs (its seconds times the device's FLOP/s: the
+        same on every device), S the devices' FLOP/s together, s the fastest one's, o the least
+        ``action_overhead_s``, and P the path of the most work from a first node to a last one:
+
+        - ``"spread"``: M x (W / S + 2 o). Every stage runs M forwards and M backwards on its own device,
+          each paying o or more: the busiest device computes at least the weighted mean.
+        - ``"node"``: M x the least over devices of a node's forward + backward + 2 o there: its stage
+          runs it M times. Per node, also what its stage does beyond the pipeline's path through it
+          (:func:`pipeline_path_bound` with that path, its stage holding at least the node).
+        - ``"path"``: :func:`path_step_bound` on P, whatever the schedule.
+        - ``"pipeline"``: :func:`pipeline_path_bound` on P, for this schedule.
+
+        Recomputing a stage only adds work (a second forward and its overhead), so the kept figures
+        bound recomputed stages too; a transfer counts only where P crosses between stages.
+
+        Example:
+            >>> import partitioner as pt
+            >>> costs = CostModel(pt.chain_graph([1e12] * 4), pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12))
+            >>> costs.step_bound_terms()  # M = 1: the chain on one device
+            {'spread': 2.0, 'node': 4.0, 'path': 4.0, 'pipeline': 4.0}
+        """
+        m = self.num_microbatches
+        speed = self.flops_per_s
+        fastest = max(range(len(speed)), key=speed.__getitem__)
+        top = speed[fastest]
+        overhead = min(self.action_overhead_s)
+        work = {v: self.compute_s[v][fastest] * top for v in self.order}  # FLOPs: seconds x FLOP/s
+        # the most forward work a stage can have per unit of its work: its nodes' largest forward share
+        share = max(
+            (self.forward_s[v][fastest] / self.compute_s[v][fastest] for v in self.order if self.compute_s[v][fastest]),
+            default=0.0,
+        )
+        early = [early_forwards(self.schedule, len(self.devices), m, t) for t in range(1, len(self.devices) + 1)]
+        links = [self.cluster.bandwidth(a, b) for a in range(len(speed)) for b in range(len(speed)) if a != b]
+        fastest_link = max(links, default=math.inf)
+        # the heaviest path ending at (into) and starting from (out of) each node
+        into: dict[str, float] = {}
+        parent: dict[str, str | None] = {}
+        for v in self.order:
+            u = max(self.graph.predecessors(v), key=into.__getitem__, default=None)
+            into[v] = work[v] + (into[u] if u is not None else 0.0)
+            parent[v] = u
+        out_of: dict[str, float] = {}
+        for v in reversed(self.order):
+            out_of[v] = work[v] + max((out_of[x] for x in self.graph.successors(v)), default=0.0)
+        # the costliest node on its best device, with that device's fixed costs: [node, device] -> min -> max
+        passes = np.array([self.compute_s[v] for v in self.order]) + 2 * np.array(self.action_overhead_s)
+        node = m * float(passes.min(axis=1).max())
+        for v in self.order:
+            through = into[v] + out_of[v] - work[v]
+            node = max(
+                node,
+                through / top + (m - 1 - early[0] * share) * work[v] / top + (2 * m - early[0]) * overhead,
+            )
+        last = max(self.order, key=into.__getitem__)
+        path = [last]
+        while (u := parent[path[-1]]) is not None:
+            path.append(u)
+        path.reverse()
+        hops = sorted(2 * self.out_bytes[u] / fastest_link for u in path[:-1])  # a cut's activation and gradient
+        speeds = sorted(speed, reverse=True)[: len(path)]
+        return {
+            "spread": m * (sum(work.values()) / sum(speed) + 2 * overhead),
+            "node": node,
+            "path": path_step_bound(into[last], speeds, num_microbatches=m, fixed_s=2 * overhead, hops_s=hops),
+            "pipeline": pipeline_path_bound(
+                [work[v] for v in path],
+                speed,
+                num_microbatches=m,
+                total_work=sum(work.values()),
+                early_forwards=early,
+                forward_share=share,
+                overhead_s=overhead,
+                hops_s=hops,
+            ),
+        }
 
     def check_assignment(self, assignment: Mapping[str, str]) -> dict[str, int]:
         """Returns {node: device index}, or raises PlanError if nodes or devices do not match."""
@@ -498,6 +597,215 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int)
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule.make(name, num_stages, num_microbatches)
+
+
+def early_forwards(schedule: str, num_devices: int, num_microbatches: int, position: int = 1) -> int:
+    """The most forwards a stage runs, beyond micro-batch 0's, before its first backward can start under
+    ``schedule``, for a stage at ``position`` (1 or more) of a chain of stages on at most ``num_devices``
+    devices: 0 for GPipe (all M forwards, then micro-batch M - 1's backward, which waits for it to pass
+    every later stage); for 1F1B min(num_devices - position, M - 1) (the warm-up of a stage with at most
+    that many stages after it).
+
+    Example:
+        >>> early_forwards("gpipe", 8, 8), early_forwards("1f1b", 8, 8), early_forwards("1f1b", 8, 3)
+        (0, 7, 2)
+        >>> early_forwards("1f1b", 8, 8, position=8)  # the last of 8: no warm-up
+        0
+    """
+    check_schedule_name(schedule)
+    return 0 if schedule == "gpipe" else max(0, min(num_devices - position, num_microbatches - 1))
+
+
+def path_step_bound(
+    work: float,
+    speeds: Sequence[float],
+    *,
+    num_microbatches: int,
+    fixed_s: float = 0.0,
+    hops_s: Sequence[float] = (),
+) -> float:
+    """The least step of any plan, under any schedule, for a path of ``work`` FLOPs (one micro-batch's
+    forward and backward): a lower bound, proven in docs/cost-model.md ("A lower bound on the step").
+
+    The stages holding the path's nodes are positions t = 1..j in pipeline order, on distinct devices,
+    with compute c_t per micro-batch. Stage t's first forward waits for micro-batch 0's forwards at
+    positions 1..t-1, it runs M forwards and M backwards, and its last backward's gradient still goes
+    back through positions t-1..1; each cut of the path between two stages takes a hop there and back::
+
+        step >= (M - 1) c_t + c_1 + ... + c_t + (the t - 1 cheapest hops)    for every t
+        c_t  >= (the path's work on t) / (t's FLOP/s) + fixed_s
+
+    For each j, the most work a step T holds on positions 1..j is linear in T (every inequality tight,
+    the fastest devices first: c*_1 = T / M - fixed_s, then about (M - 1) / M of the one before), so
+    the least T that holds ``work`` has a closed form; the bound is the least over j.
+
+    Args:
+        work: FLOPs of one micro-batch's forward and backward over the path's nodes.
+        speeds: FLOP/s of the devices the path's stages may use, at most one per node of the path.
+        num_microbatches: M.
+        fixed_s: the least fixed seconds of a stage's forward and backward together (2 x action_overhead_s).
+        hops_s: the seconds an activation and its gradient take at least across each edge of the path.
+
+    Example:
+        >>> path_step_bound(8.0, [1.0, 1.0], num_microbatches=1)  # one micro-batch: the path on one device
+        8.0
+        >>> round(path_step_bound(8.0, [1.0, 1.0], num_microbatches=4), 4)  # two stages of 4: (4 + 1) x 4 = 20
+        18.2857
+    """
+    m = num_microbatches
+    shrink = (m - 1) / m  # each position's tight compute is (M - 1) / M times the one before, fixed costs aside
+    cheapest = [0.0, *itertools.accumulate(sorted(hops_s))]  # [k]: the k cheapest hops together
+    best = math.inf
+    slope = offset = 0.0  # work held by positions 1..j: slope * T - offset
+    reach = lost = 0.0  # compute of positions 1..t together, tight: reach * T - lost
+    for t, speed in enumerate(sorted(speeds, reverse=True), start=1):
+        # position t's inequality, tight: M c_t = T - fixed_s (M - 1 + t) - cheapest[t - 1] - (c_1 + ... + c_(t-1))
+        hops = cheapest[min(t - 1, len(cheapest) - 1)]
+        reach_t = 1 / m + shrink * reach
+        lost_t = (fixed_s * (m - 1 + t) + hops) / m + shrink * lost
+        slope += speed * (reach_t - reach)
+        offset += speed * (lost_t - lost)
+        reach, lost = reach_t, lost_t
+        best = min(best, (work + offset) / slope)
+    return best
+
+
+def pipeline_path_bound(
+    works: Sequence[float],
+    speeds: Sequence[float],
+    *,
+    num_microbatches: int,
+    total_work: float | None = None,
+    early_forwards: Sequence[int] = (),
+    forward_share: float = 1.0,
+    overhead_s: float = 0.0,
+    hops_s: Sequence[float] = (),
+) -> float:
+    """The least step of any plan, under a schedule whose stage at position t of a chain runs at most
+    ``early_forwards[t - 1]`` forwards beyond micro-batch 0's before its first backward
+    (:func:`early_forwards`), for a graph of ``total_work`` FLOPs with a path of nodes of ``works`` FLOPs
+    each, in path order, on devices of ``speeds`` FLOP/s: a lower bound, proven in docs/cost-model.md
+    ("A lower bound on the step").
+
+    With the path's stages at positions 1..j (x_t: t's work over its device's FLOP/s; f_t, b_t: t's
+    forward and backward seconds per micro-batch, each with its overhead), stage t runs its first
+    forwards, then waits for a micro-batch's forward and backward through the later positions, then
+    runs the rest of its passes; with the earlier positions' forward before it and backward after it::
+
+        step >= sum over t' != t of (f + b)_t'  +  (M - w_t) f_t + M b_t  +  the path's hops
+             >= sum_t x_t + (j - 1) 2 o + hops + max_t (a_t x_t + b_t)
+        a_t = M - 1 - w_t share,  b_t = (2 M - w_t) o
+
+    (share = ``forward_share``, the most forward work per unit of a stage's work; o = ``overhead_s``).
+    For GPipe (w = 0) and equal stages this is (M + j - 1) (x + 2 o), the step. The path's stages hold
+    the path's work, and whatever of the rest the other devices cannot: each other stage runs M times
+    its work, so it holds at most (step / M - 2 o) x its FLOP/s. So sum_t x_t is at least that work on
+    the fastest device; the hops at least the j - 1 cheapest; and max_t (a_t x_t + b_t) at least the Z
+    at which x_t = (Z - b_t) / a_t on the j fastest devices (fastest first: a_t and b_t grow with t) hold
+    that work, and at least a_1 x + b_1 for the least largest piece of any cut of the path into j runs
+    (on the fastest device). For each j the least step that meets this is found by bisection (the right
+    side falls as the step grows); the bound is the least over j.
+
+    Args:
+        works: FLOPs of each node of the path (forward and backward of one micro-batch), in path order.
+        speeds: FLOP/s of every device.
+        num_microbatches: M.
+        total_work: FLOPs of the whole graph (forward and backward of one micro-batch); the path's when None.
+        early_forwards: w_t for positions t = 1, 2, ... (non-increasing); none (GPipe) when empty.
+        forward_share: the largest share of a stage's work its forward can be (the nodes' largest).
+        overhead_s: the least action_overhead_s of a device (paid per forward and per backward).
+        hops_s: the seconds an activation and its gradient take at least across each edge of the path.
+
+    Example:
+        >>> pipeline_path_bound([4.0, 4.0], [1.0, 1.0], num_microbatches=4)  # two stages of 4: (4 + 1) x 4
+        20.0
+        >>> round(pipeline_path_bound([4.0, 4.0], [1.0, 1.0], num_microbatches=4, total_work=12.0), 6)  # 4 off the path
+        30.0
+    """
+    m = num_microbatches
+    path_work = float(sum(works))
+    graph_work = max(path_work, float(total_work) if total_work is not None else path_work)
+    ranked = sorted(speeds, reverse=True)
+    fastest = ranked[0]
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(works, dtype=float))))
+    cheapest = [0.0, *itertools.accumulate(sorted(hops_s))]
+    num_positions = min(len(ranked), len(works))
+    early = [early_forwards[t] if t < len(early_forwards) else 0 for t in range(num_positions)]
+    weight = [m - 1 - w * forward_share for w in early]  # a_t: the weight of position t's work
+    fixed = [(2 * m - w) * overhead_s for w in early]  # b_t: its fixed costs
+    best = math.inf
+    for j in range(1, num_positions + 1):
+        others = sum(ranked[: len(ranked) - j])  # the most FLOP/s the devices off the path can have
+        piece = weight[0] * _least_largest_piece(prefix, j) / fastest + fixed[0]
+        floor = max(fixed[:j])  # every position's b_t, at x_t = 0
+        # at Z >= floor, positions 1..j hold sum_t speed_(t) (Z - b_t) / a_t: per: sum speed / a, less: sum speed b / a
+        if min(weight[:j]) > 0:
+            per = sum(ranked[t] / weight[t] for t in range(j))
+            less = sum(ranked[t] * fixed[t] / weight[t] for t in range(j))
+        else:
+            per, less = math.inf, 0.0  # a position of weight 0 holds any work at Z = its b_t
+        constant = (j - 1) * 2 * overhead_s + cheapest[min(j - 1, len(cheapest) - 1)]
+
+        def right(
+            step: float,
+            others: float = others,
+            piece: float = piece,
+            floor: float = floor,
+            per: float = per,
+            less: float = less,
+            constant: float = constant,
+        ) -> float:
+            """What a step must be at least, if it is ``step``: the path's stages hold what the others cannot."""
+            spare = max(0.0, step / m - 2 * overhead_s) * others if others else 0.0  # (inf x 0 is nan)
+            held = max(path_work, graph_work - spare)
+            busiest = max(floor, piece, (held + less) / per if math.isfinite(per) else floor)
+            return held / fastest + busiest + constant
+
+        best = min(best, _least_fixed_point(right))
+    return best
+
+
+def _least_fixed_point(right: Callable[[float], float]) -> float:
+    """A lower bound on the least T with T >= right(T), for a ``right`` that does not grow with T: bisected
+    between right(inf) and right(right(inf)) to 1e-12, rounded down to a T that fails (or is the answer)."""
+    lo = right(math.inf)
+    hi = right(lo)
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        if mid >= right(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def _least_largest_piece(prefix: np.ndarray, pieces: int) -> float:
+    """A lower bound on the largest piece's work when a path whose prefix sums of work are ``prefix`` is
+    cut into at most ``pieces`` runs: a capacity that the greedy cut (optimal for this question) fails,
+    bisected to 1e-9 of the least largest piece and rounded down."""
+    total = float(prefix[-1])
+    lo = max(total / pieces, float(np.max(np.diff(prefix), initial=0.0))) * (1 - 1e-12)
+    hi = total  # one run holds the whole path
+    while hi - lo > 1e-9 * hi:
+        mid = (lo + hi) / 2
+        if _cuts_needed(prefix, mid) <= pieces:
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1 - 1e-9)
+
+
+def _cuts_needed(prefix: np.ndarray, capacity: float) -> int:
+    """How many runs a greedy cut of the path makes with at most ``capacity`` work in each (a piece is
+    never emptier than the greedy's, so no cut makes fewer)."""
+    n = len(prefix) - 1
+    at, runs = 0, 0
+    while at < n:
+        end = int(np.searchsorted(prefix, prefix[at] + capacity, side="right")) - 1
+        if end <= at:
+            return n + 1  # one node alone exceeds the capacity
+        at, runs = end, runs + 1
+    return runs
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:

@@ -79,7 +79,7 @@ from partitioner.order import (
     signature,
 )
 from partitioner.plan import Plan
-from partitioner.score import score_assignment, shorter_step
+from partitioner.score import score_assignment, shorter_step, with_step_bound
 from partitioner.simulate import chain_step
 
 OBJECTIVES = ("step", "bottleneck")
@@ -132,8 +132,10 @@ def exact_chain(
 
     With ``objective="step"`` (the default) the plan has the shortest simulated step over every split,
     stage count and (with "search") device order (module docstring, "The step objective"): status
-    "optimal" when that is proven (GPipe, every order searched), else "feasible". ``lower_bound_s``
-    stays a bound on the bottleneck. ``objective="bottleneck"`` is the DP of the least bottleneck:
+    "optimal" when that is proven (GPipe, every order searched, or a step that meets
+    ``CostModel.step_lower_bound_s``), else "feasible"; ``step_lower_bound_s`` is the proven bound on the
+    step and ``gap`` is against it. ``lower_bound_s`` stays a bound on the bottleneck.
+    ``objective="bottleneck"`` is the DP of the least bottleneck (``gap`` against ``lower_bound_s``):
 
     With ``device_order="given"`` the stages follow the cluster's order (devices may stay idle) and
     the plan has the least bottleneck, then the fewest bytes sent. With "search" (the default) the
@@ -956,12 +958,11 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
     optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
     lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
-    return dataclasses.replace(
-        plan,
-        status="optimal" if optimal else "feasible",
-        lower_bound_s=min(lower_bound, plan.bottleneck_s),
-        solve_time_s=time.perf_counter() - started,
+    plan = dataclasses.replace(
+        plan, lower_bound_s=min(lower_bound, plan.bottleneck_s), solve_time_s=time.perf_counter() - started
     )
+    # judged on the step: the search's own bound where it is proven, the cost model's on any plan always
+    return with_step_bound(plan, costs, proven_s=float(step_bound) if proven else None, proven_optimal=optimal)
 
 
 def _bottleneck_splits(

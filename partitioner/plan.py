@@ -22,7 +22,8 @@ from partitioner.schedule import SCHEDULES
 if TYPE_CHECKING:
     from partitioner.cost import CostModel
 
-PLAN_SCHEMA_VERSION = 2  # 2: recompute per stage (version 1 files load with no stage recomputed)
+# 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
+PLAN_SCHEMA_VERSION = 2
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
@@ -37,7 +38,7 @@ class Plan:
     assignment: dict[str, str]  # node -> device name
     devices: tuple[str, ...]  # every device of the cluster, in pipeline order
     method: str  # "cp-sat", "exact_chain" (+ "+coarsen"), a baseline, or "<baseline> (shorter step than cp-sat)"
-    status: str  # "optimal" (proven), "feasible" (a bound exists) or "heuristic"
+    status: str  # "optimal" (proven on the plan's objective, see ``gap``), "feasible" (a bound exists) or "heuristic"
     num_microbatches: int  # M
     optimizer_slots: int  # 2 for Adam, 0 for SGD
     cost: str  # "flops" or "time": where compute times came from
@@ -47,7 +48,7 @@ class Plan:
     memory_bytes: dict[str, int]  # predicted peak need per device, under the plan's schedule
     capacity_bytes: dict[str, int]  # each device's memory
     bottleneck_s: float  # the slowest stage's time per micro-batch
-    lower_bound_s: float | None  # proven lower bound on the bottleneck, if the method gives one
+    lower_bound_s: float | None  # proven lower bound on the bottleneck of every legal plan, if the method gives one
     step_time_s: float  # predicted step: the plan's schedule simulated action by action (partitioner.simulate)
     serial_step_s: float  # the same M micro-batches on the fastest device alone
     transfer_bytes: int  # bytes received by all stages per micro-batch
@@ -58,6 +59,9 @@ class Plan:
     # per stage (stage k runs on stages[k]): True iff its backward recomputes its forward from its saved
     # inputs; the last stage never is. Empty when given: no stage recomputed.
     recompute: tuple[bool, ...] = ()
+    # proven lower bound on the step of every legal plan (CostModel.step_lower_bound_s, or the exact chain
+    # search's), capped at the plan's step; set where the planner minimised the step, None elsewhere
+    step_lower_bound_s: float | None = None
 
     def __post_init__(self) -> None:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
@@ -116,8 +120,18 @@ class Plan:
 
     @property
     def gap(self) -> float | None:
-        """(bottleneck - lower bound) / bottleneck; 0 means proven optimal, None means no bound."""
+        """How far the plan may be from the best on its objective: (step - step bound) / step where the
+        planner minimised the step (``step_lower_bound_s`` set), else (bottleneck - lower bound) /
+        bottleneck; 0 means proven optimal, None means no bound."""
+        if self.step_lower_bound_s is not None:
+            return relative_gap(self.step_time_s, self.step_lower_bound_s)
         return relative_gap(self.bottleneck_s, self.lower_bound_s)
+
+    @property
+    def objective(self) -> str:
+        """What the plan's ``status`` and ``gap`` are about: "step" where the planner minimised the
+        simulated step (``step_lower_bound_s`` set), else "bottleneck"."""
+        return "step" if self.step_lower_bound_s is not None else "bottleneck"
 
     @property
     def bubble_fraction(self) -> float:
@@ -165,7 +179,7 @@ class Plan:
             )
         names = {f.name for f in fields(cls)}
         # Fields added after schema version 1 shipped: older files lack them and take the default.
-        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute")
+        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute", "step_lower_bound_s")
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:

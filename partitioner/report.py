@@ -168,7 +168,8 @@ def transfer_table(plan: Plan, graph: nx.DiGraph) -> Table:
 
 
 def summary_table(plan: Plan) -> Table:
-    """The prediction: schedule, bottleneck, step time, bubble, speedup, and the solver's status and gap."""
+    """The prediction: schedule, bottleneck, step time, bubble, speedup, the proven bounds on the bottleneck
+    and the step, and the solver's status and gap (on the objective it minimised, ``Plan.objective``)."""
     table = Table(title="Prediction", box=box.SIMPLE_HEAD, show_header=False, title_justify="left")
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -178,9 +179,16 @@ def summary_table(plan: Plan) -> Table:
         ("schedule", plan.schedule),
         ("stages (K) x micro-batches (M)", f"{plan.num_stages} x {plan.num_microbatches}"),
         ("bottleneck stage time", format_seconds(plan.bottleneck_s)),
-        ("proven lower bound", format_seconds(plan.lower_bound_s) if plan.lower_bound_s is not None else "none"),
-        ("gap to the bound", f"{100 * gap:.2f}%" if gap is not None else "unknown"),
+        (
+            "proven lower bound on the bottleneck",
+            format_seconds(plan.lower_bound_s) if plan.lower_bound_s is not None else "none",
+        ),
         (f"predicted step time ({plan.schedule}, simulated)", format_seconds(plan.step_time_s)),
+        (
+            "proven lower bound on the step",
+            format_seconds(plan.step_lower_bound_s) if plan.step_lower_bound_s is not None else "none",
+        ),
+        (f"gap to the bound on the {plan.objective}", f"{100 * gap:.2f}%" if gap is not None else "unknown"),
         (
             "fill-drain bound (M + K - 1) x bottleneck",
             format_seconds(plan.fill_drain_step_s) if plan.fill_drain_step_s is not None else "unknown",

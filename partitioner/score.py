@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.plan import STATUSES, Plan
 from partitioner.simulate import simulate_assignment
+
+STEP_BOUND_TOLERANCE = 1e-9  # relative: a step this close to a proven bound on it is optimal (rounding)
 
 
 def score_assignment(
@@ -93,3 +96,28 @@ def shorter_step(plan: Plan, than: Plan) -> bool:
         if a > b * (1 + 1e-9):
             return False
     return False
+
+
+def with_step_bound(
+    plan: Plan, costs: CostModel, *, proven_s: float | None = None, proven_optimal: bool = False
+) -> Plan:
+    """``plan`` judged on its step, for planners that minimise it: ``step_lower_bound_s`` is the larger
+    of ``costs.step_lower_bound_s()`` (every legal plan of the graph, cluster, M and schedule) and
+    ``proven_s`` (a planner's own proven bound on the step), capped at the plan's step; the status is
+    "optimal" when the step meets that bound (within 1e-9) or ``proven_optimal`` (the planner proved
+    it), else "feasible" ("heuristic" stays for a plan the search did not find).
+
+    ``costs`` may list the devices in another order than the plan (the bound holds for every order).
+
+    Example:
+        >>> import partitioner as pt
+        >>> costs = pt.CostModel(pt.chain_graph([1e12] * 2), pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12))
+        >>> one_device = score_assignment(dict.fromkeys(costs.order, "/GPU:0"), costs, method="manual")
+        >>> plan = with_step_bound(one_device, costs)  # M = 1: nothing overlaps, one device is the best
+        >>> plan.step_time_s, plan.step_lower_bound_s, plan.status, plan.gap
+        (2.0, 2.0, 'optimal', 0.0)
+    """
+    bound = max(costs.step_lower_bound_s(), proven_s if proven_s is not None else 0.0)
+    met = proven_optimal or plan.step_time_s <= bound * (1 + STEP_BOUND_TOLERANCE)
+    status = "optimal" if met else "heuristic" if plan.status == "heuristic" else "feasible"
+    return dataclasses.replace(plan, step_lower_bound_s=min(bound, plan.step_time_s), status=status)

@@ -35,7 +35,7 @@ from partitioner.order import (
 )
 from partitioner.plan import Plan
 from partitioner.refine import refine_step
-from partitioner.score import score_assignment, shorter_step
+from partitioner.score import score_assignment, shorter_step, with_step_bound
 from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
@@ -111,7 +111,11 @@ def solve(
             only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
 
     Returns:
-        A Plan with status "optimal" (proven) or "feasible" and the proven ``lower_bound_s``.
+        A Plan with status "optimal" (proven) or "feasible", judged on what was minimised: with
+        ``SolverOptions.shortest_step`` (the default) and on chains (the exact DP minimises the step),
+        the step, against ``step_lower_bound_s`` (``CostModel.step_lower_bound_s``, or the exact GPipe
+        search's proof); on a DAG with ``shortest_step=False``, the bottleneck, against the proven
+        ``lower_bound_s``. ``Plan.gap`` and ``Plan.objective`` say which.
 
     Raises:
         InfeasiblePlanError: no placement fits; the message says what does not fit and by how much.
@@ -151,10 +155,16 @@ def solve(
         from partitioner.exact import exact_chain_for
 
         try:
-            plan = exact_chain_for(costs, device_order=options.device_order)
+            plan = exact_chain_for(costs, device_order=options.device_order)  # judged on the step already
         except InfeasiblePlanError as err:
-            return _fitting_baseline(err, costs, legal_baselines(costs, pins), started)
-        return _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
+            return with_step_bound(_fitting_baseline(err, costs, legal_baselines(costs, pins), started), costs)
+        stepped = _shortest_step(plan, costs, legal_baselines(costs, pins), started) if options.shortest_step else plan
+        if stepped is plan:
+            return plan
+        # a baseline at least as short as the DP's plan: proven optimal where that plan was
+        return with_step_bound(
+            stepped, costs, proven_s=plan.step_lower_bound_s, proven_optimal=plan.status == "optimal"
+        )
     called, call_limit_s = started, float(time_limit_s)
     island = fast_island(cluster) if not pins and options.shortest_step else None
     island_plan = None
@@ -174,14 +184,16 @@ def solve(
     except PartitionerError:
         if island_plan is None:
             raise
-        return island_plan
+        return with_step_bound(island_plan, costs)
     if island_plan is not None and shorter_step(island_plan, plan):
         bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
         status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
         plan = dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
-    if not options.shortest_step or coarsen:
-        return plan
-    return _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
+    if not options.shortest_step:
+        return plan  # CP-SAT's least bottleneck: status and gap against its bound on the bottleneck
+    if not coarsen:
+        plan = _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
+    return with_step_bound(plan, costs)  # chosen by its step: status and gap against the bound on the step
 
 
 def _refined(
@@ -193,7 +205,8 @@ def _refined(
     REFINED_STARTS - 1 shortest steps).
 
     The search minimised the bottleneck; the moves judge the step. ``plan``'s lower bound, a bound on
-    the bottleneck of every plan, stays; the status says whether the new plan's bottleneck meets it.
+    the bottleneck of every plan, stays (the status here says whether the new plan's bottleneck meets
+    it; :func:`solve` then judges the plan on its step, ``partitioner.score.with_step_bound``).
     """
     exchange = options.device_order == "search"
     starts = [plan]

@@ -16,9 +16,12 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        never trainable): only these get gradients and optimizer slots.
     activation_bytes   bytes kept for the backward pass. A layer without sublayers (and a Keras
                        op): the bytes of its outputs. A composite layer (a Layer with sublayers,
-                       e.g. a transformer block or an RNN and its cell): the output bytes of every
-                       op of its traced forward graph, loop bodies times their trip count: an
-                       upper bound, as TensorFlow frees or recomputes some of them.
+                       e.g. a transformer block): the forward tensors its traced gradient reads
+                       (a view such as a reshape counted as the tensor it views, its own inputs
+                       left to their producers) plus its outputs. A composite with a loop (an RNN
+                       and its cell), whose per-step values live in TensorLists of no static
+                       size: the output bytes of every op of its traced forward graph, loop
+                       bodies times their trip count, an upper bound.
                        InputLayer: 0.
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
@@ -304,7 +307,10 @@ class _CallProfiler:
                 "Keras input shapes with the batch axis set to the micro-batch size."
             ) from err
         flops = graph_flops(traced)
-        traced_bytes = int(fold_graph(traced, _op_output_bytes)) if _is_composite(call.operation) else 0
+        traced_bytes = 0
+        if _is_composite(call.operation):
+            saved = _saved_bytes(tf, forward, specs, traced, _trainable_weights(call.operation))
+            traced_bytes = int(fold_graph(traced, _op_output_bytes) if saved is None else saved)
         time_s = None
         if self._device is not None:
             from profiles.timing import forward_backward_seconds
@@ -387,6 +393,62 @@ def _is_composite(operation: Any) -> bool:
     if flatten is None:
         return False
     return any(True for _ in flatten(include_self=False, recursive=False))
+
+
+# Ops whose output shares its input's buffer: a saved tensor made by one is its input, counted once.
+_ALIAS_OPS = frozenset(["Identity", "IdentityN", "StopGradient", "Reshape", "ExpandDims", "Squeeze", "EnsureShape"])
+# Ops whose presence makes the saved tensors unsizable (loops keep per-iteration values in TensorLists).
+_LOOP_OPS = frozenset(["While", "StatelessWhile"])
+
+
+def _saved_bytes(
+    tf: Any, forward: Callable[..., Any], specs: list[Any], traced: Any, weights: list[Any]
+) -> float | None:
+    """Bytes of what a composite layer keeps for its backward: the forward tensors that its gradient reads
+    (a view counted as the tensor it views, the layer's own inputs left to their producers) plus its
+    outputs (which the next layer reads). None where they cannot be sized (a loop, or the layer has no
+    gradient): the caller falls back to every op's outputs."""
+    from profiles.flops import num_elements
+
+    if any(op.type in _LOOP_OPS for op in traced.get_operations()):
+        return None
+    outputs = [t for t in tf.nest.flatten(traced.structured_outputs) if t.dtype.is_floating]
+    seeds = [tf.TensorSpec(t.shape, t.dtype) for t in outputs]
+    forward_ops: set[str] = set()
+    output_names: list[str] = []
+
+    def forward_backward(*values: Any) -> Any:
+        inputs, seed = values[: len(specs)], values[len(specs) :]
+        sources = [v for v in inputs if v.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(sources)
+            ys = [t for t in tf.nest.flatten(forward(*inputs)) if t.dtype.is_floating]
+        output_names.extend(t.name for t in ys)
+        forward_ops.update(op.name for op in tf.compat.v1.get_default_graph().get_operations())
+        return tape.gradient(ys, sources + weights, output_gradients=list(seed), unconnected_gradients="zero")
+
+    try:
+        graph = tf.function(forward_backward, autograph=False).get_concrete_function(*specs, *seeds).graph
+    except Exception:  # no gradient to read: keep the upper bound
+        return None
+    kept: dict[str, int] = {}
+
+    def keep(tensor: Any) -> bool:
+        """Records ``tensor`` (through views) if the forward made it; False if it cannot be sized."""
+        while tensor.op.type in _ALIAS_OPS and tensor.op.inputs:
+            tensor = tensor.op.inputs[0]
+        if tensor.op.name in forward_ops and tensor.op.type not in _NO_ACTIVATION_OPS:
+            if not (tensor.dtype.is_numeric or tensor.dtype.is_bool):
+                return False  # a variant or resource
+            kept[tensor.name] = num_elements(tensor.shape) * tensor.dtype.size
+        return True
+
+    backward = [op for op in graph.get_operations() if op.name not in forward_ops]
+    if not all(keep(tensor) for op in backward for tensor in op.inputs):
+        return None
+    for name in output_names:
+        keep(graph.get_tensor_by_name(name))
+    return float(sum(kept.values()))
 
 
 def _op_output_bytes(op: Any) -> float:
