@@ -13,10 +13,16 @@ returned gradient g (:func:`_split_step`, equal to the simulator's step)::
     step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
 
 With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a threshold T, the least
-sum of stage times over splits whose every period is at most T (a min-sum DP, O(K^2 N * band)), and
+sum of stage times over splits whose every period is at most T (a min-sum DP), and
 :func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
 one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
-splits met are ranked by the exact formula, the best few simulated.
+splits met are ranked by the exact formula, the best few simulated. The DPs are banded
+(:func:`_banded_program`): a block's compute and memory bound how far it reaches, and a block on device
+k must end where the devices after k can still cover the rest (:func:`_viable_ends`), so near the least
+period, where the search spends its DPs, each device's cuts lie in a narrow window: O(K^2 window^2)
+work instead of O(K^2 N^2). The search starts from the least bottleneck, found the same way
+(:func:`_least_bottleneck`: banded min-max DPs at limits growing from a floor; the whole table of the
+bottleneck DP below on small chains).
 
 1F1B has no closed form (a stage's warm-up forwards and its first backward wait on different stages).
 Its step is still exact for a given split: :func:`_split_step` replays the schedule on the stages'
@@ -24,7 +30,8 @@ Its step is still exact for a given split: :func:`_split_step` replays the sched
 not exact: the threshold searches (weighing sum and period as ONE_F_ONE_B_WEIGHTS say) and the
 least-bottleneck split of every prefix of devices give starts, and a local search
 (:func:`_local_search`: boundaries moved, stages split, merged or moved to an idle device) improves the
-LOCAL_STARTS shortest, scored by the replay. On the 200 1F1B cases of benchmarks/planner_quality
+LOCAL_STARTS shortest, scored by the replay (the searches side by side, each round's neighbours of all
+of them replayed together, each split once). On the 200 1F1B cases of benchmarks/planner_quality
 ("Random chains against brute force") every plan is within 0.1% of the best enumerated; hypothesis
 found one 0.33% off (tests/partitioner/test_exact_step.py).
 
@@ -48,7 +55,9 @@ min(number of devices, M)). The answer is level 1's (the last stage) at the chai
 level r leaves r - 1 stages for later devices, so only the first D - r + 1 devices take it: about
 K^3 N^2 / 6 block figures for 1F1B with M >= K, three times one table of every device (K^2 N^2 / 2,
 GPipe's). Where the whole chain fits the smallest device at the top level's budget, memory cannot bind
-and the top level alone serves every stage (:func:`_memory_binds`).
+and the top level alone serves every stage (:func:`_memory_binds`). The banded programs go level by
+level too; their viable ends (:func:`_viable_ends`) budget every block as the last stage (level 1, the
+most room), so they drop no split that fits, whatever its blocks' levels.
 
 With ``device_order="search"`` (the default) the pipeline order is a decision too: the DPs run on every
 candidate order of partitioner.order (orders of classes of interchangeable devices). One table covers
@@ -62,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import networkx as nx
@@ -88,10 +97,14 @@ from partitioner.simulate import chain_step
 
 OBJECTIVES = ("step", "bottleneck")
 STEP_TOLERANCE = 1e-4  # relative: the threshold search stops once no split can beat its best by more
-MAX_PROGRAMS = 64  # step DPs per device order and memory budget at most (fewer on long chains)
-PROGRAM_WORK = 1.3e8  # ... about this many block figures per order and budget (K^2 N^2 / 2 per DP)
+MAX_PROGRAMS = 64  # step DPs per device order at most
+PROGRAM_WORK = 1.3e8  # ... and block figures (cells of _step_program over its levels, times modes) per order
+# the least bottleneck of the step search: the whole table (_dynamic_program) up to this many cells of one
+# level (K^2 N^2 / 2), where a banded program's fixed cost per device pair is the larger (about 400 nodes on 2
+# devices, 170 on 4, 90 on 8); banded programs (_least_bottleneck) above
+FULL_TABLE_CELLS = 1e6
 FINALISTS = 4  # splits simulated (and for GPipe improved when the formula falls short), shortest steps first
-LOCAL_STARTS = 12  # 1F1B: splits of each order and budget the local search starts from, shortest steps first
+LOCAL_STARTS = 12  # 1F1B: splits of each order the local search starts from, shortest steps first
 # 1F1B overlaps fill and drain with the steady state more than GPipe does: its threshold searches
 # weigh the sum of stage times (fill and drain) against the period (steady state) these ways.
 ONE_F_ONE_B_WEIGHTS = (1.0, 0.5, 0.0)
@@ -483,8 +496,9 @@ def _fits_with_recompute(costs: CostModel) -> bool:
     """True iff some split fits when stages may recompute ("auto"), for a problem that fits no split without."""
     if costs.recompute != "never":
         return False
-    auto = costs.with_recompute("auto")
-    return _solve_chain(auto) is not None
+    tables = _tables(costs.with_recompute("auto"))
+    least, _ = _least_bottlenecks(tables, [len(tables.capacity)])[0]
+    return bool(np.isfinite(least))
 
 
 def _dynamic_program(tables: _Tables, limit: float | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -638,12 +652,13 @@ def _stage_compute(
     k2: int,
     starts: np.ndarray,
     links: tuple[np.ndarray, np.ndarray],
-    schedule: str,
+    schedule: str | None,
     limit: float,
     ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """[start, end]: the least compute seconds of block [start, end) on device k2 in a mode that fits
-    its memory, is allowed there, and keeps the stage's period within ``limit``; inf where none.
+    its memory, is allowed there, and keeps the stage's period under ``schedule`` (its stage time,
+    compute + receive, for None) within ``limit``; inf where none.
 
     ``starts`` is a column of block starts (0: the first block, which receives nothing); ``links``
     the activation and gradient seconds of each start's received tensor (columns too); ``ends`` the
@@ -663,19 +678,24 @@ def _stage_compute(
         f = forward[ends][None, :] - forward[starts] + mode.fixed_forward[k2]
         b = backward[ends][None, :] - backward[starts] + mode.fixed_backward[k2]
         if np.isfinite(limit):
-            fits &= _period(schedule, f, b, a, g) <= limit
+            fits &= (f + b + a + g if schedule is None else _period(schedule, f, b, a, g)) <= limit
         best = np.minimum(best, np.where(fits, f + b, np.inf))
     return best
 
 
 def _reach(tables: _Tables, k2: int, starts: np.ndarray, limit: float) -> np.ndarray:
-    """The last end j of a block [start, j) on k2 whose compute can be within ``limit``, per start
-    (a period is at least the compute, and no node computes less in any mode than kept, modes[0])."""
+    """The last end j of a block [start, j) on k2 that fits its memory in some mode and whose compute
+    can be within ``limit``, per start (a period is at least the compute, and no node computes less in
+    any mode than kept, modes[0])."""
     n = tables.modes[0].prefix.shape[0] - 1
-    if not np.isfinite(limit):
-        return np.full(len(starts), n)
-    fastest = tables.modes[0].prefix[:, k2]
-    reach: np.ndarray = np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1
+    reach = np.full(len(starts), -1, dtype=np.int64)
+    for mode in tables.modes:  # memory: as _stage_compute's ``last``
+        received = np.where(starts > 0, mode.boundary[np.maximum(starts - 1, 0)], 0.0)
+        room = tables.capacity[k2] + mode.mem_prefix[starts] - received
+        reach = np.maximum(reach, np.searchsorted(mode.mem_prefix, room, side="right") - 1)
+    if np.isfinite(limit):
+        fastest = tables.modes[0].prefix[:, k2]
+        reach = np.minimum(reach, np.searchsorted(fastest, fastest[starts] + limit * (1 + 1e-12), side="right") - 1)
     return np.asarray(np.minimum(reach, n))
 
 
@@ -685,56 +705,182 @@ def _links(tables: _Tables, k: int, k2: int, starts: np.ndarray) -> tuple[np.nda
     return size / tables.bandwidth[k][k2], size / tables.bandwidth[k2][k]  # as CostModel.receive_s, one way each
 
 
-def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray]:
+def _viable_ends(tables: _Tables, limit: float) -> np.ndarray:
+    """[k]: the first end j from which nodes [j, N) can still be covered by the devices after k, every
+    block's compute within ``limit`` (the kept compute, modes[0], is the least of any mode) and its
+    memory, less the tensor it receives, within its device's in some mode at the smallest budget a
+    stage can have (level 1's, the last stage's: the most room; module docstring, "Memory").
+
+    A relaxation (transfers and received tensors left out, any mode anywhere, every block budgeted as
+    the last stage), so a split ending a block on k before it has no completion, whatever its blocks'
+    levels: :func:`_banded_program` leaves those cells out. Each device's block goes as far back as it
+    can: from a start further back no device after it reaches N.
+    """
+    modes = tables.levels[0]
+    num_devices, n = len(tables.capacity), modes[0].prefix.shape[0] - 1
+    first = np.full(num_devices, n, dtype=np.int64)
+    for k in range(num_devices - 2, -1, -1):
+        end = first[k + 1]
+        back = min(
+            int(np.searchsorted(m.mem_prefix, m.mem_prefix[end] - tables.capacity[k + 1], side="left")) for m in modes
+        )
+        if np.isfinite(limit):
+            fastest = modes[0].prefix[:, k + 1]
+            # generous: never drops a split that fits
+            back = max(back, int(np.searchsorted(fastest, fastest[end] - limit * (1 + 1e-9), side="left")))
+        first[k] = min(end, back)
+    return first
+
+
+def _step_program(tables: _Tables, schedule: str, limit: float) -> tuple[np.ndarray, np.ndarray, int]:
     """table[k, j]: the least sum of stage times (compute + receive) over splits of nodes [0, j) whose
     last stage ends on device k, every stage's period at most ``limit`` and its memory budgeted for its
-    own micro-batches in flight (:func:`_by_level`); and the parents to rebuild them.
+    own micro-batches in flight (:func:`_by_level`); the parents to rebuild them; and the number of
+    (start, end) cells computed, the DP's work (:func:`_banded_program`)."""
+    return _banded_program(tables, limit, schedule, "time")
+
+
+def _banded_program(
+    tables: _Tables, limit: float, schedule: str | None, value: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """table[k, j] over splits of nodes [0, j) whose last stage ends on device k, every stage keeping
+    within ``limit`` its period under ``schedule`` (its stage time, compute + receive, for None) and its
+    memory budgeted for its own micro-batches in flight (:func:`_by_level`); the parents of every level
+    to rebuild them; and the number of (start, end) cells computed, over every level.
+
+    ``value`` says what the table holds: "time", the least sum of stage times; "bottleneck", the least
+    longest stage time; "bytes", the fewest bytes sent. Ties go to the first device, then the first start.
 
     A finite ``limit`` bounds how far a block reaches (:func:`_reach`), so each start's ends are a
-    band, not the whole chain: the work falls from O(N^2) per device pair to O(N * band).
+    band, not the whole chain, and how early a block on device k may end (:func:`_viable_ends`: the
+    devices after k must cover the rest). Near the least feasible limit both leave a narrow window of
+    cut positions per device: the work falls from O(N^2) per device pair to O(N * band), and near
+    that limit to about the window squared.
     """
-    return _by_level(tables, lambda level, source, usable: _step_level(level, schedule, limit, source, usable))
+    viable = _viable_ends(tables, limit)
+    work = 0
+
+    def level(level_tables: _Tables, source: np.ndarray | None, usable: int) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal work
+        table, parent, cells = _banded_level(level_tables, limit, schedule, value, viable, source, usable)
+        work += cells
+        return table, parent
+
+    table, parent = _by_level(tables, level)
+    return table, parent, work
 
 
-def _step_level(
-    tables: _Tables, schedule: str, limit: float, source: np.ndarray | None, usable: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """One level of :func:`_step_program`: blocks on the first ``usable`` devices after a split of
-    ``source`` (the next level's table; None: this level's own)."""
+def _banded_level(
+    tables: _Tables,
+    limit: float,
+    schedule: str | None,
+    value: str,
+    viable: np.ndarray,
+    source: np.ndarray | None,
+    usable: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """One level of :func:`_banded_program`: blocks on the first ``usable`` devices after a split of
+    ``source`` (the next level's table; None: this level's own), each ending no earlier than ``viable``
+    says for its device; and the number of (start, end) cells computed."""
     num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
     table = np.full((num_devices, n + 1), np.inf)
     parent = np.full((num_devices, n + 1, 2), -1, dtype=np.int64)  # (previous device, block start)
     source = table if source is None else source
     none = np.zeros((1, 1))
     budget = max(1, 2_000_000 // len(tables.modes))  # array cells per chunk of starts
+    work = 0
     for k2 in range(usable):
         zero = np.zeros(1, dtype=np.int64)
-        ends = np.arange(1, int(_reach(tables, k2, zero, limit)[0]) + 1)
-        first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
-        better = first < table[k2, ends]
-        table[k2, ends[better]] = first[better]
-        parent[k2, ends[better]] = (-1, 0)
+        ends = np.arange(max(1, int(viable[k2])), int(_reach(tables, k2, zero, limit)[0]) + 1)
+        if len(ends):
+            first = _stage_compute(tables, k2, zero[:, None], (none, none), schedule, limit, ends)[0]
+            work += len(ends)
+            if value == "bytes":
+                first = np.where(np.isfinite(first), 0.0, np.inf)
+            better = first < table[k2, ends]
+            table[k2, ends[better]] = first[better]
+            parent[k2, ends[better]] = (-1, 0)
         for k in range(k2):
             starts = np.flatnonzero(np.isfinite(source[k, 1:n])) + 1
+            reach = _reach(tables, k2, starts, limit)
+            keep = reach >= viable[k2]  # a start whose block cannot reach a viable end is no use
+            starts, reach = starts[keep], reach[keep]
             if not len(starts):
                 continue
-            reach = _reach(tables, k2, starts, limit)
-            band = max(1, int((reach - starts).max()))
+            band = max(1, int((reach - np.maximum(starts, viable[k2] - 1)).max()))
             chunk = max(1, budget // band - band)  # a chunk's ends span its starts and one band
             for lo in range(0, len(starts), chunk):
                 i = starts[lo : lo + chunk][:, None]
-                ends = np.arange(int(i[0, 0]) + 1, max(int(reach[lo : lo + chunk].max()), int(i[0, 0])) + 1)
+                ends = np.arange(max(int(i[0, 0]) + 1, int(viable[k2])), int(reach[lo : lo + chunk].max()) + 1)
                 if not len(ends):
                     continue
                 a, g = _links(tables, k, k2, i)
-                cand = source[k, i] + _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                stage = _stage_compute(tables, k2, i, (a, g), schedule, limit, ends) + a + g
+                work += stage.size
+                if value == "time":
+                    cand = source[k, i] + stage
+                elif value == "bottleneck":
+                    cand = np.maximum(source[k, i], stage)
+                else:
+                    cand = np.where(np.isfinite(stage), source[k, i] + tables.out_bytes[i - 1], np.inf)
                 arg = np.argmin(cand, axis=0)
-                value = cand[arg, np.arange(len(ends))]
-                better = value < table[k2, ends]
-                table[k2, ends[better]] = value[better]
+                best = cand[arg, np.arange(len(ends))]
+                better = best < table[k2, ends]
+                table[k2, ends[better]] = best[better]
                 parent[k2, ends[better], 0] = k
                 parent[k2, ends[better], 1] = i[arg[better], 0]
-    return table, parent
+    return table, parent, work
+
+
+def _least_bottlenecks(tables: _Tables, sizes: Sequence[int]) -> list[tuple[float, Blocks]]:
+    """(least bottleneck, its split of fewest bytes) on the first s of ``tables``' devices (any subset of
+    them, in order), for each s of ``sizes``; (inf, ()) where none fits: from one :func:`_dynamic_program`
+    table on small problems (FULL_TABLE_CELLS), else from :func:`_least_bottleneck` on each prefix."""
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    if num_devices**2 * n**2 / 2 > FULL_TABLE_CELLS:
+        return [_least_bottleneck(_prefix_tables(tables, s)) for s in sizes]
+    table, _ = _dynamic_program(tables)
+    result: list[tuple[float, Blocks]] = []
+    for s in sizes:
+        least = float(table[:s, n].min())
+        result.append((least, _least_bytes_split(_prefix_tables(tables, s), least) if np.isfinite(least) else ()))
+    return result
+
+
+def _least_bottleneck(tables: _Tables) -> tuple[float, Blocks]:
+    """The least bottleneck (longest stage time) of any split on ``tables``' devices (any subset of them,
+    in order), and the split of it with the fewest bytes sent (the first among ties); (inf, ()) when
+    none fits.
+
+    The same as :func:`_dynamic_program` and :func:`_least_bytes_split`, by banded programs
+    (:func:`_banded_program`): at a limit at or above the least bottleneck the min-max program finds it
+    exactly, below it finds none. Limits grow from a floor (the least compute spread over the devices,
+    or the costliest node) by 1/64, 1/32, ... of it, so the last tried is at most about twice as far
+    above the least bottleneck as needed, and each try is cheap while its limit stays near the floor;
+    past a ceiling (no stage can take longer) the program runs unbanded, at most 27 tries in all.
+    """
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    nodes = np.diff(tables.modes[0].prefix, axis=0).min(axis=1)
+    floor = max(float(nodes.sum()) / num_devices, float(nodes.max(initial=0.0)))
+    # no stage takes longer: every node in its slowest mode on its slowest device, the largest fixed
+    # seconds and the slowest transfer; from there on a limit prunes nothing
+    ceiling = sum(
+        float(np.diff(m.prefix, axis=0).max(axis=1).sum() + (m.fixed_forward + m.fixed_backward).max())
+        for m in tables.modes
+    ) + 2 * float(tables.out_bytes.max(initial=0.0)) / min(min(row) for row in tables.bandwidth)
+    step = floor / 64
+    while True:
+        # the whole table past the ceiling, or a million floors above the floor (an infinite ceiling)
+        limit = floor + step if 0 < step < floor * 2**20 and floor + step < ceiling else np.inf
+        table, _, _ = _banded_program(tables, limit, None, "bottleneck")
+        least = float(table[:, n].min())
+        if np.isfinite(least) or not np.isfinite(limit):
+            break
+        step *= 2
+    if not np.isfinite(least):
+        return least, ()
+    sent, parent, _ = _banded_program(tables, least * (1 + 1e-9), None, "bytes")
+    return least, _blocks(parent, int(np.argmin(sent[:, n])), n)
 
 
 def _block_figures(
@@ -769,14 +915,14 @@ def _threshold_search(
     num_microbatches: int,
     order: int,
     incumbent: float,
-    max_programs: int,
     weight: float,
     least_bottleneck: float,
     least_sum: float,
 ) -> tuple[list[_Found], float, bool]:
     """Splits that minimise weight * sum(stage times) + (M - 1) * max(period) on ``tables``' devices
     (any subset of them in order), by bisection on the period threshold T; with a lower bound on that
-    objective over every split, and whether the search finished (else it stopped after ``max_programs`` DPs).
+    objective over every split, and whether the search finished (else it stopped after MAX_PROGRAMS DPs or
+    PROGRAM_WORK cells of them).
 
     The DP at threshold T gives s(T), the least sum among splits whose periods are all <= T, and
     s is non-increasing in T. A split y with period p(y) in an interval (lo, hi] of thresholds has
@@ -793,9 +939,12 @@ def _threshold_search(
     n = tables.modes[0].prefix.shape[0] - 1
     m = num_microbatches
     found: list[_Found] = []
+    work = 0
 
     def run(limit: float) -> tuple[float, float] | None:
-        table, parent = _step_program(tables, schedule, limit)
+        nonlocal work
+        table, parent, cells = _step_program(tables, schedule, limit)
+        work += cells * len(tables.modes)
         k = int(np.argmin(table[:, n]))
         if not np.isfinite(table[k, n]):
             return None
@@ -836,7 +985,7 @@ def _threshold_search(
         if result is not None and result[1] > least_bottleneck:
             best = min(best, weight * result[0] + (m - 1) * result[1])
             heapq.heappush(heap, (weight * result[0] + (m - 1) * least_bottleneck, least_bottleneck, *result[::-1]))
-    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < max_programs:
+    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < MAX_PROGRAMS and work < PROGRAM_WORK:
         _, lo, hi, at_hi = heapq.heappop(heap)
         mid = (lo + hi) / 2
         result = run(mid)
@@ -867,8 +1016,11 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         permuted = costs if identity else costs.on(reorder(cluster, order))
         scored.append(permuted)
         tables = _tables(permuted)
-        bottleneck, _ = _dynamic_program(tables)
-        least_here = float(bottleneck[:, len(costs.order)].min())
+        num_devices = len(tables.capacity)
+        # the least bottleneck on these devices (every prefix of them for 1F1B's starts) and its split
+        sizes = range(1, num_devices + 1) if costs.schedule != "gpipe" else [num_devices]
+        bottlenecks = _least_bottlenecks(tables, sizes)
+        least_here = bottlenecks[-1][0]
         least = min(least, least_here)
         # no split's stage times sum to less than every node kept (modes[0]) on its fastest device
         least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
@@ -881,7 +1033,6 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
                 costs.num_microbatches,
                 len(searched) - 1,
                 best[weight],
-                _max_programs(tables),
                 weight,
                 least_here,
                 least_sum,
@@ -891,9 +1042,11 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             if weight == 1.0:
                 step_bound, complete = min(step_bound, bound), complete and done
         if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
-            starts = {f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottleneck, len(searched) - 1, costs)]}
+            starts = {
+                f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottlenecks, len(searched) - 1, costs)]
+            }
             ranked = sorted(starts.values(), key=lambda f: f.step)[:LOCAL_STARTS]
-            splits += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+            splits += _local_search(tables, costs.schedule, costs.num_microbatches, ranked)
         found += splits
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
@@ -907,7 +1060,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         # best splits of each search
         for group, (_, tables) in enumerate(searched):
             ranked = sorted((f for f in found if f.order == group), key=lambda f: f.step)[:FINALISTS]
-            found += [_local_search(tables, costs.schedule, costs.num_microbatches, f) for f in ranked]
+            found += _local_search(tables, costs.schedule, costs.num_microbatches, ranked)
     plan: Plan | None = None
     seen: set[tuple[object, ...]] = set()
     for candidate in sorted(found, key=lambda f: (f.step, f.objective, f.order)):
@@ -933,29 +1086,17 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     return with_step_bound(plan, costs, proven_s=float(step_bound) if proven else None, proven_optimal=optimal)
 
 
-def _bottleneck_splits(tables: _Tables, bottleneck: np.ndarray, order: int, costs: CostModel) -> list[_Found]:
-    """The least-bottleneck split (fewest bytes among ties) on each prefix of ``tables``' devices, as
-    starts for the 1F1B local search; ``bottleneck`` is the table of :func:`_dynamic_program`."""
-    n = tables.modes[0].prefix.shape[0] - 1
+def _bottleneck_splits(
+    tables: _Tables, bottlenecks: list[tuple[float, Blocks]], order: int, costs: CostModel
+) -> list[_Found]:
+    """The least-bottleneck splits (fewest bytes among ties) of :func:`_least_bottleneck` on each prefix
+    of ``tables``' devices (``bottlenecks``), as starts for the 1F1B local search."""
     result = []
-    for s in range(1, len(tables.capacity) + 1):
-        least = float(bottleneck[:s, n].min())
-        if not np.isfinite(least):
-            continue
-        split = _least_bytes_split(_prefix_tables(tables, s), least)
-        figures = _figures(tables, split, costs.schedule)
+    for least, split in bottlenecks:
+        figures = _figures(tables, split, costs.schedule) if np.isfinite(least) else None
         if figures is not None:
             result.append(_Found(_split_step(costs.schedule, costs.num_microbatches, figures), np.inf, order, split))
     return result
-
-
-def _max_programs(tables: _Tables) -> int:
-    """How many step DPs one threshold search may run: MAX_PROGRAMS, fewer when one DP is large (its
-    levels, each on the devices that may hold it: about (D - r + 1)^2 N^2 / 2 block figures at level r)."""
-    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
-    pairs = sum((num_devices - r + 1) ** 2 for r in range(1, len(tables.levels) + 1))
-    size = pairs * n**2 / 2 * len(tables.modes)
-    return int(min(MAX_PROGRAMS, max(4, PROGRAM_WORK // max(size, 1))))
 
 
 def _figures(
@@ -1006,18 +1147,33 @@ def _neighbours(blocks: Blocks, num_devices: int) -> list[Blocks]:
     return result
 
 
-def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: _Found) -> _Found:
-    """``found`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold search's
-    objective only approximates, and for GPipe where stages differ in forward share. Each round moves
-    to the neighbour of the shortest step (:func:`_split_step`) not visited yet, sideways too (equal
-    steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the best
-    split visited is returned."""
+@dataclasses.dataclass
+class _Walk:
+    """One local search of :func:`_local_search`: where it stands, the best split it visited, its path."""
+
+    current: Blocks
+    current_step: float
+    best: Blocks
+    shortest: float  # the step of ``best``
+    visited: set[Blocks]
+    candidates: list[Blocks] = dataclasses.field(default_factory=list)  # this round's unvisited neighbours
+
+
+def _local_search(tables: _Tables, schedule: str, num_microbatches: int, starts: list[_Found]) -> list[_Found]:
+    """Each of ``starts`` improved by :func:`_neighbours` moves: for 1F1B, whose step the threshold
+    search's objective only approximates, and for GPipe where stages differ in forward share. Each round
+    moves to the neighbour of the shortest step (:func:`_split_step`) not visited yet, sideways too
+    (equal steps, plateaus), and stops when every neighbour is worse or after LOCAL_ROUNDS rounds; the
+    best split visited is returned, one per start.
+
+    The searches run side by side, one round of all of them at a time, so that the neighbours of every
+    search are replayed together (one partitioner.simulate.chain_step per stage count) and a split met
+    by several searches, or again, is replayed once: each search takes the path it would take alone.
+    """
     num_devices = len(tables.capacity)
-    current, best, shortest = found.blocks, found.blocks, found.step
-    current_step = shortest
-    visited = {current}
     blocks_seen: dict[tuple[int, int, int, int, int], tuple[float, float, float, float] | None] = {}
     levels = [_level(tables, r) for r in range(1, len(tables.levels) + 1)]
+    steps: dict[Blocks, float | None] = {}  # the step of each split met, None where a block fits no mode
 
     def figures_of(split: Blocks) -> list[tuple[float, float, float, float]] | None:
         figures, previous = [], -1
@@ -1033,22 +1189,34 @@ def _local_search(tables: _Tables, schedule: str, num_microbatches: int, found: 
             previous = k
         return figures
 
+    walks = [_Walk(f.blocks, f.step, f.blocks, f.step, {f.blocks}) for f in starts]
+    active = list(walks)
     for _ in range(LOCAL_ROUNDS):
-        candidates, splits = [], []
-        for candidate in _neighbours(current, num_devices):
-            if candidate in visited:
+        pending: dict[Blocks, list[tuple[float, float, float, float]]] = {}
+        for walk in active:
+            walk.candidates = [c for c in _neighbours(walk.current, num_devices) if c not in walk.visited]
+            for candidate in walk.candidates:
+                if candidate not in steps and candidate not in pending:
+                    figures = figures_of(candidate)
+                    if figures is None:
+                        steps[candidate] = None
+                    else:
+                        pending[candidate] = figures
+        steps.update(zip(pending, _split_steps(schedule, num_microbatches, list(pending.values()))))
+        moved = []
+        for walk in active:
+            scored = [(step, c) for c in walk.candidates if (step := steps[c]) is not None]
+            if not scored:
                 continue
-            figures = figures_of(candidate)
-            if figures is not None:
-                candidates.append(candidate)
-                splits.append(figures)
-        if not candidates:
+            value, candidate = min(scored)
+            if value > walk.current_step * (1 + 1e-12):
+                continue
+            walk.visited.add(candidate)
+            walk.current, walk.current_step = candidate, value
+            if value < walk.shortest * (1 - 1e-12):
+                walk.best, walk.shortest = candidate, value
+            moved.append(walk)
+        active = moved
+        if not active:
             break
-        value, candidate = min(zip(_split_steps(schedule, num_microbatches, splits), candidates))
-        if value > current_step * (1 + 1e-12):
-            break
-        visited.add(candidate)
-        current, current_step = candidate, value
-        if value < shortest * (1 - 1e-12):
-            best, shortest = candidate, value
-    return found._replace(step=shortest, blocks=best)
+    return [found._replace(step=walk.shortest, blocks=walk.best) for found, walk in zip(starts, walks)]

@@ -15,15 +15,27 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
-from graphs import KIB, chain, draw_cluster, memory_need
+from graphs import KIB, chain, chain_problems, draw_cluster, memory_need
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
 from partitioner.baselines import BASELINES, split_with
 from partitioner.cost import CostModel
-from partitioner.exact import STEP_TOLERANCE, _split_step
+from partitioner.exact import (
+    STEP_TOLERANCE,
+    _dynamic_program,
+    _figures,
+    _Found,
+    _least_bottleneck,
+    _least_bytes_split,
+    _local_search,
+    _split_step,
+    _step_program,
+    _tables,
+)
 from partitioner.graph import load_graph
 from partitioner.order import fastest_on_heaviest, reorder
 from partitioner.simulate import simulate_assignment
@@ -169,3 +181,87 @@ def test_one_f_one_b_plan_is_the_best_split_of_a_random_chain():
     best = {v: cluster.names[s] for s in range(4) for v in costs.order[bounds[s] : bounds[s + 1]]}
     plan = pt.exact_chain(graph, cluster, num_microbatches=16, schedule="1f1b")
     assert plan.step_time_s <= simulate_assignment(costs, best).step_time_s * (1 + 1e-9)
+
+
+def every_split(num_nodes: int, num_devices: int):
+    """Every split of a chain into blocks on increasing devices (any subset of them), as the DPs see them."""
+    for count in range(1, min(num_nodes, num_devices) + 1):
+        for devices in itertools.combinations(range(num_devices), count):
+            for cuts in itertools.combinations(range(1, num_nodes), count - 1):
+                bounds = [0, *cuts, num_nodes]
+                yield tuple((d, bounds[s], bounds[s + 1]) for s, d in enumerate(devices))
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=step_problems(), recompute=st.sampled_from(["never", "auto", "always"]), share=st.floats(0.0, 1.0))
+def test_step_program_is_the_least_sum_over_every_split_within_the_threshold(problem, recompute, share):
+    """The banded step DP (cut positions pruned by what the later devices can cover) against every split,
+    each block budgeted for its own stage's micro-batches (1F1B: memory drawn around what they hold)."""
+    graph, cluster, m, schedule = problem
+    tables = _tables(CostModel(graph, cluster, num_microbatches=m, schedule=schedule, recompute=recompute))
+    n, k = len(graph), cluster.num_devices
+    figures = {split: _figures(tables, split, schedule) for split in every_split(n, k)}
+    periods = sorted(
+        max(float(np.maximum(f, a) + np.maximum(b, g)) if schedule == "gpipe" else max(f + b, a, g) for f, b, a, g in x)
+        for x in figures.values()
+        if x is not None
+    )
+    limit = periods[int(share * (len(periods) - 1))] if periods else 1.0  # a split's own period: on the edge
+    table, _, _ = _step_program(tables, schedule, limit)
+    for last in range(k):
+        sums = [
+            sum(f + b + a + g for f, b, a, g in x)
+            for split in figures
+            if split[-1][0] == last and (x := _figures(tables, split, schedule, limit)) is not None
+        ]
+        assert table[last, n] == pytest.approx(min(sums, default=np.inf), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    # GPipe chains up to 12 layers on 4 devices, and step_problems: 1F1B with memory around what its stages hold
+    problem=st.one_of(chain_problems(max_nodes=12, max_devices=4).map(lambda p: (*p, "gpipe")), step_problems()),
+    recompute=st.sampled_from(["never", "auto", "always"]),
+)
+def test_least_bottleneck_of_banded_programs_is_the_whole_tables(problem, recompute):
+    """_least_bottleneck (growing limits, banded min-max and fewest-bytes programs) against _dynamic_program."""
+    graph, cluster, m, schedule = problem
+    tables = _tables(CostModel(graph, cluster, num_microbatches=m, schedule=schedule, recompute=recompute))
+    whole, _ = _dynamic_program(tables)
+    expected = float(whole[:, len(graph)].min())
+    least, blocks = _least_bottleneck(tables)
+    if not np.isfinite(expected):
+        assert (least, blocks) == (np.inf, ())
+        return
+    assert least == pytest.approx(expected, rel=1e-12)
+    assert blocks == _least_bytes_split(tables, expected)
+
+
+def test_exact_chain_proves_the_step_of_a_long_chain():
+    # planner_speed's 1000-node chain on 8 devices: the threshold search used to stop at its cap of DPs
+    # (four: it sized them as the whole K^2 N^2 table) with the plan "feasible"; banded DPs near the
+    # least period are small, so the search finishes under the default caps.
+    graph = random_chain(1000, seed=1000)
+    need = sum(CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=8).memory.values())
+    cluster = pt.Cluster.uniform(8, memory=max(16 * 2**30, int(1.3 * need / 8)), flops_per_s=100e12, bandwidth=50e9)
+    plan = pt.exact_chain(graph, cluster, num_microbatches=8)
+    assert plan.status == "optimal"
+    assert plan.num_stages == 8
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_local_searches_side_by_side_take_the_paths_they_take_alone(schedule):
+    # The searches share their replays (one per round and stage count, each split once); each must still
+    # end where it ends alone. Starts: every split of 40 layers into 1-4 equal blocks on devices 0..s-1.
+    graph = random_chain(40, seed=7)
+    cluster = pt.Cluster.uniform(4, memory="64GiB", flops_per_s=100e12, bandwidth=10e9)
+    tables = _tables(CostModel(graph, cluster, num_microbatches=4, schedule=schedule))
+    starts = []
+    for count in range(1, 5):
+        bounds = [len(graph) * s // count for s in range(count + 1)]
+        split = tuple((s, bounds[s], bounds[s + 1]) for s in range(count))
+        figures = _figures(tables, split, schedule)
+        starts.append(_Found(_split_step(schedule, 4, figures), np.inf, 0, split))
+    together = _local_search(tables, schedule, 4, starts)
+    assert together == [_local_search(tables, schedule, 4, [start])[0] for start in starts]
+    assert all(f.step < start.step for f, start in zip(together, starts))  # every search moved

@@ -10,6 +10,7 @@ min(D - k, M) (``CostModel.device_in_flight``): never less than its stage holds,
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 import pytest
 from graphs import KIB, add_layer, brute_force, chain, draw_cluster
 from hypothesis import event, given, settings
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 import partitioner as pt
 from partitioner.cost import CostModel, in_flight
+from partitioner.exact import _dynamic_program, _least_bottleneck, _step_program, _tables
 
 
 def fullest_budget_bottleneck(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int, **kwargs: object):
@@ -181,3 +183,25 @@ def test_infeasible_1f1b_message_states_the_per_stage_rule():
         r"\(the fewest a stage holds: stage s of K holds min\(K - s, M\), M = 4, so 1 on the last stage\)",
     ):
         pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b")
+
+
+@settings(max_examples=150, deadline=None)
+@given(problem=tight_1f1b_chains())
+def test_banded_programs_1f1b_tight_memory_keep_every_split_that_fits(problem):
+    """The step search's banded programs prune cut positions the later devices cannot complete
+    (exact._viable_ends) with the most room a stage can have, the last stage's budget: they keep every
+    split that fits its own stages' budgets, so the least bottleneck is the whole table's, and the step
+    program at that limit finds a split (the threshold search's first incumbent)."""
+    graph, cluster, m, recompute = problem
+    tables = _tables(CostModel(graph, cluster, num_microbatches=m, schedule="1f1b", recompute=recompute))
+    n = len(graph)
+    whole, _ = _dynamic_program(tables)
+    expected = float(whole[:, n].min())
+    least, _ = _least_bottleneck(tables)
+    if not np.isfinite(expected):
+        event("infeasible")
+        assert not np.isfinite(least)
+        return
+    assert least == pytest.approx(expected, rel=1e-12)
+    table, _, _ = _step_program(tables, "1f1b", expected * (1 + 1e-9))
+    assert np.isfinite(table[:, n].min())
