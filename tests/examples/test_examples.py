@@ -44,6 +44,7 @@ def number_after(label: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow  # 17-31 s on 2 cores; make test-slow runs it
 def test_digits_pipeline_reaches_90_percent() -> None:
     out = run_example("digits_pipeline.py", "--quick")
     assert "load_digits (real)" in out
@@ -59,6 +60,7 @@ def test_cifar10_model_parallel_synthetic_learns() -> None:
     assert "every variable on its planned device: True" in out
 
 
+@pytest.mark.slow  # 17-31 s on 2 cores; make test-slow runs it
 def test_transformer_pipeline_loss_falls() -> None:
     out = run_example("transformer_pipeline.py", "--quick")
     assert "SYNTHETIC counting sequences" in out
@@ -81,6 +83,7 @@ def test_plan_demo_prints_measured_and_predicted_step() -> None:
     assert "every variable on its planned device: True" in out
 
 
+@pytest.mark.slow  # 17-31 s on 2 cores; make test-slow runs it
 def test_char_gpt_learns_stdlib_text() -> None:
     out = run_example("char_gpt.py", "--steps", "3")
     assert "REAL text, the source of the standard-library modules" in out
@@ -94,6 +97,7 @@ def test_char_gpt_learns_stdlib_text() -> None:
     assert number_after("largest logit difference:", out) < 1e-4
 
 
+@pytest.mark.slow  # 17-31 s on 2 cores; make test-slow runs it
 def test_keras_hub_gpt2_pipelines_a_backbone() -> None:
     pytest.importorskip("keras_hub")
     out = run_example("keras_hub_gpt2.py", "--steps", "3")

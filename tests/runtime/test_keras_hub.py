@@ -75,6 +75,7 @@ def _same_class_copy(model):
 # keras-hub task models override compile(), so load_model warns and leaves them uncompiled (the same
 # for a plain GPT2CausalLM saved and loaded without this library).
 @pytest.mark.filterwarnings("ignore:`compile\\(\\)` was not called as part of model loading:UserWarning")
+@pytest.mark.slow  # 17-20 s each on 2 cores; make test-slow runs them
 @pytest.mark.parametrize("name", list(MODELS))
 def test_keras_hub_model_trains_like_the_original(name: str, virtual_devices, tmp_path) -> None:
     keras.utils.set_random_seed(0)
