@@ -141,12 +141,14 @@ class StageProgram:
         self.seed_generators = _seed_generators(stage.operations)
         self.seed_variables = [g.state.value for g in self.seed_generators]  # TensorFlow's variables
         # the seed states a recomputing forward draws from, one per generator: set to the first
-        # forward's, they leave the generators' own states to the forwards of later micro-batches
+        # forward's, they leave the generators' own states to the forwards of later micro-batches.
+        # Made from a copy of the state's value: given the variable itself, keras.Variable wraps it,
+        # and the recompute would rewind the state the forwards draw from
         self.shadow_seeds = []
         if options.recomputes(stage.index):
             with tf.device(stage.device):
                 self.shadow_seeds = [
-                    keras.Variable(g.state.value, trainable=False, name=f"{g.name}_recompute")
+                    keras.Variable(g.state.value.read_value(), trainable=False, name=f"{g.name}_recompute")
                     for g in self.seed_generators
                 ]
         self.normalized: set[int] = set()  # ids of the batch normalizations the training forward normalizes itself
