@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ from partitioner.errors import InputError, ProfileError
 from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
-from profiles.walk import LayerCall, flatten_calls
+from profiles.walk import LayerCall, Source, flatten_calls, functional_graph
 
 ProgressCallback = Callable[[int, int, str], None]  # (done, total, layer name)
 
@@ -128,7 +129,7 @@ def profile_model(
         True
     """
     _check_numbers(batch_size, num_microbatches, repeats, warmup)
-    calls, _ = flatten_calls(model)
+    calls, sources = flatten_calls(model)
     planned = resolve_input_shapes(model, input_shapes, sequence_length)
     if needs_shapes(model, planned):
         shapes = call_shapes(calls, planned)
@@ -160,6 +161,9 @@ def profile_model(
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
+    outputs = [sources[id(t)] for t in functional_graph(model).outputs]
+    for call, num_bytes in zip(calls, profiler.activation_bytes(calls, outputs), strict=True):
+        graph.nodes[call.name]["activation_bytes"] = num_bytes
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
@@ -234,6 +238,25 @@ def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -
 # --- costs -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """What the gradient of one call reads of its forward (see ``_saved``)."""
+
+    internal_bytes: int  # bytes of the call's own forward tensors it reads, neither inputs nor outputs
+    outputs_read: tuple[bool, ...]  # per output of the call (flattened): read by the call's own gradient
+    inputs_read: tuple[bool, ...]  # per input tensor of the call: read, or a view of it read
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """What tracing one call (a layer on given input specs) gives; shared by the calls it memoises."""
+
+    forward_flops: float
+    saved: _Saved | None  # None: the gradient could not be analysed (a loop, no gradient, a variant)
+    traced_bytes: int  # the upper bound of a composite without analysis: every op's outputs
+    time_s: float | None
+
+
 class _CallProfiler:
     """Traces (and optionally times) each call, memoising calls of one layer on equal inputs."""
 
@@ -246,10 +269,15 @@ class _CallProfiler:
         self._device = device
         self._repeats = repeats
         self._warmup = warmup
-        self._memo: dict[tuple[int, str], tuple[float, int, float | None]] = {}
+        self._memo: dict[tuple[int, str], _Trace] = {}
+        self._traces: dict[int, _Trace] = {}  # call index -> its trace (not for InputLayers)
 
     def attributes(self, index: int, call: LayerCall, counted: set[int]) -> dict[str, Any]:
-        """The node attributes of call ``index``; ``counted`` holds ids of weights already counted."""
+        """The node attributes of call ``index``; ``counted`` holds ids of weights already counted.
+
+        ``activation_bytes`` is 0 here: it depends on the calls that read the outputs
+        (:meth:`activation_bytes`, once every call is traced).
+        """
         attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__}
         if call.colocation_group is not None:
             attrs["colocation_group"] = call.colocation_group
@@ -274,27 +302,52 @@ class _CallProfiler:
         key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
         if key not in self._memo:
             self._memo[key] = self._measure(call, specs)
-        forward, traced_bytes, time_s = self._memo[key]
-        if _is_composite(call.operation):
-            activation_bytes = traced_bytes
-        else:
-            activation_bytes = sum(
-                _tensor_bytes(shape, t.dtype, self._micro_batch, name)
-                for t, shape in zip(call.node.output_tensors, self._shapes[index], strict=True)
-            )
+        trace = self._traces[index] = self._memo[key]
         attrs.update(
-            flops=training_flops(float(forward), bool(trainable_ids)),
-            forward_flops=float(forward),
+            flops=training_flops(trace.forward_flops, bool(trainable_ids)),
+            forward_flops=trace.forward_flops,
             param_bytes=int(param_bytes),
             trainable_param_bytes=int(trainable_bytes),
-            activation_bytes=int(activation_bytes),
+            activation_bytes=0,
         )
-        if time_s is not None:
-            attrs["time_s"] = float(time_s)
+        if trace.time_s is not None:
+            attrs["time_s"] = float(trace.time_s)
         return attrs
 
-    def _measure(self, call: LayerCall, specs: list[Any]) -> tuple[float, int, float | None]:
-        """(forward FLOPs, output bytes of the traced ops, fwd+bwd seconds or None) of one call."""
+    def activation_bytes(self, calls: list[LayerCall], model_outputs: list[Source]) -> list[int]:
+        """Per call, the bytes kept for its backward: the internal tensors its gradient reads, and each
+        output that its own gradient, a consumer's gradient (as an input) or the loss (a model output)
+        reads. A call without analysis keeps its upper bound and is taken to read all its inputs."""
+        kept = {(s.call, s.output) for s in model_outputs}
+        for index, call in enumerate(calls):
+            trace = self._traces.get(index)
+            if trace is None:  # an InputLayer
+                continue
+            saved = trace.saved
+            if saved is not None:
+                kept.update((index, k) for k, read in enumerate(saved.outputs_read) if read)
+            for position, source in enumerate(call.sources):
+                if saved is None or saved.inputs_read[position]:
+                    kept.add((source.call, source.output))
+        activations = []
+        for index, call in enumerate(calls):
+            trace = self._traces.get(index)
+            output_bytes = [
+                _tensor_bytes(shape, t.dtype, self._micro_batch, call.operation.name)
+                for t, shape in zip(call.node.output_tensors, self._shapes[index], strict=True)
+            ]
+            if trace is None:
+                activations.append(0)
+            elif trace.saved is None:  # the upper bound
+                composite = _is_composite(call.operation)
+                activations.append(trace.traced_bytes if composite else sum(output_bytes))
+            else:
+                read = sum(size for k, size in enumerate(output_bytes) if (index, k) in kept)
+                activations.append(trace.saved.internal_bytes + read)
+        return activations
+
+    def _measure(self, call: LayerCall, specs: list[Any]) -> _Trace:
+        """Traces one call: its forward FLOPs, what its gradient reads and, when timing, its seconds."""
         from profiles.flops import fold_graph, graph_flops
 
         tf = self._tf
@@ -308,10 +361,10 @@ class _CallProfiler:
                 "Keras input shapes with the batch axis set to the micro-batch size."
             ) from err
         flops = graph_flops(traced)
+        saved = _saved(tf, forward, specs, traced, _trainable_weights(call.operation), len(call.node.output_tensors))
         traced_bytes = 0
-        if _is_composite(call.operation):
-            saved = _saved_bytes(tf, forward, specs, traced, _trainable_weights(call.operation))
-            traced_bytes = int(fold_graph(traced, _op_output_bytes) if saved is None else saved)
+        if saved is None and _is_composite(call.operation):
+            traced_bytes = int(fold_graph(traced, _op_output_bytes))
         time_s = None
         if self._device is not None:
             from profiles.timing import forward_backward_seconds
@@ -335,7 +388,7 @@ class _CallProfiler:
             finally:
                 for variable, value in state:  # running the layer moved BN statistics and seeds
                     variable.assign(value)
-        return flops, traced_bytes, time_s
+        return _Trace(float(flops), saved, traced_bytes, time_s)
 
 
 def _forward_fn(call: LayerCall) -> Callable[..., Any]:
@@ -402,15 +455,20 @@ _ALIAS_OPS = frozenset(["Identity", "IdentityN", "StopGradient", "Reshape", "Exp
 _LOOP_OPS = frozenset(["While", "StatelessWhile"])
 
 
-def _saved_bytes(
-    tf: Any, forward: Callable[..., Any], specs: list[Any], traced: Any, weights: list[Any]
-) -> float | None:
-    """Bytes of what a composite layer keeps for its backward: the forward tensors that its gradient reads
-    (a view counted as the tensor it views, the layer's own inputs left to their producers) plus its
-    outputs (which the next layer reads). The gradient is the inputs' and the trainable weights', or the
-    inputs' alone where the weights cannot be differentiated (declared without being allocated, as in
-    keras.StatelessScope). None where they cannot be sized (a loop, or no gradient at all): the caller
-    falls back to every op's outputs."""
+def _saved(
+    tf: Any, forward: Callable[..., Any], specs: list[Any], traced: Any, weights: list[Any], num_outputs: int
+) -> _Saved | None:
+    """What the gradient of one call reads of its forward, from the call traced with its gradient.
+
+    The gradient is the inputs' and the trainable weights', or the inputs' alone where the weights
+    cannot be differentiated (declared without being allocated, as in keras.StatelessScope; then every
+    input counts as read, since the weights' gradient would read them). A tensor the gradient reads
+    through views (a reshape, an identity) counts as the tensor it views: an input, an output, or one
+    of the call's internal tensors (weights and constants hold no activation). Only the ops that the
+    gradients depend on count, as TensorFlow prunes the rest. None where the reads cannot be sized (a
+    loop keeps its steps in TensorLists, a variant) or there is no gradient at all, and where the
+    traced outputs do not match the call's ``num_outputs``: the caller keeps the upper bound.
+    """
     from profiles.flops import num_elements
 
     if any(op.type in _LOOP_OPS for op in traced.get_operations()):
@@ -418,6 +476,7 @@ def _saved_bytes(
     outputs = [t for t in tf.nest.flatten(traced.structured_outputs) if t.dtype.is_floating]
     seeds = [tf.TensorSpec(t.shape, t.dtype) for t in outputs]
     forward_ops: set[str] = set()
+    input_names: list[str] = []
     output_names: list[str] = []
 
     def forward_backward(weights: list[Any], *values: Any) -> Any:
@@ -425,14 +484,19 @@ def _saved_bytes(
         sources = [v for v in inputs if v.dtype.is_floating]
         with tf.GradientTape() as tape:
             tape.watch(sources)
-            ys = [t for t in tf.nest.flatten(forward(*inputs)) if t.dtype.is_floating]
-        output_names.extend(t.name for t in ys)
+            results = tf.nest.flatten(forward(*inputs))
+        input_names.extend(v.name for v in inputs)
+        output_names.extend(t.name for t in results)
         forward_ops.update(op.name for op in tf.compat.v1.get_default_graph().get_operations())
+        ys = [t for t in results if t.dtype.is_floating]
         return tape.gradient(ys, sources + weights, output_gradients=list(seed), unconnected_gradients="zero")
 
     graph = None
+    inputs_only = False  # True when the weights' gradient could not be traced
     for sources in (weights, []):  # a model declared without allocating its weights: the inputs' gradient
+        inputs_only = sources is not weights
         forward_ops.clear()
+        input_names.clear()
         output_names.clear()
         try:
             function = tf.function(partial(forward_backward, sources), autograph=False)
@@ -440,26 +504,51 @@ def _saved_bytes(
             break
         except Exception:
             graph = None
-    if graph is None:  # no gradient to read: keep the upper bound
+    if graph is None or len(output_names) != num_outputs:  # no gradient to read: keep the upper bound
         return None
-    kept: dict[str, int] = {}
 
-    def keep(tensor: Any) -> bool:
-        """Records ``tensor`` (through views) if the forward made it; False if it cannot be sized."""
+    def base(tensor: Any) -> Any:
+        """The tensor that ``tensor`` views (itself when it is no view)."""
         while tensor.op.type in _ALIAS_OPS and tensor.op.inputs:
             tensor = tensor.op.inputs[0]
-        if tensor.op.name in forward_ops and tensor.op.type not in _NO_ACTIVATION_OPS:
-            if not (tensor.dtype.is_numeric or tensor.dtype.is_bool):
-                return False  # a variant or resource
-            kept[tensor.name] = num_elements(tensor.shape) * tensor.dtype.size
-        return True
+        return tensor
 
-    backward = [op for op in graph.get_operations() if op.name not in forward_ops]
-    if not all(keep(tensor) for op in backward for tensor in op.inputs):
-        return None
-    for name in output_names:
-        keep(graph.get_tensor_by_name(name))
-    return float(sum(kept.values()))
+    inputs = {name: position for position, name in enumerate(input_names)}
+    outputs_by_base: dict[str, list[int]] = {}
+    for position, name in enumerate(output_names):
+        outputs_by_base.setdefault(base(graph.get_tensor_by_name(name)).name, []).append(position)
+    inputs_read = [inputs_only and bool(weights)] * len(input_names)  # the weights' gradient would read them
+    outputs_read = [False] * num_outputs
+    internal: dict[str, int] = {}
+    for op in _gradient_ops(graph, forward_ops):
+        for tensor in op.inputs:
+            viewed = base(tensor)
+            if viewed.name in inputs:
+                inputs_read[inputs[viewed.name]] = True
+            elif viewed.name in outputs_by_base:
+                for position in outputs_by_base[viewed.name]:
+                    outputs_read[position] = True
+            elif viewed.op.name in forward_ops and viewed.op.type not in _NO_ACTIVATION_OPS:
+                if not (viewed.dtype.is_numeric or viewed.dtype.is_bool):
+                    return None  # a variant or resource
+                internal[viewed.name] = num_elements(viewed.shape) * viewed.dtype.size
+    return _Saved(int(sum(internal.values())), tuple(outputs_read), tuple(inputs_read))
+
+
+def _gradient_ops(graph: Any, forward_ops: set[str]) -> list[Any]:
+    """The ops of ``graph`` made by the backward that its outputs (the gradients) depend on."""
+    seen: set[str] = set()
+    stack = [t.op for t in graph.outputs]
+    found = []
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.name in forward_ops:
+            continue
+        seen.add(op.name)
+        found.append(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return found
 
 
 def _op_output_bytes(op: Any) -> float:
