@@ -14,15 +14,23 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     trainable_param_bytes  the part of param_bytes in the layer's trainable weights (0 for a frozen
                        layer, ``trainable=False``; a batch normalization's moving statistics are
                        never trainable): only these get gradients and optimizer slots.
-    activation_bytes   bytes kept for the backward pass. A layer without sublayers (and a Keras
-                       op): the bytes of its outputs. A composite layer (a Layer with sublayers,
-                       e.g. a transformer block): the forward tensors its traced gradient reads
-                       (a view such as a reshape counted as the tensor it views, its own inputs
-                       left to their producers) plus its outputs. A composite with a loop (an RNN
-                       and its cell), whose per-step values live in TensorLists of no static
-                       size: the output bytes of every op of its traced forward graph, loop
-                       bodies times their trip count, an upper bound.
-                       InputLayer: 0.
+    activation_bytes   bytes kept for the backward pass, as TensorFlow keeps them: a forward
+                       tensor lives on only if a gradient op reads it. Each call (a layer with
+                       or without sublayers, a Keras op) is traced with its gradient, which
+                       gives the call's internal tensors the gradient reads (a view such as a
+                       reshape counted as the tensor it views; weights and constants hold no
+                       activation), which of its outputs its own gradient reads, and which of
+                       its inputs it reads. A node is charged those internal tensors plus each
+                       of its outputs that its own gradient reads, that the gradient of any
+                       consumer reads as an input, or that is a model output (the loss reads
+                       it). A BatchNormalization output feeding a ReLU is charged nothing (the
+                       ReLU's gradient reads its own output); the Conv2D output before it is (the
+                       normalization's gradient reads its input). A call that cannot be analysed
+                       (no gradient, a variant tensor, a loop) is charged its outputs, or for a
+                       layer with sublayers the output bytes of every op of its traced forward
+                       graph, loop bodies times their trip count (an RNN's per-step values live
+                       in TensorLists of no static size), an upper bound; it is taken to read
+                       all its inputs. InputLayer: 0.
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 

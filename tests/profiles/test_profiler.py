@@ -261,6 +261,70 @@ def test_profile_model_composite_layer_counts_a_view_once():
     assert node["activation_bytes"] == 4 * (16 + 4) * 4
 
 
+def residual_cnn():
+    """Conv -> BN -> ReLU, a 1x1 skip, their Add read by a Keras op and a conv, then a Dense head."""
+    inputs = keras.Input((6, 6, 3), name="image")
+    h = layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    h = layers.BatchNormalization(name="bn")(h)
+    h = layers.ReLU(name="relu")(h)
+    added = layers.Add(name="add")([h, layers.Conv2D(4, 1, name="skip")(inputs)])
+    h = layers.Add(name="join")([added * 2.0, layers.Conv2D(4, 1, name="mix")(added)])
+    h = layers.Flatten(name="flat")(h)
+    return keras.Model(inputs, layers.Dense(5, name="head")(h), name="residual_cnn")
+
+
+def test_profile_model_charges_the_outputs_that_gradients_read():
+    model = residual_cnn()
+    before = [v.numpy().copy() for v in model.variables]
+    calls_before = [len(layer._inbound_nodes) for layer in model.layers]
+    graph = _profile(model, batch_size=4, num_microbatches=2)  # micro-batches of 2 samples
+    (scale,) = [n for n in graph if graph.nodes[n]["layer_type"] == "Multiply"]
+    feature_map = 2 * 6 * 6 * 4 * 4  # one 6x6x4 float32 map per sample
+    expected = {
+        "image": 0,  # the batch: not priced
+        "conv": feature_map,  # bn's gradient reads its input
+        # bn's output is read by no gradient (relu's reads its own output); bn keeps three per-channel
+        # vectors of its own: the batch mean, 1 / sqrt(variance + epsilon) and gamma times that.
+        "bn": 3 * 4 * 4,
+        "relu": feature_map,  # relu's gradient reads its output
+        "skip": 0,  # an Add's gradient reads neither input
+        "add": feature_map,  # read by two consumers: by mix's gradient, not by the multiply's (it reads 2.0)
+        scale: 0,
+        "mix": 0,
+        "join": 0,
+        "flat": feature_map,  # head's gradient reads it (a view of join's output, charged once, here)
+        "head": 2 * 5 * 4,  # a model output: the loss reads it
+    }
+    assert {n: graph.nodes[n]["activation_bytes"] for n in graph} == expected
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables, strict=True))
+    assert [len(layer._inbound_nodes) for layer in model.layers] == calls_before
+
+
+class Opaque(layers.Layer):
+    """A layer whose gradient cannot be traced (its backward raises), so what it reads is unknown."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def forward(y):
+            def backward(upstream):
+                raise ValueError("no gradient")
+
+            return 2.0 * y, backward
+
+        return forward(x)
+
+
+def test_profile_model_unanalysed_consumer_keeps_its_inputs():
+    inputs = keras.Input((4,), name="x")
+    h = layers.Dense(4, name="linear")(inputs)  # a Dense's gradient does not read its own output
+    model = keras.Model(inputs, layers.Dense(3, name="out")(Opaque(name="opaque")(h)))
+    graph = _profile(model, batch_size=2, num_microbatches=1)
+    assert graph.nodes["linear"]["activation_bytes"] == 2 * 4 * 4  # kept: opaque may read it
+    assert graph.nodes["opaque"]["activation_bytes"] == 2 * 4 * 4  # its outputs, the upper bound
+
+
 def test_profile_model_recurrent_composite_layer_keeps_the_upper_bound():
     inputs = keras.Input((5, 3), name="x")
     model = keras.Model(inputs, layers.LSTM(4, name="lstm")(inputs))
