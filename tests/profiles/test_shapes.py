@@ -78,8 +78,14 @@ def test_profile_model_open_length_costs_follow_the_planned_length() -> None:
     short = profile_model(model, batch_size=4, num_microbatches=2, measure_time=False, sequence_length=8)
     long = profile_model(model, batch_size=4, num_microbatches=2, measure_time=False, sequence_length=16)
     for node in ("embed", "project", "join", "mix"):  # per-token layers: twice the tokens, twice the cost
-        assert long.nodes[node]["activation_bytes"] == 2 * short.nodes[node]["activation_bytes"] > 0
         assert long.nodes[node]["flops"] == pytest.approx(2 * short.nodes[node]["flops"])
+    # What gradients read: embed's the token indices of its gather (its output is read only by the
+    # concatenation, whose gradient reads neither input), join's output (mix's weight gradient), mix's
+    # relu output. project's output is read by no gradient.
+    for node in ("embed", "join", "mix"):
+        assert long.nodes[node]["activation_bytes"] == 2 * short.nodes[node]["activation_bytes"] > 0
+    assert long.nodes["embed"]["activation_bytes"] == 2 * 16 * 4  # int32 indices, not 8 floats a token
+    assert long.nodes["project"]["activation_bytes"] == short.nodes["project"]["activation_bytes"] == 0
     # embed's output, (2 rows, 16 tokens, 8 floats): the edge carries it; pool's output has no length
     assert long.edges["embed", "join"]["bytes"] == 2 * 16 * 8 * 4
     assert long.edges["pool", "head"]["bytes"] == short.edges["pool", "head"]["bytes"] == 2 * 8 * 4
