@@ -300,6 +300,17 @@ def test_profile_model_charges_the_outputs_that_gradients_read():
     assert [len(layer._inbound_nodes) for layer in model.layers] == calls_before
 
 
+@pytest.mark.parametrize("trainable", [True, False])
+def test_profile_model_frozen_consumer_does_not_keep_its_input(trainable):
+    inputs = keras.Input((4,), name="x")
+    h = layers.Dense(6, name="linear")(inputs)  # a Dense's gradient does not read its own output
+    consumer = layers.Dense(3, name="consumer")
+    consumer.trainable = trainable
+    graph = _profile(keras.Model(inputs, consumer(h)), batch_size=2, num_microbatches=1)
+    # The kernel's gradient reads linear's output; a frozen layer's gradient (its input's) reads the kernel only.
+    assert graph.nodes["linear"]["activation_bytes"] == (2 * 6 * 4 if trainable else 0)
+
+
 class Opaque(layers.Layer):
     """A layer whose gradient cannot be traced (its backward raises), so what it reads is unknown."""
 
