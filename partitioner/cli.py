@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
         help="fixed seconds each forward or backward of a stage costs per micro-batch, e.g. 20e-6: what makes more "
         "micro-batches not free (default: %(default)s)",
     )
+    where.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of each device's memory the plan leaves free for what the planner does not price (the "
+        "framework's workspace, the allocator's rounding, the batch), e.g. 0.1 (default: %(default)s)",
+    )
     _add_profile_options(plan)
     _add_traceback_option(plan)
     plan.add_argument(
@@ -256,7 +264,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
                 "Pass either --cluster or --devices/--memory (and --action-overhead-s), not both; a cluster file "
                 "gives each device's action_overhead_s."
             )
-        return Cluster.from_json(args.cluster)
+        return Cluster.from_json(args.cluster).with_headroom(args.memory_headroom)
     if args.devices is None or args.memory is None:
         raise InputError(
             "Say which devices to plan for: --devices N --memory SIZE (e.g. --devices 4 --memory 16GiB) "
@@ -268,7 +276,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         flops_per_s=args.flops_per_s,
         bandwidth=args.bandwidth,
         action_overhead_s=args.action_overhead_s,
-    )
+    ).with_headroom(args.memory_headroom)
 
 
 def _require_tensorflow(args: argparse.Namespace) -> None:

@@ -293,6 +293,7 @@ def fast_island(cluster: Cluster) -> tuple[int, ...] | None:
     num = cluster.num_devices
     if num < 2:
         return None
+
     def link(a: int, b: int) -> float:  # the slower direction
         return min(cluster.bandwidth(a, b), cluster.bandwidth(b, a))
 

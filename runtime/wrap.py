@@ -52,6 +52,7 @@ def plan_and_wrap(
     num_microbatches: int | str = 4,
     memory: int | float | str | None = None,
     *,
+    memory_headroom: float = 0.0,
     optimizer_slots: int = 2,
     time_limit_s: float = 10.0,
     pins: Mapping[str, str] | None = None,
@@ -75,6 +76,9 @@ def plan_and_wrap(
             it more micro-batches always look faster: give it (e.g. ``Cluster.local(2,
             action_overhead_s=7e-4)`` on CPU, docs/cost-model.md) when you let the planner choose.
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
+        memory_headroom: the share of each device's memory the plan leaves free for what the
+            planner does not price (the framework's workspace, the allocator's rounding, the
+            batch), e.g. 0.1 (``Cluster.with_headroom``; benchmarks/memory_model says how far off).
         optimizer_slots: 2 for Adam, 1 for momentum, 0 for SGD (for the memory check).
         time_limit_s: the solver's time limit.
         pins: {node: device} placements to keep.
@@ -116,7 +120,7 @@ def plan_and_wrap(
         schedule="gpipe" if schedule == AUTO else schedule,
         batch_norm=batch_norm,
     )
-    cluster = resolve_devices(devices, memory=memory)
+    cluster = resolve_devices(devices, memory=memory).with_headroom(memory_headroom)
     graph = profile_model(
         model,
         batch_size=batch_size,

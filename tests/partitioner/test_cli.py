@@ -109,6 +109,25 @@ def test_cli_timeline_picture(profile_file, tmp_path, capsys) -> None:
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_memory_headroom_leaves_memory_free(profile_file, capsys) -> None:
+    """With --memory-headroom 0.1 no device is planned past 90% of its memory: on devices 5% larger
+    than the headroom-free plan needs, that plan no longer fits and another one (or none) is made."""
+    argv = ["plan", str(profile_file), "--devices", "2", "--time-limit", "5", "--json"]
+    assert main([*argv, "--memory", "16GiB"]) == 0
+    need = max(pt.Plan.from_json(capsys.readouterr().out).memory_bytes.values())
+    memory = str(int(need * 1.05))
+    assert main([*argv, "--memory", memory]) == 0
+    assert max(pt.Plan.from_json(capsys.readouterr().out).memory_bytes.values()) > 0.9 * int(memory)
+    code = main([*argv, "--memory", memory, "--memory-headroom", "0.1"])
+    captured = capsys.readouterr()
+    if code == 0:
+        plan = pt.Plan.from_json(captured.out)
+        assert max(plan.memory_bytes.values()) <= 0.9 * int(memory)
+        assert all(c <= 0.9 * int(memory) for c in plan.capacity_bytes.values())
+    else:
+        assert code == 2 and captured.err.startswith("error:") and "needs" in captured.err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -123,6 +142,7 @@ def test_cli_timeline_picture(profile_file, tmp_path, capsys) -> None:
         (["plan", "{profile}", "--devices", "99", "--memory", "1GiB"], "only 40 nodes"),
         (["plan", "{profile}", "--devices", "2", "--memory", "1GiB", "--timeline", "t.txt"], "takes a .png, .svg"),
         (["plan", "{profile}", "--devices", "2", "--memory", "1GiB", "--timeline", "-", "--json"], "--json prints"),
+        (["plan", "{profile}", "--devices", "2", "--memory", "1GiB", "--memory-headroom", "1"], "in [0, 1), e.g. 0.1"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, profile_file, tmp_path, capsys) -> None:

@@ -220,6 +220,16 @@ def test_unknown_devices_are_listed(virtual_devices) -> None:
         plan_and_wrap(model, devices=9, batch_size=16, num_microbatches=4)
 
 
+def test_memory_headroom_reaches_the_plan(virtual_devices) -> None:
+    """memory_headroom=0.25 plans into three quarters of each device; a share outside [0, 1) is refused
+    before profiling."""
+    model, _, _, _ = _model_and_data()
+    wrapped = plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB", memory_headroom=0.25)
+    assert set(wrapped.plan.capacity_bytes.values()) == {3 * 2**30}
+    with pytest.raises(pt.ClusterError, match=r"memory headroom is the share .* in \[0, 1\), e.g. 0.1. Received: 1.5"):
+        plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB", memory_headroom=1.5)
+
+
 @pytest.mark.parametrize(
     ("num_microbatches", "message"),
     [(0, "must be an integer >= 1"), (64, "larger than batch_size"), ("many", "must be an integer >= 1 or auto")],
