@@ -15,7 +15,8 @@ measures them on a real GPU:
   the counts of our profiler);
 - *fixed cost per pass*: the time of a tiny forward and backward (so small that only launches and
   bookkeeping count), and of one kernel launch;
-- *memory*: the allocator's peak during a step, and the device-to-device copy bandwidth.
+- *memory*: the allocator's peak during a step (allocated, and reserved with its rounding), the memory
+  the CUDA context and the libraries take beside the tensors, and the device-to-device copy bandwidth.
 
 The GPU machines this project is lent have PyTorch and no TensorFlow (TensorFlow's wheel alone is larger
 than what may travel to them), so the steps run in PyTorch eager mode: the hardware's figures, not our
@@ -155,6 +156,7 @@ def _model_step(torch: Any, model_name: str, batch: int, dtype: str) -> dict[str
     torch.cuda.reset_peak_memory_stats()
     seconds = _timed(torch, step, warmup=5, steps=20)
     peak = torch.cuda.max_memory_allocated()
+    peak_reserved = torch.cuda.max_memory_reserved()  # what the caching allocator held: peak + its rounding
     kernels = None
     try:
         kernels = _kernel_seconds(torch, step)
@@ -185,6 +187,7 @@ def _model_step(torch: Any, model_name: str, batch: int, dtype: str) -> dict[str
         "torch_flops_per_sample": counted,
         "parameters": parameters,
         "peak_allocated_bytes": peak,
+        "peak_reserved_bytes": peak_reserved,
         "kernel_s": kernels,
     }
 
@@ -229,6 +232,17 @@ def _fixed_costs(torch: Any) -> dict[str, float]:
     return {"kernel_launch_s": launch, "tiny_forward_backward_s": queued, "tiny_forward_backward_synced_s": synced}
 
 
+def _context_bytes(torch: Any) -> int:
+    """Device memory in use that no tensor holds, after cuBLAS and cuDNN have run: the CUDA context,
+    the libraries' handles and workspaces (total - free - what the caching allocator reserved)."""
+    a = torch.randn(256, 256, device="cuda")
+    torch.nn.functional.conv2d(torch.randn(1, 3, 32, 32, device="cuda"), torch.randn(8, 3, 3, 3, device="cuda"))
+    (a @ a).sum().item()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free - torch.cuda.memory_reserved())
+
+
 def _copy_bandwidth(torch: Any) -> float:
     size = 2**30
     a = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -269,7 +283,12 @@ def measure(out: Path) -> None:
     def save() -> None:
         out.write_text(json.dumps(results, indent=1) + "\n")
 
-    parts = [("matmul_flops_per_s", _matmul), ("fixed_costs", _fixed_costs), ("copy_bytes_per_s", _copy_bandwidth)]
+    parts = [
+        ("context_bytes", _context_bytes),
+        ("matmul_flops_per_s", _matmul),
+        ("fixed_costs", _fixed_costs),
+        ("copy_bytes_per_s", _copy_bandwidth),
+    ]
     for key, part in parts:
         try:
             results[key] = part(torch)
@@ -380,6 +399,22 @@ def tables(results: dict[str, Any]) -> str:
             f"{fixed['tiny_forward_backward_synced_s'] * 1e6:.0f} us when each waits for the GPU; the profile "
             f"assumes {profile['action_overhead_s'] * 1e6:.0f} us per pass.",
         ]
+    if results.get("context_bytes") is not None:
+        lines.append(
+            f"Memory no tensor holds once cuBLAS and cuDNN have run (CUDA context, handles, workspaces): "
+            f"{results['context_bytes'] / 2**30:.2f} GiB of {results['total_memory_bytes'] / 2**30:.1f} GiB."
+        )
+    rounding = [
+        f"{row['model']} {row['dtype']} b{row['batch']} {row['peak_reserved_bytes'] / row['peak_allocated_bytes']:.2f}x"
+        for row in results["models"]
+        if row.get("peak_reserved_bytes")
+    ]
+    if rounding:
+        lines.append(
+            "The caching allocator's peak reserve over its peak allocated (rounding and fragmentation): "
+            + ", ".join(rounding)
+            + "."
+        )
     if results.get("copy_bytes_per_s"):
         lines.append(
             f"Device-to-device copy: {results['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read and written; "
