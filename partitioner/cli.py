@@ -31,9 +31,15 @@ from rich.markup import escape
 
 from partitioner import baselines as baseline_methods
 from partitioner.choose import AUTO, Choice, choose
-from partitioner.cluster import DEFAULT_BANDWIDTH, DEFAULT_FLOPS_PER_S, Cluster, bundled_clusters
+from partitioner.cluster import (
+    DEFAULT_BANDWIDTH,
+    DEFAULT_FLOPS_PER_S,
+    DEFAULT_MEMORY_HEADROOM,
+    Cluster,
+    bundled_clusters,
+)
 from partitioner.cost import RECOMPUTE
-from partitioner.errors import InputError, PartitionerError
+from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import load_graph, micro_batch_size, rescale_graph, save_graph
 from partitioner.order import DEVICE_ORDERS
 from partitioner.plan import Plan
@@ -83,10 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--memory-headroom",
         type=float,
-        default=0.0,
+        default=DEFAULT_MEMORY_HEADROOM,
         metavar="FRACTION",
         help="share of each device's memory the plan leaves free for what the planner does not price (the "
-        "framework's workspace, the allocator's rounding, the batch), e.g. 0.1 (default: %(default)s)",
+        "framework's workspace, the allocator's rounding, the batch); 0 plans into all of it (default: %(default)s)",
     )
     _add_profile_options(plan)
     _add_traceback_option(plan)
@@ -418,21 +424,29 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
         if AUTO in (args.micro_batches, args.schedule):
-            choice = choose(
-                graph,
-                cluster,
-                batch_size=args.batch_size,
-                num_microbatches=graph.graph["num_microbatches"] if args.micro_batches is None else args.micro_batches,
-                schedule=args.schedule,
-                time_limit_s=args.time_limit,
-                options=search,
-                **options,
-            )
+            try:
+                choice = choose(
+                    graph,
+                    cluster,
+                    batch_size=args.batch_size,
+                    num_microbatches=graph.graph["num_microbatches"]
+                    if args.micro_batches is None
+                    else args.micro_batches,
+                    schedule=args.schedule,
+                    time_limit_s=args.time_limit,
+                    options=search,
+                    **options,
+                )
+            except InfeasiblePlanError as error:
+                raise cluster.headroom_note(error) from None
             plan, graph = choice.plan, choice.graph
             chosen = _choice_note(choice)
         else:
             options.update(num_microbatches=int(graph.graph["num_microbatches"]), schedule=args.schedule)
-            plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
+            try:
+                plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
+            except InfeasiblePlanError as error:
+                raise cluster.headroom_note(error) from None
     options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
     if args.out:
@@ -454,6 +468,13 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         + _batch_note(graph)
         + "".join(f"; stage {s} recomputes its forward" for s, again in enumerate(plan.recompute) if again)
     )
+    if cluster.memory_headroom:
+        out.print(
+            f"Capacities leave {cluster.memory_headroom:.0%} of each device's memory free "
+            f"(--memory-headroom {cluster.memory_headroom:g}).",
+            highlight=False,
+            markup=False,
+        )
     if chosen:
         out.print(chosen, highlight=False, markup=False)
     out.print(render(plan, graph, others, placement=not args.summary))

@@ -20,12 +20,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from partitioner.errors import ClusterError, InputError
+from partitioner.errors import ClusterError, InfeasiblePlanError, InputError
 from partitioner.units import parse_bytes, parse_rate
 
 CLUSTER_SCHEMA_VERSION = 1
 DEFAULT_FLOPS_PER_S = 100e12  # a mid-range accelerator
 DEFAULT_BANDWIDTH = 50e9  # bytes/s, about PCIe 4.0 x16 in both directions
+# The share of each device's memory plan_and_wrap and the CLI leave free for what the planner does not
+# price (workspace, allocator rounding, the batch): docs/cost-model.md, "Memory headroom".
+DEFAULT_MEMORY_HEADROOM = 0.1
 
 
 @dataclass(frozen=True, init=False)
@@ -181,6 +184,7 @@ class Cluster:
     bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]  # [sender][receiver]; inf on the diagonal
     name: str = "cluster"
     _index: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+    memory_headroom: float = field(default=0.0, compare=False)  # set by with_headroom: the share left free
 
     def __init__(
         self,
@@ -291,8 +295,8 @@ class Cluster:
         gradients read) leaves out the framework's workspace, the allocator's rounding, the batch
         and the backward's temporaries: for whole models on one CPU device, TensorFlow's peak was
         0.93-0.99x the planner's figure in three checks and 1.05x in the fourth (ResNet50 at batch
-        16; benchmarks/memory_model). A headroom of 0.1 plans into 90% of every device; 0 returns
-        this cluster.
+        16; benchmarks/memory_model). A headroom of 0.1 (``plan_and_wrap``'s and the CLI's default,
+        DEFAULT_MEMORY_HEADROOM) plans into 90% of every device; 0 returns this cluster.
 
         Raises:
             ClusterError: unless 0 <= fraction < 1.
@@ -316,7 +320,20 @@ class Cluster:
             object.__setattr__(copy, "memory_bytes", int(device.memory_bytes * (1.0 - fraction)))
             devices.append(copy)
         rows = [list(row) for row in self.bandwidth_bytes_per_s]
-        return Cluster(devices, bandwidth=rows, name=f"{self.name} ({fraction:.0%} memory headroom)")
+        cut = Cluster(devices, bandwidth=rows, name=self.name)
+        object.__setattr__(cut, "memory_headroom", 1.0 - (1.0 - self.memory_headroom) * (1.0 - fraction))
+        return cut
+
+    def headroom_note(self, error: InfeasiblePlanError) -> InfeasiblePlanError:
+        """``error`` with a sentence saying the capacities in it leave this cluster's headroom free
+        (unchanged for a cluster without headroom)."""
+        if self.memory_headroom == 0:
+            return error
+        return type(error)(
+            f"{error} Those capacities leave {self.memory_headroom:.0%} of each device's memory free (memory "
+            f"headroom {self.memory_headroom:g}, for what the planner does not price); a smaller headroom gives "
+            "the plan more."
+        )
 
     @classmethod
     def uniform(

@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.choose import AUTO, candidate_schedules, choose
-from partitioner.cluster import Cluster, Device
+from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
 from partitioner.cost import check_recompute
-from partitioner.errors import InputError, PlanError
+from partitioner.errors import InfeasiblePlanError, InputError, PlanError
 from partitioner.plan import Plan
 from partitioner.solver import solve
 from partitioner.validate import validate_plan
@@ -52,7 +52,7 @@ def plan_and_wrap(
     num_microbatches: int | str = 4,
     memory: int | float | str | None = None,
     *,
-    memory_headroom: float = 0.0,
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
     optimizer_slots: int = 2,
     time_limit_s: float = 10.0,
     pins: Mapping[str, str] | None = None,
@@ -78,7 +78,8 @@ def plan_and_wrap(
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the
             planner does not price (the framework's workspace, the allocator's rounding, the
-            batch), e.g. 0.1 (``Cluster.with_headroom``; benchmarks/memory_model says how far off).
+            batch; ``Cluster.with_headroom``, docs/cost-model.md); 0 plans into all of it. Applied
+            to a Cluster passed as ``devices`` too.
         optimizer_slots: 2 for Adam, 1 for momentum, 0 for SGD (for the memory check).
         time_limit_s: the solver's time limit.
         pins: {node: device} placements to keep.
@@ -135,13 +136,21 @@ def plan_and_wrap(
         "pins": {k: canonical(v) for k, v in (pins or {}).items()} or None,
         "recompute": recompute,
     }
-    if AUTO in (num_microbatches, schedule):
-        choice = choose(
-            graph, cluster, batch_size=batch_size, num_microbatches=num_microbatches, schedule=schedule, **solve_options
-        )
-        plan, graph = choice.plan, choice.graph
-    else:
-        plan = solve(graph, cluster, num_microbatches=fixed_microbatches, schedule=schedule, **solve_options)
+    try:
+        if AUTO in (num_microbatches, schedule):
+            choice = choose(
+                graph,
+                cluster,
+                batch_size=batch_size,
+                num_microbatches=num_microbatches,
+                schedule=schedule,
+                **solve_options,
+            )
+            plan, graph = choice.plan, choice.graph
+        else:
+            plan = solve(graph, cluster, num_microbatches=fixed_microbatches, schedule=schedule, **solve_options)
+    except InfeasiblePlanError as error:
+        raise cluster.headroom_note(error) from None
     validate_plan(plan, graph, cluster)
     options = ExecutionOptions(
         plan.num_microbatches, schedule=plan.schedule, recompute=tuple(plan.recompute), batch_norm=batch_norm

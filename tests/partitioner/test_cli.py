@@ -39,6 +39,7 @@ def test_cli_plan_from_profile_prints_tables(profile_file, capsys) -> None:
     out = capsys.readouterr().out
     for heading in ("Placement", "Devices", "Transfers between stages", "Prediction", "Against the splits"):
         assert heading in out
+    assert "Capacities leave 10% of each device's memory free (--memory-headroom 0.1)." in out
     assert "n0" in out and "/GPU:3" in out and "bubble fraction" in out and "gap to the bound" in out
 
 
@@ -110,22 +111,24 @@ def test_cli_timeline_picture(profile_file, tmp_path, capsys) -> None:
 
 
 def test_cli_memory_headroom_leaves_memory_free(profile_file, capsys) -> None:
-    """With --memory-headroom 0.1 no device is planned past 90% of its memory: on devices 5% larger
-    than the headroom-free plan needs, that plan no longer fits and another one (or none) is made."""
+    """By default (--memory-headroom 0.1) no device is planned past 90% of its memory: on devices 5%
+    larger than the plan made with no headroom needs, that plan no longer fits, and the CLI makes
+    another one or says why none fits, naming the headroom."""
     argv = ["plan", str(profile_file), "--devices", "2", "--time-limit", "5", "--json"]
-    assert main([*argv, "--memory", "16GiB"]) == 0
+    assert main([*argv, "--memory", "16GiB", "--memory-headroom", "0"]) == 0
     need = max(pt.Plan.from_json(capsys.readouterr().out).memory_bytes.values())
     memory = str(int(need * 1.05))
-    assert main([*argv, "--memory", memory]) == 0
+    assert main([*argv, "--memory", memory, "--memory-headroom", "0"]) == 0
     assert max(pt.Plan.from_json(capsys.readouterr().out).memory_bytes.values()) > 0.9 * int(memory)
-    code = main([*argv, "--memory", memory, "--memory-headroom", "0.1"])
+    code = main([*argv, "--memory", memory])
     captured = capsys.readouterr()
     if code == 0:
         plan = pt.Plan.from_json(captured.out)
         assert max(plan.memory_bytes.values()) <= 0.9 * int(memory)
         assert all(c <= 0.9 * int(memory) for c in plan.capacity_bytes.values())
     else:
-        assert code == 2 and captured.err.startswith("error:") and "needs" in captured.err
+        assert code == 2 and captured.err.startswith("error:")
+        assert "leave 10% of each device's memory free (memory headroom 0.1" in captured.err
 
 
 @pytest.mark.parametrize(

@@ -221,9 +221,11 @@ def test_unknown_devices_are_listed(virtual_devices) -> None:
 
 
 def test_memory_headroom_reaches_the_plan(virtual_devices) -> None:
-    """memory_headroom=0.25 plans into three quarters of each device; a share outside [0, 1) is refused
-    before profiling."""
+    """By default plan_and_wrap plans into 90% of each device, with memory_headroom=0.25 into three
+    quarters; a share outside [0, 1) is refused before profiling."""
     model, _, _, _ = _model_and_data()
+    wrapped = plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB")
+    assert set(wrapped.plan.capacity_bytes.values()) == {int(0.9 * 4 * 2**30)}
     wrapped = plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB", memory_headroom=0.25)
     assert set(wrapped.plan.capacity_bytes.values()) == {3 * 2**30}
     with pytest.raises(pt.ClusterError, match=r"memory headroom is the share .* in \[0, 1\), e.g. 0.1. Received: 1.5"):
