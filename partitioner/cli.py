@@ -423,30 +423,26 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     chosen = ""
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
-        if AUTO in (args.micro_batches, args.schedule):
-            try:
+        try:
+            if AUTO in (args.micro_batches, args.schedule):
+                microbatches = graph.graph["num_microbatches"] if args.micro_batches is None else args.micro_batches
                 choice = choose(
                     graph,
                     cluster,
                     batch_size=args.batch_size,
-                    num_microbatches=graph.graph["num_microbatches"]
-                    if args.micro_batches is None
-                    else args.micro_batches,
+                    num_microbatches=microbatches,
                     schedule=args.schedule,
                     time_limit_s=args.time_limit,
                     options=search,
                     **options,
                 )
-            except InfeasiblePlanError as error:
-                raise cluster.headroom_note(error) from None
-            plan, graph = choice.plan, choice.graph
-            chosen = _choice_note(choice)
-        else:
-            options.update(num_microbatches=int(graph.graph["num_microbatches"]), schedule=args.schedule)
-            try:
+                plan, graph = choice.plan, choice.graph
+                chosen = _choice_note(choice)
+            else:
+                options.update(num_microbatches=int(graph.graph["num_microbatches"]), schedule=args.schedule)
                 plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
-            except InfeasiblePlanError as error:
-                raise cluster.headroom_note(error) from None
+        except InfeasiblePlanError as error:
+            raise cluster.headroom_note(error) from None
     options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
     if args.out:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -312,13 +312,18 @@ class Cluster:
             )
         if fraction == 0:
             return self
-        devices = []
-        for device in self.devices:
-            copy = object.__new__(Device)  # Device's __init__ takes peaks as a mapping; copy the fields
-            for item in fields(Device):
-                object.__setattr__(copy, item.name, getattr(device, item.name))
-            object.__setattr__(copy, "memory_bytes", int(device.memory_bytes * (1.0 - fraction)))
-            devices.append(copy)
+        devices = [
+            Device(
+                d.name,
+                memory_bytes=int(d.memory_bytes * (1.0 - fraction)),
+                flops_per_s=d.flops_per_s,
+                hardware=d.hardware,
+                peak_flops_per_s=dict(d.peak_flops_per_s),
+                efficiency=d.efficiency,
+                action_overhead_s=d.action_overhead_s,
+            )
+            for d in self.devices
+        ]
         rows = [list(row) for row in self.bandwidth_bytes_per_s]
         cut = Cluster(devices, bandwidth=rows, name=self.name)
         object.__setattr__(cut, "memory_headroom", 1.0 - (1.0 - self.memory_headroom) * (1.0 - fraction))

@@ -40,20 +40,27 @@ def stage_labelings(graph: nx.DiGraph, num_stages: int):
         yield where
 
 
-def best_step(graph: nx.DiGraph, cluster: pt.Cluster, **kwargs: object) -> float | None:
-    """The shortest simulated step over every legal plan, or None when none fits."""
-    best = None
+def every_plan(graph: nx.DiGraph, cluster: pt.Cluster, **kwargs: object):
+    """(cost model, {node: device}, number of stages) for every legal plan, memory not checked: each
+    labeling of ``stage_labelings`` on each sequence of distinct devices, the cluster reordered so the
+    stages follow it."""
     for num_stages in range(1, min(graph.number_of_nodes(), cluster.num_devices) + 1):
         labelings = list(stage_labelings(graph, num_stages))
         for devices in itertools.permutations(range(cluster.num_devices), num_stages):
             listed = reorder(cluster, [*devices, *(d for d in range(cluster.num_devices) if d not in devices)])
             costs = CostModel(graph, listed, **kwargs)
             for where in labelings:
-                assignment = {v: listed.names[s] for v, s in where.items()}
-                if costs.fits(costs.evaluate(assignment)):
-                    step = simulate_assignment(costs, assignment).step_time_s
-                    best = step if best is None else min(best, step)
-    return best
+                yield costs, {v: listed.names[s] for v, s in where.items()}, num_stages
+
+
+def best_step(graph: nx.DiGraph, cluster: pt.Cluster, **kwargs: object) -> float | None:
+    """The shortest simulated step over every legal plan that fits, or None when none fits."""
+    steps = [
+        simulate_assignment(costs, assignment).step_time_s
+        for costs, assignment, _ in every_plan(graph, cluster, **kwargs)
+        if costs.fits(costs.evaluate(assignment))
+    ]
+    return min(steps, default=None)
 
 
 @st.composite

@@ -10,7 +10,6 @@ inflated by any margin fails those tests.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import networkx as nx
@@ -19,12 +18,11 @@ from graphs import BANDWIDTHS, SPEEDS, chain
 from graphs import random_dag as random_test_dag
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_dag_step import stage_labelings
+from test_dag_step import every_plan
 
 import partitioner as pt
 from partitioner.cost import CostModel, path_step_bound, pipeline_path_bound
 from partitioner.exact import STEP_TOLERANCE
-from partitioner.order import reorder
 from partitioner.simulate import simulate_assignment
 
 SLACK = 1 + 1e-9  # floating-point rounding between the bound's sums and the simulator's
@@ -32,15 +30,9 @@ SLACK = 1 + 1e-9  # floating-point rounding between the bound's sums and the sim
 
 def every_step(graph: nx.DiGraph, cluster: pt.Cluster, rng: random.Random, **kwargs: object):
     """The simulated step of every legal plan (memory ignored), each stage kept or recomputed at random."""
-    for num_stages in range(1, min(graph.number_of_nodes(), cluster.num_devices) + 1):
-        labelings = list(stage_labelings(graph, num_stages))
-        for devices in itertools.permutations(range(cluster.num_devices), num_stages):
-            listed = reorder(cluster, [*devices, *(d for d in range(cluster.num_devices) if d not in devices)])
-            costs = CostModel(graph, listed, **kwargs)
-            for where in labelings:
-                assignment = {v: listed.names[s] for v, s in where.items()}
-                recompute = [rng.random() < 0.3 for _ in range(num_stages - 1)] + [False]
-                yield simulate_assignment(costs, assignment, recompute=recompute).step_time_s
+    for costs, assignment, num_stages in every_plan(graph, cluster, **kwargs):
+        recompute = [rng.random() < 0.3 for _ in range(num_stages - 1)] + [False]
+        yield simulate_assignment(costs, assignment, recompute=recompute).step_time_s
 
 
 @st.composite

@@ -311,26 +311,10 @@ def test_profile_model_frozen_consumer_does_not_keep_its_input(trainable):
     assert graph.nodes["linear"]["activation_bytes"] == (2 * 6 * 4 if trainable else 0)
 
 
-class Opaque(layers.Layer):
-    """A layer whose gradient cannot be traced (its backward raises), so what it reads is unknown."""
-
-    def call(self, x):
-        import tensorflow as tf
-
-        @tf.custom_gradient
-        def forward(y):
-            def backward(upstream):
-                raise ValueError("no gradient")
-
-            return 2.0 * y, backward
-
-        return forward(x)
-
-
 def test_profile_model_unanalysed_consumer_keeps_its_inputs():
     inputs = keras.Input((4,), name="x")
     h = layers.Dense(4, name="linear")(inputs)  # a Dense's gradient does not read its own output
-    model = keras.Model(inputs, layers.Dense(3, name="out")(Opaque(name="opaque")(h)))
+    model = keras.Model(inputs, layers.Dense(3, name="out")(NoGradient(name="opaque")(h)))
     graph = _profile(model, batch_size=2, num_microbatches=1)
     assert graph.nodes["linear"]["activation_bytes"] == 2 * 4 * 4  # kept: opaque may read it
     assert graph.nodes["opaque"]["activation_bytes"] == 2 * 4 * 4  # its outputs, the upper bound
@@ -531,7 +515,8 @@ def test_profile_model_mobilenet_v2():
 
 
 class NoGradient(layers.Layer):
-    """A layer whose backward pass fails, so it cannot be timed forward + backward."""
+    """A layer whose backward pass fails, so it cannot be timed forward + backward, and what its
+    gradient reads cannot be known."""
 
     def call(self, x):
         import tensorflow as tf
