@@ -9,6 +9,7 @@ graphs to the CP-SAT model (partitioner.cpsat), solved whole or, above a size, i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,10 @@ AUTO_COARSEN_CHAIN = 8_000
 # device order the solver chose), with 8 none; a start costs milliseconds at 10 nodes, a second at 1,000.
 REFINED_STARTS = 8
 MULTI_START_NODES = 64
+
+
+# On clusters of up to this many devices the order search tries every distinct pipeline order (3! = 6 at most).
+EVERY_ORDER_UP_TO = 3
 
 
 @dataclass(frozen=True)
@@ -368,13 +373,15 @@ def _search_orders(
 
 
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
-    """At most four pipeline orders for CP-SAT, each with a legal plan in that order to start from, or None.
+    """Pipeline orders for CP-SAT, each with a legal plan in that order to start from, or None.
 
     In this order, orders alike in every cost (partitioner.order.signature) once: the cluster's own; the order (and
     devices used) of the exact chain DP on the graph read as a chain of runs of its topological order
     (the bytes crossing each cut on the edges), whose plan is the start; the devices fastest first;
     and Metis' heaviest stage on the fastest device, for the stages of the best legal baseline (where
-    the devices' speeds differ).
+    the devices' speeds differ). At most four of them; on up to EVERY_ORDER_UP_TO devices, every
+    distinct order follows them: none of the four may fit where another does (a larger device needed
+    in the middle of the pipeline, found by tests/partitioner/test_dag_step.py).
     """
     cluster = costs.cluster
     num_devices = len(costs.devices)
@@ -397,7 +404,15 @@ def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[t
         key = signature(cluster, order)
         if key not in chosen or (order in starts and chosen[key][1] is None):
             chosen[key] = (order, starts.get(order))
-    return list(chosen.values())[:4]
+    candidates = list(chosen.values())[:4]
+    if num_devices <= EVERY_ORDER_UP_TO:
+        listed = {signature(cluster, order) for order, _ in candidates}
+        for order in itertools.permutations(range(num_devices)):
+            key = signature(cluster, order)
+            if key not in listed:
+                listed.add(key)
+                candidates.append((order, None))
+    return candidates
 
 
 def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:

@@ -13,6 +13,7 @@ import itertools
 import random
 
 import networkx as nx
+import pytest
 from graphs import draw_cluster, memory_need, random_dag
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,6 +96,34 @@ def test_solve_dag_step_matches_brute_force(problem):
         return
     assert best is not None, "solve returned a plan that brute force (fitting plans only) did not find"
     pt.validate_plan(plan, graph, cluster)
+    assert pt.simulate(plan, graph, cluster).step_time_s <= best * STEP_TOLERANCE
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_solve_puts_the_largest_device_mid_pipeline_where_only_that_fits(schedule):
+    """A case hypothesis found above: the only plans that fit hold the shared layer's two calls on the
+    largest of three devices in the middle of the pipeline, an order none of the four heuristic
+    orders is; on three devices the search tries every order (solver.EVERY_ORDER_UP_TO)."""
+    graph = nx.DiGraph()
+    for name, flops, params, kept, group in [
+        ("v0", 70e9, 51200, 4096, "shared_0"),
+        ("v2", 11e9, 14336, 8192, "shared_0"),
+        ("v3", 21e9, 33792, 8192, None),
+        ("v1", 12e9, 6144, 6144, None),
+    ]:
+        group_attribute = {"colocation_group": group} if group else {}
+        graph.add_node(
+            name, flops=flops, param_bytes=params, activation_bytes=kept, layer_type="Dense", **group_attribute
+        )
+    graph.add_edges_from([("v0", "v2"), ("v2", "v3"), ("v1", "v0"), ("v1", "v2"), ("v1", "v3")], bytes=0)
+    memories = [149504, 224256, 299008]
+    cluster = pt.Cluster(
+        [pt.Device(f"/GPU:{i}", memory_bytes=m, flops_per_s=1e12) for i, m in enumerate(memories)], bandwidth=1e9
+    )
+    best = best_step(graph, cluster, num_microbatches=1, schedule=schedule)
+    assert best is not None
+    plan = pt.solve(graph, cluster, num_microbatches=1, schedule=schedule, time_limit_s=10)
+    assert plan.devices[1] == "/GPU:2"
     assert pt.simulate(plan, graph, cluster).step_time_s <= best * STEP_TOLERANCE
 
 
