@@ -191,9 +191,11 @@ def test_coarsened_solve_is_legal_and_its_bound_holds_for_the_nodes(problem):
     legal = legal_baselines(graph, cluster, num_microbatches=num_microbatches)
     if legal:
         # solve returns the shorter simulated step of its own plan and the legal baselines; only its own
-        # plan (not a baseline picked for its step) holds a bottleneck no worse than every baseline's.
+        # plan (not a baseline picked for its step), made for the bottleneck, holds a bottleneck no worse
+        # than every baseline's: a plan made for the step may trade bottleneck for step (at M = 1, one
+        # device rather than a split whose transfers lengthen the step).
         assert plan.step_time_s <= min(p.step_time_s for p in legal) * (1 + 1e-9)
-        if "shorter step than" not in plan.method:
+        if plan.objective == "bottleneck" and "shorter step than" not in plan.method:
             assert plan.bottleneck_s <= min(p.bottleneck_s for p in legal) * (1 + 1e-9)
 
 
