@@ -31,6 +31,28 @@ DEFAULT_BANDWIDTH = 50e9  # bytes/s, about PCIe 4.0 x16 in both directions
 DEFAULT_MEMORY_HEADROOM = 0.1
 
 
+def canonical_device_name(name: str) -> str:
+    """TensorFlow's full spelling of a device name, the one the runtime uses: '/GPU:1', 'gpu:1' and
+    '/device:GPU:1' are one device, '/device:GPU:1'. The one-process job TensorFlow prefixes to
+    the names of what ran ('/job:localhost/replica:0/task:0') is dropped; another job or task
+    ('/job:worker/task:1/device:GPU:0', a device of another worker) is kept. A name that is not a
+    device spec (a planning label such as 'fast') is kept as it is.
+
+    Example:
+        >>> canonical_device_name("/GPU:1"), canonical_device_name("/job:worker/task:1/device:cpu:0")
+        ('/device:GPU:1', '/job:worker/task:1/device:CPU:0')
+        >>> canonical_device_name("/job:localhost/replica:0/task:0/device:CPU:2"), canonical_device_name("fast")
+        ('/device:CPU:2', 'fast')
+    """
+    prefix, _, short = name.rpartition("device:")
+    short = short.lstrip("/")
+    kind, colon, number = short.partition(":")
+    if not colon or not number.isdigit() or not kind.replace("_", "").isalpha():
+        return name
+    prefix = "" if prefix.startswith("/job:localhost") else prefix.rstrip("/")
+    return f"{prefix}/device:{kind.upper()}:{number}"
+
+
 @dataclass(frozen=True, init=False)
 class Device:
     """One device: its TensorFlow name, memory and sustained FLOP/s.
@@ -198,13 +220,16 @@ class Cluster:
         for device in devices:
             if not isinstance(device, Device):
                 raise ClusterError(f"Cluster devices must be partitioner.Device objects. Received: {device!r}.")
-        names = [d.name for d in devices]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        keys = [canonical_device_name(d.name) for d in devices]
+        duplicates = sorted({d.name for d, key in zip(devices, keys) if keys.count(key) > 1})
         if duplicates:
-            raise ClusterError(f"Device names must be unique. Received duplicates: {duplicates}.")
+            raise ClusterError(
+                f"Device names must be unique. Received duplicates: {duplicates} (two spellings of one "
+                "TensorFlow device, such as '/GPU:0' and '/device:GPU:0', are one name)."
+            )
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "name", name)
-        object.__setattr__(self, "_index", {n: i for i, n in enumerate(names)})
+        object.__setattr__(self, "_index", {key: i for i, key in enumerate(keys)})
         object.__setattr__(self, "bandwidth_bytes_per_s", self._bandwidth_matrix(bandwidth))
 
     def _bandwidth_matrix(self, bandwidth: Any) -> tuple[tuple[float, ...], ...]:
@@ -253,13 +278,14 @@ class Cluster:
         return len(self.devices)
 
     def index(self, name: str) -> int:
-        """Position of device ``name`` in pipeline order.
+        """Position of device ``name`` in pipeline order; any spelling of the device's TensorFlow name
+        finds it (``canonical_device_name``): '/GPU:1' and '/device:GPU:1' are one device.
 
         Raises:
             ClusterError: when no device has that name; the message lists those that exist.
         """
         try:
-            return self._index[name]
+            return self._index[canonical_device_name(name)]
         except KeyError:
             raise ClusterError(f"Unknown device '{name}'. The cluster has: {self.names}.") from None
 

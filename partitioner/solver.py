@@ -457,9 +457,8 @@ def _check_pins(pins: Mapping[str, str] | None, costs: CostModel) -> dict[str, s
     unknown_nodes = sorted(v for v in pins if v not in costs.compute_s)
     if unknown_nodes:
         raise InputError(f"Pinned node(s) {unknown_nodes[:5]} are not in the layer graph.")
-    for _v, device in pins.items():
-        costs.cluster.index(device)  # raises ClusterError listing the devices that exist
-    return pins
+    # each pin in the cluster's own spelling of its device; raises ClusterError listing the devices that exist
+    return {v: costs.cluster.names[costs.cluster.index(device)] for v, device in pins.items()}
 
 
 def _solve_fine(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from partitioner.cluster import Cluster, Device
+from partitioner.cluster import Cluster, Device, canonical_device_name
 from partitioner.errors import ClusterError, InputError
 
 
@@ -60,10 +60,8 @@ def local_device_names() -> list[str]:
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
-def canonical(name: str) -> str:
-    """'/GPU:1', 'GPU:1' and '/device:GPU:1' -> '/device:GPU:1' (TensorFlow's full form)."""
-    short = name.split("device:")[-1].lstrip("/")
-    return f"/device:{short.upper()}" if ":" in short else name
+# '/GPU:1', 'GPU:1' and '/device:GPU:1' -> '/device:GPU:1': the planner's one rule for device names
+canonical = canonical_device_name
 
 
 def resolve_devices(

@@ -25,6 +25,7 @@ from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own 
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
+from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
@@ -88,7 +89,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def __init__(self, rebuilt: Rebuilt, plan: Plan, original: Any, options: ExecutionOptions, **kwargs: Any) -> None:
         super().__init__(name=kwargs.pop("name", f"{original.name}_pipelined"), **kwargs)
         self.staged = rebuilt.model
-        stages = tuple(plan.stages)
+        stages = tuple(canonical(d) for d in plan.stages)  # the spelling the rebuilt layers' devices use
         executor = Executor(rebuilt.model, cut_stages(rebuilt.model, rebuilt.device_of, stages), options)
         self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
 

@@ -133,7 +133,7 @@ def plan_and_wrap(
     solve_options: dict[str, Any] = {
         "optimizer_slots": optimizer_slots,
         "time_limit_s": time_limit_s,
-        "pins": {k: canonical(v) for k, v in (pins or {}).items()} or None,
+        "pins": pins,
         "recompute": recompute,
     }
     try:

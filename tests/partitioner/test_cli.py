@@ -370,8 +370,11 @@ def test_cli_placement_runs_a_step_and_reports_where_ops_ran(model_module, capsy
     assert rows and all(row[-1] == "(100%)" and not row[2].startswith("0/") for row in rows)
 
 
-def test_cli_placement_of_a_plan_with_recompute(model_module, tmp_path, capsys, virtual_devices) -> None:
-    """A two-stage plan written earlier, run with 1F1B and recomputation: both stages' work on their devices."""
+@pytest.mark.parametrize("spelling", ["tensorflow", "cluster file"])
+def test_cli_placement_of_a_plan_with_recompute(spelling, model_module, tmp_path, capsys, virtual_devices) -> None:
+    """A two-stage plan written earlier, run with 1F1B and recomputation: both stages' work on their devices,
+    whether the plan spells its devices as TensorFlow lists them ('/device:CPU:0') or as the bundled
+    cluster files do ('/CPU:0')."""
     import importlib.util
 
     from profiles import profile_model
@@ -381,7 +384,8 @@ def test_cli_placement_of_a_plan_with_recompute(model_module, tmp_path, capsys, 
     spec.loader.exec_module(module)
     model = module.build()
     graph = profile_model(model, batch_size=8, num_microbatches=2, measure_time=False)
-    cluster = pt.Cluster([pt.Device(d, memory="1GiB") for d in virtual_devices[:2]])
+    names = virtual_devices[:2] if spelling == "tensorflow" else [d.replace("/device:", "/") for d in virtual_devices[:2]]
+    cluster = pt.Cluster([pt.Device(d, memory="1GiB") for d in names])
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(pt.baselines.uniform(graph, cluster, num_microbatches=2).to_json())
     argv = ["placement", f"{model_module}:build", "--plan", str(plan_file), "--schedule", "1f1b"]

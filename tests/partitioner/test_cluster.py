@@ -369,3 +369,16 @@ def test_cluster_groups_refuse_malformed_input_in_one_line(changes, match):
     with pytest.raises(ClusterError, match=match) as info:
         Cluster.from_dict(data)
     assert "\n" not in str(info.value)
+
+
+def test_cluster_index_finds_any_spelling_of_a_device() -> None:
+    cluster = Cluster([Device("/CPU:0", memory="1GiB"), Device("/device:GPU:1", memory="1GiB")])
+    assert [cluster.index(n) for n in ("/device:CPU:0", "cpu:0", "/CPU:0")] == [0, 0, 0]
+    assert [cluster.index(n) for n in ("/GPU:1", "/job:localhost/replica:0/task:0/device:GPU:1")] == [1, 1]
+    with pytest.raises(ClusterError, match=r"Unknown device '/job:worker/task:1/device:CPU:0'"):
+        cluster.index("/job:worker/task:1/device:CPU:0")  # another worker's device is another device
+
+
+def test_cluster_refuses_two_spellings_of_one_device() -> None:
+    with pytest.raises(ClusterError, match=r"Received duplicates: \['/GPU:0', '/device:GPU:0'\] \(two spellings"):
+        Cluster([Device("/GPU:0", memory="1GiB"), Device("/device:GPU:0", memory="1GiB")])

@@ -202,6 +202,26 @@ def test_wrap_accepts_a_plan_from_json(virtual_devices) -> None:
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+def test_plans_on_devices_spelled_as_in_cluster_files_run(virtual_devices) -> None:
+    """The bundled cluster files spell devices '/CPU:0', TensorFlow '/device:CPU:0': a plan made on either,
+    with pins in a third spelling, runs through plan_and_wrap and through wrap of its JSON, cut in two."""
+    model, x, y, loss = _model_and_data()
+    cluster = pt.Cluster.from_json("2xCPU")
+    assert cluster.names == ["/CPU:0", "/CPU:1"]
+    first, last = model.layers[1].name, model.layers[-1].name
+    pins = {first: "cpu:0", last: "/device:CPU:1"}
+    wrapped = plan_and_wrap(model, devices=cluster, batch_size=16, num_microbatches=2, pins=pins)
+    assert wrapped.plan.num_stages == 2
+    assert (wrapped.plan.assignment[first], wrapped.plan.assignment[last]) == ("/CPU:0", "/CPU:1")
+    again = wrap(model, pt.Plan.from_json(wrapped.plan.to_json()))
+    for each in (wrapped, again):
+        np.testing.assert_allclose(each(x), model(x), rtol=1e-6, atol=1e-6)
+        each.compile(optimizer="sgd", loss=loss)
+        assert np.isfinite(each.train_on_batch(x[:16], y[:16]))
+        report = placement_report(each)
+        assert report.ok and set(report.planned.values()) == set(virtual_devices[:2]), report.misplaced
+
+
 # ----- errors, by message -------------------------------------------------------------------------
 
 
