@@ -384,7 +384,7 @@ def test_cli_placement_of_a_plan_with_recompute(spelling, model_module, tmp_path
     spec.loader.exec_module(module)
     model = module.build()
     graph = profile_model(model, batch_size=8, num_microbatches=2, measure_time=False)
-    names = virtual_devices[:2] if spelling == "tensorflow" else [d.replace("/device:", "/") for d in virtual_devices[:2]]
+    names = [d if spelling == "tensorflow" else d.replace("/device:", "/") for d in virtual_devices[:2]]
     cluster = pt.Cluster([pt.Device(d, memory="1GiB") for d in names])
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(pt.baselines.uniform(graph, cluster, num_microbatches=2).to_json())
