@@ -849,7 +849,10 @@ class _TrainStep:
             [_collect(c, micro.m, x) for c, x in zip(collectors, moments)]
             for collectors, moments in zip(new["statistics"][s], stats)
         ]
-        micro.values.update({id(t): x for t, x in zip(program.returns, outputs)})
+        for symbolic, value in zip(program.returns, outputs):
+            # a model output the stage only passes on (it reads it from an earlier stage) keeps the value it
+            # came in with: the backward takes its gradients for what the stage read, not for the copy returned
+            micro.values.setdefault(id(symbolic), value)
         micro.kept[s] = (tape, outputs, layer_loss, seeds, loss_gradients)
         micro.done[s] = [*outputs, *(loss_gradients or [])]
         return micro.done[s]

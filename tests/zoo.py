@@ -90,6 +90,24 @@ def two_in_two_out() -> Entry:
     return model, make, [SCCE, keras.losses.MeanSquaredError()]
 
 
+def returned_and_read() -> Entry:
+    """A tensor that is a model output and is read by later layers too (an encoder's output returned
+    beside the decoder's): its producer's gradient comes from both."""
+    inputs = keras.Input((12,), name="features")
+    embedding = keras.layers.Dense(8, activation="tanh", name="embedding")(inputs)
+    x = keras.layers.Dense(16, activation="relu", name="reader")(embedding)
+    x = keras.layers.Dense(16, activation="relu")(x)
+    label = keras.layers.Dense(3, name="label")(x)
+    model = keras.Model(inputs, [embedding, label], name="returned_and_read")
+
+    def make(batch_size: int, seed: int) -> Batch:
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(batch_size, 12)).astype("float32")
+        return x, [rng.normal(size=(batch_size, 8)).astype("float32"), rng.integers(0, 3, batch_size)]
+
+    return model, make, [keras.losses.MeanSquaredError(), SCCE]
+
+
 def shared_layer() -> Entry:
     """One Dense layer called twice: two nodes, one colocation group, one set of weights."""
     inputs = keras.Input((12,))
@@ -155,6 +173,7 @@ ZOO: dict[str, Callable[[], Entry]] = {
     "cifar_cnn": cifar_cnn,
     "resnet_style": resnet_style,
     "two_in_two_out": two_in_two_out,
+    "returned_and_read": returned_and_read,
     "shared_layer": shared_layer,
     "nested_sequential": nested_sequential,
     "mobilenet_v2": mobilenet_v2,

@@ -22,7 +22,7 @@ from zoo import ZOO, has_batch_norm
 import partitioner as pt
 from partitioner.errors import ProfileError
 from profiles import profile_model
-from runtime import placement_report, wrap
+from runtime import placement_report, plan_and_wrap, wrap
 from runtime.rebuild import seed_states
 
 BATCH = 8
@@ -217,6 +217,37 @@ def test_transparency_matches_original(
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "recompute", "num_devices"), [("gpipe", "never", 2), ("1f1b", "always", 3), ("gpipe", "always", 3)]
+)
+def test_output_read_by_a_later_stage_trains_as_the_original(schedule, recompute, num_devices, virtual_devices) -> None:
+    """A model output that a layer of a later stage reads too: the producer's weights take the gradient
+    of both (the loss of the output, and the loss through the reader), as in the original, with Adam.
+    Before the fix the last stage took its gradient for the copy of the output it returned, and the
+    producer lost everything that came through the reader."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["returned_and_read"]()
+    x, y = make_batch(BATCH, 1)
+    devices = virtual_devices[:num_devices]
+    pins = {"embedding": devices[0], "reader": devices[1], "label": devices[-1]}
+    wrapped = plan_and_wrap(
+        model, devices=devices, batch_size=BATCH, num_microbatches=4, pins=pins, schedule=schedule, recompute=recompute
+    )
+    assert wrapped.plan.num_stages == num_devices
+    assert wrapped.plan.assignment["embedding"] != wrapped.plan.assignment["reader"]
+    reference = _copy(model)
+    for each in (reference, wrapped):
+        each.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, loss_weights=[0.5, 1.0])
+    for _ in range(2):
+        expected = reference.train_on_batch(x, y, return_dict=True)
+        logs = wrapped.train_on_batch(x, y, return_dict=True)
+        assert_close(logs["loss"], expected["loss"])
+    after, weights = wrapped.unwrap().get_weights(), reference.get_weights()
+    assert len(after) == len(weights) == len(model.get_weights())
+    for actual, value in zip(after, weights):
+        assert_close(actual, value)
 
 
 @pytest.mark.parametrize("batch_norm", ["deferred", "per_microbatch"])
