@@ -115,6 +115,28 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """The object that emits the schedule's actions into a training step (stages, schedule, functions)."""
         return self._state.executor
 
+    @property
+    def output_names(self) -> list[str]:
+        """The original model's output names: Keras' compile names each output's loss and metrics by
+        them (``label_loss``, ``label_accuracy``) and matches a dict of losses to them."""
+        return list(self._state.original.output_names)
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The symbolic inputs of the staged model (those of the original, in its order)."""
+        return list(self.staged.inputs)
+
+    @property
+    def outputs(self) -> list[Any]:
+        """The symbolic outputs of the staged model (those of the original, in its order)."""
+        return list(self.staged.outputs)
+
+    def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
+        """The layer of the staged model by name (or index): the copy on its device, whose weights are
+        the ones training moves. Nested models are flattened: their layers are found by their own names
+        (``"inner_fc"`` where a name repeats across nesting levels)."""
+        return self.staged.get_layer(name=name, index=index)
+
     def device_of(self, layer: Any) -> str:
         """The device a (cloned) layer of ``self.staged`` runs on."""
         return self._state.rebuilt.device_of[id(layer)]

@@ -378,3 +378,26 @@ def test_plan_and_wrap_chooses_microbatches_and_schedule(virtual_devices) -> Non
     assert (wrapped.num_microbatches, wrapped.options.schedule) == (8, wrapped.plan.schedule)
     x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_log_under_the_original_names(virtual_devices) -> None:
+    """Two outputs, per-output losses and metrics, a dict of losses: fit's history has the original's keys
+    and values, so callbacks that monitor them (EarlyStopping, ModelCheckpoint, CSVLogger) find them."""
+    model, x, y, _ = _model_and_data("two_in_two_out")
+    plan = _uniform_plan(model, virtual_devices, num_microbatches=2)
+    assert plan.num_stages == 2
+    wrapped = wrap(model, plan)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    losses = {"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"}
+    for each in (reference, wrapped):
+        each.compile(optimizer="adam", loss=losses, metrics={"label": ["accuracy"], "value": ["mae"]})
+    expected = reference.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    history = wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    assert sorted(history) == sorted(expected) == ["label_accuracy", "label_loss", "loss", "value_loss", "value_mae"]
+    for key, values in expected.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert wrapped.output_names == ["label", "value"]
+    assert [t.name for t in wrapped.inputs] == [t.name for t in model.inputs]
+    assert len(wrapped.outputs) == 2
+    np.testing.assert_allclose(wrapped.get_layer("label").kernel, wrapped.unwrap().get_layer("label").kernel)
