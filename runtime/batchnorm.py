@@ -13,7 +13,10 @@ whole batch's mean and (biased) variance:
 which is exactly the moving update of the original model on the whole batch. ``"per_microbatch"``
 moves them after each micro-batch, M times a step, towards that micro-batch's statistics, as Keras'
 layer would. Either way the repeated rows that pad a remainder batch (``runtime.executor``) are left
-out of the statistics.
+out of the statistics. Any axis works (``axis=1`` of a channels-first tensor: statistics over every
+other axis). A batch normalization the runtime cannot normalize itself (renorm, a Keras mask, one inside
+another layer) is refused under ``"deferred"`` with M > 1 (``check_deferrable``): Keras' layer would move
+its statistics M times a step.
 """
 
 from __future__ import annotations
@@ -24,20 +27,55 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from partitioner.errors import InputError
+
 BATCH_NORM = ("deferred", "per_microbatch")
 
 
 def is_plain_batch_norm(operation: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """A trainable BatchNormalization over the last axis, without renorm or a mask of its own: its
-    training forward is ``normalize``'s."""
+    """A trainable BatchNormalization without renorm or a mask of its own, over any axis: its training
+    forward is ``normalize``'s. ``synchronized=True`` is one too: it syncs the statistics across the
+    replicas of a tf.distribute strategy, and a pipeline's batch is one replica's (Keras' synchronized
+    moments over one replica are the plain moments)."""
     if not isinstance(operation, keras.layers.BatchNormalization) or not operation.trainable:
         return False
-    if getattr(operation, "renorm", False) or getattr(operation, "synchronized", False):
+    if getattr(operation, "renorm", False):
         return False
     if kwargs.get("mask") is not None or not args or not hasattr(args[0], "shape"):
         return False
-    rank = len(args[0].shape)
-    return rank >= 2 and operation.axis in (-1, rank - 1)
+    return len(args[0].shape) >= 2
+
+
+def check_deferrable(nodes: Sequence[Any], num_microbatches: int) -> None:
+    """Raises InputError for a batch normalization the deferred update cannot move once per step (M > 1).
+
+    The runtime normalizes the BatchNormalization calls of the flat graph itself; one with renorm,
+    one called with a Keras mask, or one inside another layer would be left to Keras' layer, which
+    moves its moving statistics in every forward: M times a step, towards each micro-batch's.
+    """
+    if num_microbatches == 1:
+        return
+    for node in nodes:
+        operation = node.operation
+        found: list[tuple[Any, str]] = []
+        if isinstance(operation, keras.layers.BatchNormalization) and operation.trainable:
+            if getattr(operation, "renorm", False):
+                found.append((operation, "uses renorm=True (its renormalization statistics move in every forward)"))
+            elif node.arguments.kwargs.get("mask") is not None:
+                found.append((operation, "is called with a Keras mask"))
+        inner = operation._flatten_layers(include_self=False) if hasattr(operation, "_flatten_layers") else []
+        inside = f"is inside layer '{operation.name}' ({type(operation).__name__})"
+        found += [(layer, inside) for layer in inner if isinstance(layer, keras.layers.BatchNormalization)]
+        for layer, reason in found:
+            if not layer.trainable:
+                continue
+            raise InputError(
+                f"BatchNormalization '{layer.name}' {reason}: the runtime cannot defer its moving statistics "
+                "(batch_norm='deferred' moves them once per step, towards the whole batch's), and Keras' layer "
+                f"moves them {num_microbatches} times a step, towards each micro-batch's. Expected a trainable "
+                "BatchNormalization without renorm, called in the model's graph without a Keras mask; or wrap "
+                "with batch_norm='per_microbatch' to ask for those updates, or num_microbatches=1."
+            )
 
 
 def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -52,14 +90,15 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
         (the normalised outputs, [mean, variance, number of values counted per channel]).
     """
     x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-    axes = layer._reduction_axes
+    axes = layer._reduction_axes  # every axis but the layer's
     rank = len(x.shape)
     weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
     weights = tf.broadcast_to(weights, tf.shape(x))
-    count = tf.reduce_sum(weights, axis=axes)
+    count = tf.reduce_sum(weights, axis=axes, keepdims=True)
     n = tf.maximum(count, 1.0)  # a micro-batch of repeated rows only: zeros, not NaN
-    mean = tf.reduce_sum(weights * x, axis=axes) / n
-    variance = tf.reduce_sum(weights * tf.square(x - tf.stop_gradient(mean)), axis=axes) / n
+    mean = tf.reduce_sum(weights * x, axis=axes, keepdims=True) / n  # kept dims: broadcasts over x on any axis
+    variance = tf.reduce_sum(weights * tf.square(x - tf.stop_gradient(mean)), axis=axes, keepdims=True) / n
+    count, mean, variance = (tf.reshape(t, [-1]) for t in (count, mean, variance))  # one value per channel
     gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
     beta = tf.cast(layer.beta, x.dtype) if layer.center else None
     outputs = keras.ops.batch_normalization(

@@ -42,7 +42,7 @@ from keras.src.backend import set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
-from runtime.batchnorm import BATCH_NORM, is_plain_batch_norm, normalize, update_moving_statistics
+from runtime.batchnorm import BATCH_NORM, check_deferrable, is_plain_batch_norm, normalize, update_moving_statistics
 from runtime.stages import Stage, output_masks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -408,6 +408,8 @@ class Executor:
                 f"recompute has {len(options.recompute)} entries for {len(self.stages)} stages: give one per stage."
             )
         self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
+        if options.batch_norm == "deferred":
+            check_deferrable([node for stage in self.stages for node in stage.nodes], options.num_microbatches)
         # the one Keras mask every model output carries (runtime.rebuild refuses others), or None
         self.mask = next(iter(output_masks(model)), None)
         # what the last stage returns for the loss: the model's outputs, and their mask

@@ -313,6 +313,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             >>> fresh.load_weights("step.weights.h5")        # doctest: +SKIP
         """
         plain, layers = self._plain_twin(every_place=False)
+        copy_weights(layers)  # what the file does not hold stays as it is (a weights file has no assets: vocabularies)
         compile_like(self, plain, [])  # an optimizer of the same kind, for the state the file holds
         plain.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
         copy_weights([(target, clone) for clone, target in layers])

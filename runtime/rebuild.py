@@ -15,6 +15,7 @@ model plus a map from each cloned operation to its device.
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ class Rebuilt:
 
     model: Any  # keras.Model (Functional) made of the clones
     device_of: dict[int, str]  # id(cloned operation) -> TensorFlow device name
-    origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights or seeds
+    origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights, seeds or kept state
     node_of: dict[int, str]  # id(cloned operation) -> the plan's node name (first call)
 
 
@@ -104,7 +105,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             clones[id(operation)] = clone
             device_of[id(clone)] = device
             node_of[id(clone)] = call.name
-            if getattr(operation, "weights", None) or seed_states(operation):
+            if getattr(operation, "weights", None) or seed_states(operation) or _keeps_state(operation):
                 origin.append((operation, clone))
         with tf.device(device):
             outputs = clone(*args, **kwargs)
@@ -303,18 +304,51 @@ def _clone(operation: Any, name: str) -> Any:
     return clone
 
 
+def _layers(operation: Any) -> list[Any]:
+    """The layer and every layer inside it, in Keras' order (a Keras op: itself)."""
+    return list(operation._flatten_layers()) if hasattr(operation, "_flatten_layers") else [operation]
+
+
 def seed_states(operation: Any) -> list[Any]:
     """The state variables of the seed generators (dropout and other random layers) in a layer, in order."""
-    layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
-    return [generator.state for layer in layers for generator in getattr(layer, "_seed_generators", [])]
+    return [generator.state for layer in _layers(operation) for generator in getattr(layer, "_seed_generators", [])]
+
+
+def _keeps_state(operation: Any) -> bool:
+    """True iff ``operation`` or a layer in it adapts to data or saves assets (see ``copy_weights``)."""
+    return any(hasattr(layer, "finalize_state") or hasattr(layer, "save_assets") for layer in _layers(operation))
 
 
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
-    """Sets each destination's weights and random-seed states to its source's: [(source, destination), ...].
+    """Sets each destination's weights, kept state and random-seed states to its source's: [(source, destination), ...].
 
     The seed states go along so that a copy draws the dropout masks its source would draw next.
+    Layers that adapt to data (``finalize_state``) or save assets keep state that ``set_weights``
+    does not set: Normalization's mean and variance are tensors derived from its variables (its
+    ``load_own_variables`` derives them again), a lookup's vocabulary (StringLookup, IntegerLookup,
+    TextVectorization) is a lookup table that Keras saves as an asset, and a TF-IDF lookup's weights
+    a variable outside ``weights``. Each such layer inside a pair is copied as Keras' ``save`` and
+    ``load_model`` copy it: ``save_own_variables`` into ``load_own_variables``, then ``save_assets``
+    into ``load_assets`` through a temporary folder. Other layers are copied by ``set_weights`` only
+    (Keras' ``save_own_variables`` of a Dense with LoRA would merge the adapters into the kernel).
     """
     for source, destination in pairs:
         destination.set_weights(source.get_weights())
+        sources, destinations = _layers(source), _layers(destination)
+        if len(sources) != len(destinations):
+            raise ProfileError(
+                f"Cannot copy the state of '{source.name}' into '{destination.name}': they hold "
+                f"{len(sources)} and {len(destinations)} layers. Expected the copy made from the layer's "
+                "config to hold the same layers; make the layer's build create every layer inside it."
+            )
+        for layer, copy in zip(sources, destinations):
+            if _keeps_state(layer):
+                store: dict[str, Any] = {}
+                layer.save_own_variables(store)
+                copy.load_own_variables(store)
+                if hasattr(layer, "save_assets"):
+                    with tempfile.TemporaryDirectory() as folder:
+                        layer.save_assets(folder)
+                        copy.load_assets(folder)
         for state, copy in zip(seed_states(source), seed_states(destination)):
             copy.assign(state.value)

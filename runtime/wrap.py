@@ -92,8 +92,10 @@ def plan_and_wrap(
             compute for far less activation memory); "auto" lets the planner recompute a stage only
             where its kept activations would not fit (``plan.recompute`` says which).
         batch_norm: "deferred" (each micro-batch normalised by its own statistics, the moving
-            statistics moved once per step towards the whole batch's, as the original model does) or
-            "per_microbatch" (Keras' layer as is: M moving updates per step).
+            statistics moved once per step towards the whole batch's, as the original model does;
+            with M > 1 a batch normalization with renorm, called with a Keras mask or inside another
+            layer is refused) or "per_microbatch" (M moving updates per step, as Keras' layer makes
+            micro-batch by micro-batch).
         input_shapes: the shapes to plan for where the model leaves non-batch dimensions open
             (keras-hub backbones take ``(None, None)`` token ids): ``{"token_ids": (128,)}`` or a
             list in the order of ``model.inputs``, without the batch axis. The wrapped model still
@@ -186,6 +188,7 @@ def wrap(
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
+        InputError: when ``batch_norm="deferred"`` meets a batch normalization it cannot defer.
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"wrap needs a partitioner.Plan. Received: {type(plan).__name__}.")

@@ -82,7 +82,8 @@ def _reference_loss(
         x_m, y_m = _slice(x, start, start + size), _slice(y, start, start + size)
         with tf.GradientTape() as probe_tape:
             probe_tape.stop_recording()
-            seen.append([np.asarray(t, dtype=np.float64) for t in probe(x_m, training=True)])
+            # flattened: a probe of one batch norm returns its one tensor, not a list
+            seen.append([np.asarray(t, dtype=np.float64) for t in keras.tree.flatten(probe(x_m, training=True))])
         loss = model.compute_loss(x=x_m, y=y_m, y_pred=model(x_m, training=True), training=True)
         total += loss * size / batch
         start += size
@@ -90,7 +91,7 @@ def _reference_loss(
         variable.assign(value)
     for i, layer in enumerate(norms):
         inputs = np.concatenate([parts[i] for parts in seen], axis=0)
-        axes = tuple(range(inputs.ndim - 1))
+        axes = tuple(a for a in range(inputs.ndim) if a != layer.axis % inputs.ndim)  # all but the layer's axis
         for variable, value in ((layer.moving_mean, inputs.mean(axes)), (layer.moving_variance, inputs.var(axes))):
             variable.assign(variable.numpy() * layer.momentum + value * (1 - layer.momentum))
     return total
@@ -275,6 +276,104 @@ def test_batch_norm_remainder_batch_matches_microbatched_original(batch_norm: st
                 ref_loss += reference.compute_loss(x=x_m, y=y_m, y_pred=y_pred, training=True) * size / 13
                 start += size
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+def _channels_first(axis: int, synchronized: bool) -> keras.Model:
+    """(batch, 4 channels, 6 steps) through Dense layers (on the last axis), normalised over ``axis``:
+    1 for the channels, -1 for the steps; [input, dense, bn | relu, flatten, head] on 2 stages."""
+    inputs = keras.Input((4, 6))
+    h = keras.layers.Dense(6, name="mix")(inputs)
+    h = keras.layers.BatchNormalization(axis=axis, synchronized=synchronized, momentum=0.5, name="bn")(h)
+    h = keras.layers.Flatten(name="flat")(keras.layers.ReLU(name="relu")(h))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+@pytest.mark.parametrize("axis", [1, -1])
+def test_batch_norm_on_any_axis_is_deferred(axis: int, synchronized: bool, virtual_devices) -> None:
+    """M = 4: a BatchNormalization over the channels (axis=1) or the last axis, synchronized or not, moves
+    its moving statistics once per step towards the whole batch's statistics over every other axis, and
+    the loss, gradients and weights after a step are the micro-batched original's."""
+    keras.utils.set_random_seed(0)
+    model = _channels_first(axis, synchronized)
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(BATCH, 4, 6)) * np.arange(1, 5)[None, :, None] + 3).astype("float32")
+    y = rng.normal(size=(BATCH, 3)).astype("float32")
+    plan = _plan(model, virtual_devices, 2, 4)
+    assert plan.assignment["bn"] == plan.stages[0]
+    wrapped = wrap(model, plan, validate=False)
+    reference = _copy(model)
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, 4)
+    ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
+    pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
+    assert_close(float(pipe_loss), float(ref_loss))
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
+    assert len(pairs) == len(model.trainable_weights)
+    for original, clone in pairs:
+        assert_close(clone_grad[id(clone)], ref_grads[index[id(original)]])
+
+    wrapped = wrap(model, plan, validate=False)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference = _copy(model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with tf.GradientTape() as tape:
+        ref_loss = _reference_loss(reference, x, y, 4)
+    moved = reference.get_layer("bn").moving_variance.numpy()
+    assert np.max(np.abs(moved - 1.0)) > 0.1  # the reference moved its statistics, far from their start
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+
+
+class _NormalizedDense(keras.layers.Layer):
+    """Dense then BatchNormalization inside one layer: the runtime sees the outer layer only."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, inputs, training=None):
+        return self.norm(self.dense(inputs), training=training)
+
+
+def _undeferrable(case: str) -> keras.Model:
+    """A batch normalization whose moving statistics the runtime cannot move once per step."""
+    if case == "masked":
+        tokens = keras.Input((5,), dtype="int32")
+        h = keras.layers.Embedding(9, 4, mask_zero=True, name="embed")(tokens)
+        h = keras.layers.BatchNormalization(name="bn")(h)  # Keras passes it the embedding's mask
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        return keras.Model(tokens, keras.layers.Dense(2, name="head")(h))
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(4, name="d0")(inputs)
+    if case == "renorm":
+        h = keras.layers.BatchNormalization(renorm=True, name="bn")(h)
+    else:
+        h = _NormalizedDense(name="block")(h)
+    h = keras.layers.Dense(4, name="d1")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("renorm", r"BatchNormalization 'bn' uses renorm=True"),
+        ("masked", r"BatchNormalization 'bn' is called with a Keras mask"),
+        ("nested", r"BatchNormalization '\w+' is inside layer 'block' \(_NormalizedDense\)"),
+    ],
+)
+def test_batch_norm_that_cannot_be_deferred_is_refused(case: str, message: str, virtual_devices) -> None:
+    """Keras' own layer would move its moving statistics M times a step: refused unless asked for."""
+    model = _undeferrable(case)
+    plan = _plan(model, virtual_devices, 2, 4)
+    with pytest.raises(pt.InputError, match=message + r".*moves them 4 times a step.*batch_norm='per_microbatch'"):
+        wrap(model, plan, validate=False)
+    wrap(model, plan, validate=False, batch_norm="per_microbatch")  # the M updates, asked for
+    wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)  # one micro-batch: Keras' own update
 
 
 def _dropout_model() -> keras.Model:
