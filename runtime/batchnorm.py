@@ -107,12 +107,18 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
     return tf.cast(outputs, layer.compute_dtype), [mean, variance, count]
 
 
-def update_moving_statistics(layer: Any, stats: Sequence[Sequence[tf.Tensor]]) -> None:
-    """Moves ``layer``'s statistics once, towards the whole batch's: ``stats`` is [mean, variance, count] per part."""
+def combine(stats: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+    """[mean, variance, count] of the union of parts, each given as [mean, variance, count]."""
     counts = [s[2] for s in stats]
     total = tf.add_n(counts)
     mean = tf.add_n([n * s[0] for n, s in zip(counts, stats)]) / total
     variance = tf.add_n([n * (s[1] + tf.square(s[0] - mean)) for n, s in zip(counts, stats)]) / total
+    return [mean, variance, total]
+
+
+def update_moving_statistics(layer: Any, stats: Sequence[Sequence[tf.Tensor]]) -> None:
+    """Moves ``layer``'s statistics once, towards the whole batch's: ``stats`` is [mean, variance, count] per part."""
+    mean, variance, _ = combine(stats)
     momentum = layer.momentum
     for variable, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
         old = tf.cast(variable.value, value.dtype)

@@ -42,7 +42,15 @@ from keras.src.backend import set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.schedule import Schedule
-from runtime.batchnorm import BATCH_NORM, check_deferrable, is_plain_batch_norm, normalize, update_moving_statistics
+from runtime.batchnorm import (
+    BATCH_NORM,
+    check_deferrable,
+    combine,
+    is_plain_batch_norm,
+    normalize,
+    update_moving_statistics,
+)
+from runtime.replicas import Replicas, StageCollectives
 from runtime.stages import Stage, output_masks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -158,6 +166,8 @@ class StageProgram:
             if v.dtype != "string"
         ]
         self.num_microbatches = options.num_microbatches
+        # the parts a step's batch is split into: micro-batches, times replicas (runtime.replicas)
+        self.num_parts = options.num_microbatches * options.num_replicas
         self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
         # layers whose activity regularizer the stage applies itself, to the micro-batch's own rows
         self.regularized = any(getattr(op, "activity_regularizer", None) is not None for op in stage.operations)
@@ -227,7 +237,7 @@ class StageProgram:
         if isinstance(operation, keras.layers.Layer):
             added = [x for layer in operation._flatten_layers(include_self=True) for x in layer._get_own_losses()]
             operation._clear_losses()  # the tensors belong to this function's graph: leave none behind
-            if added and self.num_microbatches > 1:
+            if added and self.num_parts > 1:
                 self.unsplittable[kind] = operation.name
             elif added:
                 terms += [tf.reduce_sum(tf.cast(x, tf.float32)) for x in added]
@@ -236,7 +246,7 @@ class StageProgram:
                 if not tf.is_tensor(output):
                     continue
                 if output.shape.rank == 0:  # no rows to split: Keras takes it whole
-                    if self.num_microbatches > 1:
+                    if self.num_parts > 1:
                         self.unsplittable[kind] = operation.name
                     else:
                         terms.append(tf.cast(regularizer(output), tf.float32))
@@ -371,8 +381,10 @@ class ExecutionOptions:
     recompute: tuple[bool, ...] = ()
     batch_norm: str = "deferred"  # "deferred": one moving-statistics update per step; "per_microbatch": M updates
     jit_compile: bool = False  # compile each stage's functions with XLA on its device
+    num_replicas: int = 1  # D: copies of the pipeline whose stages sum their gradients (runtime.replicas)
 
     def __post_init__(self) -> None:
+        Replicas(self.num_replicas)  # an integer >= 1, or one clear error
         for name, allowed in (("schedule", SCHEDULES), ("batch_norm", BATCH_NORM)):
             value = getattr(self, name)
             if value not in allowed:
@@ -419,6 +431,12 @@ class Executor:
             StageProgram(s, (*s.outputs, *(self.loss_tensors if s.index == last else ())), options) for s in self.stages
         ]
         self._loss_functions: dict[Any, Any] = {}
+        # the R action: each stage's collectives with the same stage of the other replicas (none when D = 1)
+        self.collectives = (
+            [StageCollectives(s.index, s.device, options.num_replicas) for s in self.stages]
+            if options.num_replicas > 1
+            else []
+        )
 
     def loss_function(self, loss_fn: Any, scale_loss: Any) -> Any:
         """f(y, flat_predictions, mask, sample_weight, rows, share) -> (a micro-batch's loss as its share of
@@ -913,14 +931,18 @@ class _TrainStep:
         return totals
 
     def finish(self, carry: dict[str, Any]) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
-        """After the last micro-batch, per stage on its device: the weights' regularization (once per
-        step, with its gradients) and the deferred batch-norm updates; returns what ``Executor.train`` does."""
+        """After the last micro-batch, per stage on its device: with replicas, the ``R`` action (the
+        stage's gradients, batch-norm moments and, on the last stage, the loss summed with the other
+        replicas'); then the weights' regularization (once per step, with its gradients) and the deferred
+        batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
         sums = [list(grads) for grads in carry["gradients"]]
         last = executor.stages[-1].device
-        losses = [carry["loss"]]
+        loss = carry["loss"]
+        layer_loss = carry["layer_loss"] if any(self.layer_losses) else None
+        count = self.parts.batch_rows  # what the step's loss is a mean over: rows, or valid steps with a mask
         if executor.mask is not None:  # sum over valid steps / batch's steps -> the mean over valid steps
-            if any(self.layer_losses):
+            if layer_loss is not None:
                 raise InputError(
                     "The model's output carries a Keras mask and its layers add losses (add_loss, activity "
                     "regularizers): the pipelined step weights the output loss by the batch's valid steps after "
@@ -930,30 +952,67 @@ class _TrainStep:
             with tf.device(last):
                 valid, steps = tf.unstack(carry["steps"])
                 correction = tf.math.divide_no_nan(steps, valid)
-                losses = [losses[0] * correction]
+                loss, count = loss * correction, valid
             for stage, grads in zip(executor.stages, sums):
                 with tf.device(stage.device):
                     grads[:] = [None if g is None else g * tf.cast(correction, g.dtype) for g in grads]
-        if any(self.layer_losses):
-            losses.append(carry["layer_loss"])
+        statistics = []  # per stage: [(layer, [[mean, variance, count] per part])], one entry per layer
+        for program, collected in zip(executor.programs, carry["statistics"]):
+            moments: dict[int, tuple[Any, list[Any]]] = {}
+            for layer, collectors in zip(program.deferred_layers, collected):
+                parts = [_parts(c, executor.num_microbatches) for c in collectors]
+                moments.setdefault(id(layer), (layer, []))[1].extend(list(x) for x in zip(*parts))
+            statistics.append(list(moments.values()))
+        if executor.collectives:
+            loss, layer_loss = self._reduce(sums, statistics, loss, layer_loss, count)
+        losses = [loss] + ([] if layer_loss is None else [layer_loss])
         gradients = []
-        for program, grads, collected in zip(executor.programs, sums, carry["statistics"]):
+        for program, grads, moments in zip(executor.programs, sums, statistics):
             stage = program.stage
             with tf.device(stage.device):
-                penalties = _regularization(stage, grads, self.scale_loss)
+                penalties = _regularization(stage, grads, self.scale_loss)  # the same on every replica: after R
                 if penalties is not None:
                     losses.append(penalties)
-                moments: dict[int, tuple[Any, list[Any]]] = {}
-                for layer, collectors in zip(program.deferred_layers, collected):
-                    parts = [_parts(c, executor.num_microbatches) for c in collectors]
-                    moments.setdefault(id(layer), (layer, []))[1].extend(list(x) for x in zip(*parts))
-                for layer, stats in moments.values():
+                for layer, stats in moments:
                     update_moving_statistics(layer, stats)
                 gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
         with tf.device(last):
             loss = tf.add_n(losses)
             outputs = executor._outputs(carry["outputs"])
         return loss, outputs, gradients
+
+    def _reduce(
+        self, sums: list[list[Any]], statistics: list[list[Any]], loss: tf.Tensor, layer_loss: Any, count: tf.Tensor
+    ) -> tuple[tf.Tensor, Any]:
+        """The ``R`` action of every stage, in place: each replica's local means (gradients, loss, layer
+        losses) times its ``count``, and its batch-norm moments as sums, summed over the replicas in one
+        collective per stage; divided by the summed count they are the means over the global batch,
+        exact for uneven shards. Returns the global (loss, layer loss)."""
+        executor = self.executor
+        last = len(executor.stages) - 1
+        for s, (group, grads, moments) in enumerate(zip(executor.collectives, sums, statistics)):
+            with tf.device(group.device):
+                n = tf.identity(count)
+                present = [i for i, g in enumerate(grads) if g is not None]
+                tensors = [grads[i] * tf.cast(n, grads[i].dtype) for i in present]
+                for _, stats in moments:  # [count x mean, count x (variance + mean^2), count] per layer
+                    mean, variance, total = combine(stats)
+                    tensors += [total * mean, total * (variance + tf.square(mean)), total]
+                tail = [loss, *([] if layer_loss is None else [layer_loss])] if s == last else []
+                tensors += [tf.cast(t, tf.float32) * n for t in tail] + [n]
+                summed = group.sum(tensors)
+                n = summed.pop()
+                for i, g in zip(present, summed):
+                    grads[i] = g / tf.cast(n, g.dtype)
+                done = len(present)
+                for k, (layer, _) in enumerate(moments):
+                    weighted_mean, weighted_square, total = summed[done + 3 * k : done + 3 * k + 3]
+                    mean = weighted_mean / total
+                    moments[k] = (layer, [[mean, weighted_square / total - tf.square(mean), total]])
+                if s == last:
+                    reduced = [t / n for t in summed[done + 3 * len(moments) :]]
+                    loss, layer_loss = reduced[0], (reduced[1] if layer_loss is not None else None)
+        return loss, layer_loss
 
 
 @dataclass
@@ -975,14 +1034,16 @@ def _add(total: Any, value: tf.Tensor) -> tf.Tensor:
 
 
 def _check_splittable(program: StageProgram, kind: str) -> None:
-    """Refuses a stage whose layers add a loss that micro-batches cannot split (M > 1)."""
+    """Refuses a stage whose layers add a loss that micro-batches or replicas cannot split (M x D > 1)."""
     name = program.unsplittable.get(kind)
     if name is not None:
         raise InputError(
             f"Layer '{name}' adds a loss (add_loss, or an activity regularizer of a layer inside it or of a "
-            f"scalar output) that cannot be split over {program.num_microbatches} micro-batches: the runtime "
-            "cannot tell whether it is a mean or a sum over the batch's rows. Use num_microbatches=1, or "
-            "give the layer an activity_regularizer on a batched output (split exactly) instead."
+            f"scalar output) that cannot be split over {program.num_parts} parts of the batch "
+            f"({program.num_microbatches} micro-batches x {program.num_parts // program.num_microbatches} "
+            "replica(s)): the runtime cannot tell whether it is a mean or a sum over the batch's rows. Use "
+            "num_microbatches=1 on one replica, or give the layer an activity_regularizer on a batched "
+            "output (split exactly) instead."
         )
 
 

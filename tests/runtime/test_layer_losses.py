@@ -77,7 +77,8 @@ def test_add_loss_with_microbatches_is_refused_but_predicts(virtual_devices) -> 
     wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
     wrapped.compile("sgd", "mse")
     np.testing.assert_allclose(wrapped.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
-    with pytest.raises(InputError, match=r"Layer 'penalty' adds a loss .* cannot be split over 2 micro-batches"):
+    split = r"cannot be split over 2 parts of the batch \(2 micro-batches x 1 replica\(s\)\)"
+    with pytest.raises(InputError, match=r"Layer 'penalty' adds a loss .* " + split):
         wrapped.train_on_batch(x, y)
     with pytest.raises(InputError, match="Use num_microbatches=1"):
         wrapped.evaluate(x, y, verbose=0)

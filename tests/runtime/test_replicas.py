@@ -1,0 +1,84 @@
+"""The R action's primitive in one process: the same stage of 4 replicas on 4 logical devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from partitioner.errors import InputError
+from runtime import executed
+from runtime.devices import canonical
+from runtime.replicas import Replicas, StageCollectives, agree
+
+NUM = 4
+
+
+def _values(dtype: str) -> list[list[np.ndarray]]:
+    """Per replica: a matrix, a vector and a scalar (shapes as gradients have them), distinct per replica,
+    of values whose sums are exact in any order (multiples of 1/8 below 2^10)."""
+    rng = np.random.default_rng(0)
+    return [
+        [(rng.integers(-999, 999, size=shape) / 8).astype(dtype) for shape in ((3, 5), (7,))]
+        + [np.asarray(r + 0.5, dtype)]
+        for r in range(NUM)
+    ]
+
+
+def _sum_on_each_device(groups: list[StageCollectives], values: list[list[np.ndarray]], purpose: str) -> list:
+    @tf.function(autograph=False)
+    def run() -> list:
+        return [group.sum([tf.constant(v) for v in mine], purpose) for group, mine in zip(groups, values)]
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_stage_sum_over_replicas_equals_the_sum_and_runs_on_each_device(dtype, virtual_devices) -> None:
+    groups = [StageCollectives(0, device, NUM) for device in virtual_devices[:NUM]]
+    values = _values(dtype)
+    run = _sum_on_each_device(groups, values, "gradients")
+    results, nodes = executed.collect_executed(run)
+    expected = [sum(v[i].astype(np.float64) for v in values) for i in range(3)]
+    assert len(results) == NUM
+    for result in results:
+        assert [r.shape for r in result] == [e.shape for e in expected]
+        for r, e in zip(result, expected):
+            np.testing.assert_array_equal(r.numpy(), e)
+    reductions = [n for n in nodes if n.op == "CollectiveReduceV2"]
+    assert sorted(canonical(n.device) for n in reductions) == sorted(virtual_devices[:NUM])  # one per replica
+
+
+def test_stage_sum_packs_each_dtype_into_one_collective(virtual_devices) -> None:
+    groups = [StageCollectives(1, device, NUM) for device in virtual_devices[:NUM]]
+    values = [
+        [np.full((2, 2), r, "float32"), np.full((3,), r, "float64"), np.full((4,), r, "float32")] for r in range(NUM)
+    ]
+    run = _sum_on_each_device(groups, values, "gradients")
+    results, nodes = executed.collect_executed(run)
+    total = sum(range(NUM))
+    for result in results:
+        assert [r.dtype for r in result] == [tf.float32, tf.float64, tf.float32]
+        for r in result:
+            np.testing.assert_array_equal(r.numpy(), np.full(r.shape, total))
+    assert len([n for n in nodes if n.op == "CollectiveReduceV2"]) == 2 * NUM  # two dtypes, four replicas
+
+
+def test_replicas_agree_or_say_what_differs(virtual_devices) -> None:
+    groups = [StageCollectives(2, device, 2) for device in virtual_devices[:2]]
+
+    @tf.function(autograph=False)
+    def both() -> list:
+        return [g.sum([tf.ones([4])], "agree") for g in groups]
+
+    same = both()
+    assert all(np.array_equal(s[0].numpy(), 2 * np.ones(4)) for s in same)
+    one = [StageCollectives(3, virtual_devices[0], 1)]
+    agree(one, "anything", "the plan")  # one replica agrees with itself
+
+
+def test_replicas_are_checked() -> None:
+    with pytest.raises(InputError, match=r"replicas must be an integer >= 1. Received: 0"):
+        Replicas(0)
+    with pytest.raises(InputError, match=r"rank must be in \[0, 2\). Received: rank=2"):
+        Replicas(2, rank=2)
