@@ -18,6 +18,7 @@ from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
+from runtime.supported import check_steps
 
 
 def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
@@ -105,6 +106,8 @@ def plan_and_wrap(
 
     Raises:
         ProfileError, InfeasiblePlanError, ClusterError, InputError: with the planner's message.
+        InputError: also, before profiling, for a model whose class overrides a step or ``call``
+            (``runtime.supported``).
 
     Example:
         >>> wrapped = plan_and_wrap(model, devices=4, batch_size=64, num_microbatches=8)   # doctest: +SKIP
@@ -115,6 +118,7 @@ def plan_and_wrap(
     _check_microbatches(num_microbatches, batch_size)
     check_recompute(recompute)
     candidate_schedules(schedule)  # bad options fail before profiling
+    check_steps(model)
     fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
     ExecutionOptions(
         fixed_microbatches,
@@ -186,6 +190,7 @@ def wrap(
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
+        InputError: for a model whose class overrides a step or ``call`` (``runtime.supported``).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"wrap needs a partitioner.Plan. Received: {type(plan).__name__}.")
@@ -196,6 +201,7 @@ def wrap(
         num_microbatches, schedule=schedule, recompute=stage_recompute(plan, recompute), batch_norm=batch_norm
     )
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
+    check_steps(model)
     if validate:
         from profiles import profile_model
 
