@@ -16,7 +16,7 @@ from test_transparency import _assert_step_matches, assert_close
 
 from partitioner.errors import InfeasiblePlanError, ProfileError
 from runtime import placement_report, plan_and_wrap
-from runtime.supported import check_steps
+from runtime.supported import check_rows, check_steps
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -127,9 +127,11 @@ def test_keras_hub_model_trains_like_the_original(name: str, virtual_devices, tm
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_keras_hub_models_pass_the_wrap_checks(name: str) -> None:
-    """Their classes override compile and the front doors (fit, predict, ...), no step (runtime.supported)."""
+    """Their classes override compile and the front doors (fit, predict, ...), no step; their rows are
+    independent (runtime.supported)."""
     model, _, _ = MODELS[name]()
     check_steps(model)
+    check_rows(model, 2, sequence_length=LENGTH)
 
 
 def test_keras_hub_backbone_without_a_length_says_how_to_give_one(virtual_devices) -> None:
