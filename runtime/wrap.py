@@ -18,6 +18,7 @@ from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
+from runtime.supported import check_rows, check_steps
 
 
 def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
@@ -107,6 +108,8 @@ def plan_and_wrap(
 
     Raises:
         ProfileError, InfeasiblePlanError, ClusterError, InputError: with the planner's message.
+        InputError: also, before profiling, for a model whose class overrides a step or ``call``, or
+            whose ops mix the rows of a batch where ``num_microbatches`` cannot (``runtime.supported``).
 
     Example:
         >>> wrapped = plan_and_wrap(model, devices=4, batch_size=64, num_microbatches=8)   # doctest: +SKIP
@@ -117,6 +120,8 @@ def plan_and_wrap(
     _check_microbatches(num_microbatches, batch_size)
     check_recompute(recompute)
     candidate_schedules(schedule)  # bad options fail before profiling
+    check_steps(model)
+    check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
     fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
     ExecutionOptions(
         fixed_microbatches,
@@ -184,11 +189,14 @@ def wrap(
             ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
         input_shapes, sequence_length: the shapes to validate at, where the model leaves non-batch
-            dimensions open (see ``plan_and_wrap``); only used with ``validate=True``.
+            dimensions open (see ``plan_and_wrap``), and to check its rows at (every open dimension 1
+            without them).
 
     Raises:
         PlanError: when the plan was made for another model or names devices that do not exist.
-        InputError: when ``batch_norm="deferred"`` meets a batch normalization it cannot defer.
+        InputError: when ``batch_norm="deferred"`` meets a batch normalization it cannot defer; for a
+            model whose class overrides a step or ``call``, or whose ops mix the rows of a batch where
+            ``num_microbatches`` cannot (``runtime.supported``).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"wrap needs a partitioner.Plan. Received: {type(plan).__name__}.")
@@ -199,6 +207,8 @@ def wrap(
         num_microbatches, schedule=schedule, recompute=stage_recompute(plan, recompute), batch_norm=batch_norm
     )
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
+    check_steps(model)
+    check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
     if validate:
         from profiles import profile_model
 

@@ -16,6 +16,7 @@ from test_transparency import _assert_step_matches, assert_close
 
 from partitioner.errors import InfeasiblePlanError, ProfileError
 from runtime import placement_report, plan_and_wrap
+from runtime.supported import check_rows, check_steps
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -122,6 +123,15 @@ def test_keras_hub_model_trains_like_the_original(name: str, virtual_devices, tm
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert type(loaded) is type(model)
     assert_close(np.asarray(loaded(x, training=False)), trained)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_keras_hub_models_pass_the_wrap_checks(name: str) -> None:
+    """Their classes override compile and the front doors (fit, predict, ...), no step; their rows are
+    independent (runtime.supported)."""
+    model, _, _ = MODELS[name]()
+    check_steps(model)
+    check_rows(model, 2, sequence_length=LENGTH)
 
 
 def test_keras_hub_backbone_without_a_length_says_how_to_give_one(virtual_devices) -> None:

@@ -1,0 +1,286 @@
+"""Refuses models the pipeline would not run as written: steps of their own, layers that mix a batch's rows.
+
+A ``PipelinedModel`` runs its own ``train_step``, ``test_step`` and ``predict_step`` over M
+micro-batches of the batch, with Keras' compiled loss and metrics. Two kinds of model would then
+compute something else than the original, silently, so ``plan_and_wrap`` and ``wrap`` refuse them
+(``InputError``) before any weight is copied:
+
+- ``check_steps``: a model whose class overrides a step (``train_step``, ``test_step``,
+  ``predict_step``, ``compute_loss``, ``compute_metrics``) or ``call``. Such code runs on the whole
+  model and the whole batch (``self(x)``, a tape over every weight), which micro-batches and stages
+  cannot split; the pipelined model would skip it. Only the user's own classes are read: Keras'
+  classes (``Functional``, ``Sequential``) are what the runtime reproduces. keras-hub's task models
+  override ``compile`` (default optimizer and loss; ``wrapped.compile`` takes the user's own) and the
+  front doors ``fit``, ``evaluate``, ``predict``, ``*_on_batch`` and ``__call__`` (to run a
+  preprocessor first: a task with one is refused by ``profiles.walk``; without one they pass the data
+  through), none of them a step, so ``GPT2CausalLM`` and ``BertTextClassifier`` are accepted. Its
+  tasks that do override a step (RetinaNet's ``compute_loss`` and ``predict_step``, SigLIP's
+  contrastive ``compute_loss``, ...) are refused, as their steps are not Keras'.
+- ``check_rows``: a layer or op whose output rows do not come from the same rows of its inputs alone
+  (``ops.concatenate(..., axis=0)``, a reshape or transpose across the batch axis, ``ops.mean(x,
+  axis=0)``, ``x - ops.mean(x, axis=0)``, ``x + ops.sum(x)``). A micro-batch holds some of the batch's
+  rows, so such an op sees other rows than in the original. It is found by running the original
+  model, op by op, on a probe batch of 4 rows (random inputs, ``training=False``) and each op again on
+  the first and the last 2 rows of its inputs::
+
+      op(inputs[0:4])  ==  concat(op(inputs[0:2]), op(inputs[2:4]))   a row-wise op (most layers)
+      op(inputs[0:4])  ==  op(inputs[0:2]) == op(inputs[2:4])          a tensor of its own (no rows)
+
+  Each op gets exactly the rows the probe batch gave its inputs, so an op is judged alone and rounding
+  does not add up along the model. With M > 1 every op must be one of the two; with M = 1 (the
+  micro-batch is the batch) an op may mix values, but no tensor may change the batch's row count:
+  the runtime takes the batch's rows of the outputs, the loss's predictions and the regularized
+  tensors. A model output must always have one row per input row.
+
+  What the probe cannot see: mixing only in training (batch normalization is the known case, which
+  ``runtime.batchnorm`` handles; a layer that mixes only with ``training=True`` is not caught), mixing
+  too small for float tolerance (1e-4 of the tensor's largest magnitude in float32, a few ulps in 16
+  bits), and rows the random inputs happen to make equal (integer inputs are 0 or 1, as in
+  ``runtime.synthetic_batch``: a one-token input makes equal rows likely). The probe reads the
+  model's weights and leaves every variable as it found it (it resets the non-trainable ones, seed
+  states included, and the losses layers add).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
+
+from partitioner.errors import InputError
+from profiles.shapes import InputShapes
+from profiles.shapes import input_shapes as resolve_input_shapes
+from profiles.walk import LayerCall, flatten_calls, functional_graph
+
+STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
+PROBE_ROWS = 4  # the probe batch; each op is run again on its first and its last half
+_HALVES = ((0, PROBE_ROWS // 2), (PROBE_ROWS // 2, PROBE_ROWS))
+_EPS_16_BITS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # float32 and wider: float32's eps
+
+
+def check_steps(model: Any) -> None:
+    """Raises InputError when ``model``'s own class (or a parent of its own) overrides a step or ``call``.
+
+    Raises:
+        ProfileError: for a model without a functional graph (a subclassed model), as ``profiles.walk``.
+        InputError: naming the class and the overridden methods.
+
+    Example:
+        >>> check_steps(keras.Model(inputs, outputs))      # doctest: +SKIP
+    """
+    functional_graph(model)
+    overridden = [
+        f"{cls.__name__}.{name}"
+        for cls in type(model).__mro__
+        if not cls.__module__.startswith("keras.")
+        for name in STEPS
+        if name in vars(cls)
+    ]
+    if overridden:
+        raise InputError(
+            f"Model '{model.name}' is a {type(model).__name__} whose class overrides {', '.join(overridden)}: the "
+            "pipelined model runs Keras' own steps over micro-batches and stages, so fit, evaluate and predict "
+            "would skip that code. Expected a functional or Sequential model with Keras' steps: move the custom "
+            "logic into the loss, a metric or a layer (add_loss), or train this model without wrapping it."
+        )
+
+
+def check_rows(
+    model: Any,
+    num_microbatches: int | str,
+    *,
+    input_shapes: InputShapes | None = None,
+    sequence_length: int | None = None,
+) -> None:
+    """Raises InputError when an op of ``model`` mixes the rows of a batch where M micro-batches cannot.
+
+    Args:
+        model: a built Functional or Sequential keras.Model.
+        num_microbatches: M, or "auto" (checked as M > 1); with M = 1 only changes of the row count
+            are refused.
+        input_shapes, sequence_length: sizes for the model's unknown non-batch dimensions, as for
+            ``plan_and_wrap``; without them every unknown dimension is 1.
+
+    Raises:
+        InputError: naming the first op (in the model's order) that mixes rows, or that fails on the
+            probe batch.
+
+    Example:
+        >>> check_rows(model, num_microbatches=4, sequence_length=16)      # doctest: +SKIP
+    """
+    functional = functional_graph(model)
+    calls, sources = flatten_calls(functional)
+    if input_shapes is None and sequence_length is None:
+        sequence_length = 1
+    shapes = resolve_input_shapes(functional, input_shapes, sequence_length)
+    state = [(v, v.numpy()) for v in functional.non_trainable_variables]
+    try:
+        probe = _Probe(model.name, num_microbatches)
+        for call in calls:
+            probe.run(call, shapes)
+        for tensor in functional.outputs:
+            probe.check_output(calls, sources[id(tensor)])
+    finally:
+        for variable, value in state:
+            variable.assign(value)
+
+
+class _Value(NamedTuple):
+    """One tensor of the probe: its value on the probe batch, on each half, its Keras mask and its kind."""
+
+    whole: Any
+    halves: tuple[Any, ...]
+    mask: Any  # kept apart: a layer may take it off the tensor (MultiHeadAttention does)
+    rows: bool  # True iff it has the batch's rows (axis 0), False for a tensor without rows
+
+
+class _Probe:
+    """Runs the calls of a flattened graph on the probe batch and on its halves, checking each output."""
+
+    def __init__(self, model_name: str, num_microbatches: int | str) -> None:
+        self.model_name = model_name
+        self.num_microbatches = num_microbatches
+        self.mixing_allowed = num_microbatches == 1  # the one micro-batch is the batch
+        self.rng = np.random.default_rng(0)
+        self.produced: list[list[_Value]] = []  # per call, per output
+
+    def run(self, call: LayerCall, shapes: dict[str, tuple[int, ...]]) -> None:
+        if call.is_input:
+            (tensor,) = call.node.output_tensors
+            value = self._random((PROBE_ROWS, *shapes[call.operation.name]), tensor.dtype)
+            self.produced.append([_Value(value, tuple(value[a:b] for a, b in _HALVES), None, True)])
+            return
+        inputs = [self.produced[s.call][s.output] for s in call.sources]
+        whole = self._call(call, {id(t): _with_mask(x.whole, x.mask) for t, x in zip(call.node.input_tensors, inputs)})
+        parts = [
+            self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h)
+            for h in range(len(_HALVES))
+        ]
+        outputs = []
+        for position, value in enumerate(whole):
+            halves = tuple(part[position] for part in parts)
+            outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
+        self.produced.append(outputs)
+
+    def check_output(self, calls: list[LayerCall], source: Any) -> None:
+        """A model output must have the batch's rows: the runtime returns and scores the batch's rows of it."""
+        value = self.produced[source.call][source.output]
+        if not value.rows:
+            name = calls[source.call].operation.name
+            raise InputError(
+                f"Model '{self.model_name}' returns the output of '{name}' with shape {tuple(value.whole.shape)} for "
+                f"a batch of {PROBE_ROWS} rows: the pipeline returns and scores one row per input row. Expected every "
+                "model output to keep the batch axis first, one row per input: return a batched tensor (e.g. "
+                "broadcast a per-batch value to the batch's rows) or compute this outside the model."
+            )
+
+    def _call(self, call: LayerCall, values: dict[int, Any], half: int | None = None) -> list[Any]:
+        args, kwargs = call.node.arguments.fill_in(values)
+        operation = call.operation
+        if "training" in getattr(operation, "_call_context_args", {}):
+            kwargs["training"] = False
+        try:
+            outputs = operation(*args, **kwargs)
+        except Exception as err:
+            rows = PROBE_ROWS if half is None else _HALVES[half][1] - _HALVES[half][0]
+            raise InputError(
+                f"Cannot check that '{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' "
+                f"computes each row of a batch from that row alone: it fails on {rows} rows of a {PROBE_ROWS}-row "
+                f"batch with {type(err).__name__}: {_reason(err)}. Expected it to run on any number of rows; "
+                "pass the input sizes the model accepts (input_shapes= or sequence_length=), or keep it from "
+                "depending on the batch's size."
+            ) from err
+        finally:
+            if isinstance(operation, keras.layers.Layer):
+                operation._clear_losses()  # the losses it added on probe data: leave none behind
+        return keras.tree.flatten(outputs)
+
+    def _part(self, value: _Value, half: int) -> Any:
+        """What a micro-batch of the probe batch's rows ``half`` gives an op: those rows of a batched
+        tensor (and of its mask), a tensor without rows as it is."""
+        if not value.rows:
+            return _with_mask(value.whole, value.mask)
+        start, stop = _HALVES[half]
+        return _with_mask(value.whole[start:stop], None if value.mask is None else value.mask[start:stop])
+
+    def _judge(self, call: LayerCall, value: Any, halves: tuple[Any, ...]) -> bool:
+        """True iff ``value`` has the batch's rows; raises InputError where the op mixes rows."""
+        shape, parts = tuple(value.shape), [tuple(h.shape) for h in halves]
+        sizes = [b - a for a, b in _HALVES]
+        if shape and shape[0] == PROBE_ROWS and all(p == (n, *shape[1:]) for p, n in zip(parts, sizes)):
+            worst = _difference(value, np.concatenate([_numpy(h) for h in halves]))
+            if not self.mixing_allowed and worst is not None:
+                self._mixes(call, f"its rows computed on half the batch differ from the whole batch's by {worst:.3g}")
+            return True
+        if all(p == shape for p in parts):
+            worst = max((d for d in (_difference(value, _numpy(h)) for h in halves) if d is not None), default=None)
+            if not self.mixing_allowed and worst is not None:
+                what = f"its output of shape {shape} (no batch axis) computed on half the batch differs by {worst:.3g}"
+                self._mixes(call, what)
+            return False
+        operation = call.operation
+        raise InputError(
+            f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' changes the batch's row "
+            f"count: it returns shape {shape} for a batch of {PROBE_ROWS} rows and {parts} for its halves, so the "
+            "pipeline's micro-batches, outputs and loss would hold other rows than the original's. Expected every "
+            "tensor to keep the batch axis first with one row per input row (or to have no batch axis): "
+            "concatenate, reshape and transpose along the other axes, or do this outside the model."
+        )
+
+    def _mixes(self, call: LayerCall, what: str) -> None:
+        operation = call.operation
+        raise InputError(
+            f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' mixes the rows of a "
+            f"batch: {what}, so with num_microbatches={self.num_microbatches!r} it would compute something else "
+            "than the original on the whole batch. Expected each row to depend on its own row alone (batch "
+            "normalization aside): use num_microbatches=1, or move the batch-wide computation into the loss or the "
+            "data pipeline."
+        )
+
+    def _random(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """Standard normal floats, integers 0 or 1 (valid token and class ids), as ``runtime.synthetic_batch``."""
+        name = str(getattr(dtype, "name", dtype))
+        if "int" in name or "bool" in name:
+            return keras.ops.convert_to_tensor(self.rng.integers(0, 2, shape).astype(name))
+        return keras.ops.convert_to_tensor(self.rng.normal(size=shape).astype(name))
+
+
+def _difference(actual: Any, expected: Any) -> float | None:
+    """The largest difference between two values beyond rounding, or None where they agree.
+
+    Floats agree within a tolerance of their dtype (1e-4, or 4 ulps where that is more, of the largest
+    magnitude in ``actual``), with NaN equal to NaN; integers and booleans exactly.
+    """
+    a, b = _numpy(actual), np.asarray(expected)
+    if a.dtype.kind not in "fc":
+        return None if np.array_equal(a, b) else 1.0
+    eps = _EPS_16_BITS.get(a.dtype.name, float(np.finfo(np.float32).eps))
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if not np.array_equal(np.isnan(a), np.isnan(b)):
+        return float("nan")
+    a, b = np.nan_to_num(a), np.nan_to_num(b)
+    worst = float(np.max(np.abs(a - b), initial=0.0))
+    scale = float(np.max(np.abs(a), initial=0.0))
+    return worst if worst > max(1e-4, 4 * eps) * scale else None
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def _with_mask(value: Any, mask: Any) -> Any:
+    """``value`` with ``mask`` as its Keras mask (layers read it from the tensor)."""
+    if mask is not None:
+        set_keras_mask(value, mask)
+    return value
+
+
+def _reason(err: Exception) -> str:
+    """The first line of an error that says why (Keras opens with "Exception encountered when calling ...")."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' bold
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines
+    return lines[0] if lines else ""

@@ -1,0 +1,244 @@
+"""Models the pipeline would not run as written are refused at wrap time; the rest still wrap.
+
+Steps of the model's own class (issue 18, item 5) and ops that mix a batch's rows (item 7): before,
+``fit`` of the wrapped model silently ran Keras' step instead of the user's, and a model that
+concatenates along the batch axis predicted 8 rows where the original predicts 16.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_transparency import assert_close
+from zoo import ZOO
+
+from partitioner.errors import InputError, ProfileError
+from runtime import plan_and_wrap, wrap
+from runtime.supported import STEPS, check_rows, check_steps
+
+BATCH = 8
+
+
+def _dense_model(name: str = "model", cls: type = keras.Model) -> keras.Model:
+    inputs = keras.Input((4,), name="features")
+    x = keras.layers.Dense(4, name="first")(inputs)
+    return cls(inputs, keras.layers.Dense(3, name="last")(x), name=name)
+
+
+def _batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(BATCH, 4)).astype("float32"), rng.normal(size=(BATCH, 3)).astype("float32")
+
+
+def _two_stages(model: keras.Model, devices: list[str], num_microbatches: int):
+    """plan_and_wrap with 'first' and 'last' pinned to two devices, so the model is really cut."""
+    wrapped = plan_and_wrap(
+        model, devices[:2], batch_size=BATCH, num_microbatches=num_microbatches, memory="1GiB",
+        pins={"first": devices[0], "last": devices[1]},
+    )  # fmt: skip
+    assert wrapped.plan.num_stages == 2
+    return wrapped
+
+
+# ----- steps of the model's own class --------------------------------------------------------------
+
+
+def _overriding(step: str) -> type:
+    """A functional keras.Model subclass that overrides ``step`` (and calls Keras' own in it)."""
+
+    def override(self, *args, **kwargs):
+        result = getattr(keras.Model, step)(self, *args, **kwargs) if step != "call" else super(cls, self).call(*args)
+        if step == "train_step":
+            result["custom_flag"] = 1.0
+        return result
+
+    cls = type("Custom", (keras.Model,), {step: override})
+    return cls
+
+
+def test_custom_train_step_runs_in_the_original(virtual_devices) -> None:
+    """The original's fit runs its own train_step (the custom_flag log the wrapped model used to drop)."""
+    model = _dense_model(cls=_overriding("train_step"))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _batch()
+    assert set(model.fit(x, y, batch_size=BATCH, verbose=0).history) == {"custom_flag", "loss"}
+    with pytest.raises(InputError, match=r"'model' is a Custom whose class overrides Custom\.train_step: "):
+        plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_overridden_step_is_refused(step: str, num_microbatches: int, virtual_devices) -> None:
+    model = _dense_model(cls=_overriding(step))
+    expected = rf"overrides Custom\.{step}: the pipelined model runs Keras' own steps.*train this model without"
+    with pytest.raises(InputError, match=expected):
+        plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches, memory="1GiB")
+    plan = plan_and_wrap(_dense_model(), virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB").plan
+    with pytest.raises(InputError, match=expected):
+        wrap(model, plan, validate=False)
+
+
+def test_overrides_of_a_parent_class_are_named() -> None:
+    parent = _overriding("compute_loss")
+    child = type("Child", (parent,), {"compute_metrics": lambda self, *a, **k: {}})
+    with pytest.raises(InputError, match=r"Child whose class overrides Child\.compute_metrics, Custom\.compute_loss"):
+        check_steps(_dense_model(cls=child))
+
+
+def test_a_class_of_its_own_without_steps_of_its_own_wraps(virtual_devices) -> None:
+    """A functional model of a class of its own that overrides none of the steps (as keras-hub's) runs."""
+
+    class OwnClass(keras.Model):
+        def describe(self) -> str:
+            return "mine"
+
+    model = _dense_model(cls=OwnClass)
+    wrapped = _two_stages(model, virtual_devices, 2)
+    x, _ = _batch()
+    assert_close(wrapped.predict(x, batch_size=BATCH, verbose=0), model.predict(x, batch_size=BATCH, verbose=0))
+
+
+def test_a_subclassed_model_is_still_refused_as_subclassed(virtual_devices) -> None:
+    class Subclassed(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(np.zeros((2, 4), "float32"))
+    with pytest.raises(ProfileError, match=r"is a subclassed keras\.Model"):
+        plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+
+
+# ----- ops that mix the rows of a batch ---------------------------------------------------------------
+
+# name -> (what the model does between 'first' and 'last', the op named in the error, M = 1 exact)
+MIXING = {
+    "concatenate_rows": (lambda x: keras.ops.concatenate([x, x * 2.0], axis=0), "concatenate", False),
+    "reshape_across_rows": (lambda x: keras.ops.reshape(x, (-1, 8)), "reshape", False),
+    "transpose_rows": (lambda x: keras.ops.matmul(x, keras.ops.matmul(keras.ops.transpose(x), x)), "transpose", False),
+    "mean_over_rows": (lambda x: x - keras.ops.mean(x, axis=0), "mean", None),  # M = 1: the profiler refuses
+    "mean_over_rows_kept": (lambda x: x - keras.ops.mean(x, axis=0, keepdims=True), "mean", True),
+    "sum_broadcast": (lambda x: x + keras.ops.sum(x), "sum", True),
+    "cumulative_sum_rows": (lambda x: keras.ops.cumsum(x, axis=0), "cumsum", True),  # row i reads rows < i
+    "flip_rows": (lambda x: keras.ops.flip(x, axis=0), "flip", True),
+}
+
+
+def _mixing_model(name: str) -> keras.Model:
+    mix, _, _ = MIXING[name]
+    inputs = keras.Input((4,), name="features")
+    x = mix(keras.layers.Dense(4, name="first")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="last")(x), name=name)
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+def test_op_mixing_rows_is_refused_with_microbatches(name: str, virtual_devices) -> None:
+    model = _mixing_model(name)
+    before = [w.copy() for w in model.get_weights()]
+    op = MIXING[name][1]
+    expected = rf"^'{op}(_\d+)?' \(\w+\) of model '{name}' (mixes the rows of a batch|changes the batch's row count)"
+    with pytest.raises(InputError, match=expected):
+        plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+    after = model.get_weights()
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, exact) in MIXING.items() if exact is False])
+def test_op_changing_the_row_count_is_refused_at_one_microbatch(name: str, virtual_devices) -> None:
+    """At M = 1 too: the runtime returns and scores the batch's rows (8 of the original's 16 before)."""
+    with pytest.raises(InputError, match=r"changes the batch's row count: it returns shape"):
+        plan_and_wrap(_mixing_model(name), virtual_devices[:2], batch_size=BATCH, num_microbatches=1, memory="1GiB")
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, exact) in MIXING.items() if exact])
+def test_op_mixing_values_runs_exactly_at_one_microbatch(name: str, virtual_devices) -> None:
+    """With M = 1 the micro-batch is the batch: outputs, loss and weights after one step are the original's."""
+    keras.utils.set_random_seed(0)
+    model = _mixing_model(name)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = _two_stages(model, virtual_devices, 1)
+    x, y = _batch()
+    assert_close(wrapped.predict(x, batch_size=BATCH, verbose=0), model.predict(x, batch_size=BATCH, verbose=0))
+
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with tf.GradientTape() as tape:
+        ref_loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True), training=True)
+    grads = tape.gradient(ref_loss, reference.trainable_weights)
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    logs = wrapped.train_on_batch(x, y, return_dict=True)
+    assert_close(logs["loss"], float(ref_loss))
+    after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
+    assert len(after) == len(expected) == 4
+    for a, b in zip(after, expected):
+        assert_close(a, b)
+
+
+def test_wrap_refuses_a_plan_run_with_more_microbatches(virtual_devices) -> None:
+    """A plan made for M = 1 and run with M = 2 by wrap: the check follows the M that runs."""
+    model = _mixing_model("sum_broadcast")
+    plan = _two_stages(model, virtual_devices, 1).plan
+    with pytest.raises(InputError, match=r"'sum(_\d+)?' \(Sum\) .* with num_microbatches=2 it would compute"):
+        wrap(model, plan, num_microbatches=2)
+
+
+def test_auto_microbatches_are_checked_as_several(virtual_devices) -> None:
+    with pytest.raises(InputError, match=r"num_microbatches='auto'.*use num_microbatches=1"):
+        plan_and_wrap(
+            _mixing_model("sum_broadcast"), virtual_devices[:2], batch_size=BATCH, num_microbatches="auto",
+            memory="1GiB",
+        )  # fmt: skip
+
+
+def test_output_without_rows_is_refused() -> None:
+    inputs = keras.Input((4,))
+    total = keras.ops.sum(keras.layers.Dense(4)(inputs), axis=0)  # one value per feature, not per row
+    with pytest.raises(InputError, match=r"returns the output of 'sum(_\d+)?' with shape \(4,\) for a batch of 4"):
+        check_rows(keras.Model(inputs, total), 1)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_models_pass_the_row_check(name: str) -> None:
+    check_rows(ZOO[name]()[0], 4)
+
+
+class _NoisyCounter(keras.layers.Layer):
+    """Adds noise and counts its calls whether training or not: it moves its state in inference."""
+
+    def build(self, input_shape) -> None:
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+        self.seed = keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        self.calls.assign_add(1.0)
+        return x + keras.random.normal(keras.ops.shape(x), seed=self.seed)
+
+
+def test_row_check_leaves_variables_seed_states_and_losses_as_they_were() -> None:
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4, activity_regularizer="l2")(inputs)
+    x = keras.layers.BatchNormalization()(keras.layers.Dropout(0.5)(x))
+    model = keras.Model(inputs, _NoisyCounter()(x))
+    before = [v.numpy().copy() for v in model.variables]
+    check_rows(model, 1)  # M = 1: the noise, which differs between the batch and its halves, is allowed
+    after = [v.numpy() for v in model.variables]
+    assert len(after) == len(before) == 9  # kernel, bias, seed, 4 of the batch norm, calls, noise seed
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+    assert model.losses == []
+
+
+def test_random_values_in_inference_are_refused_with_microbatches() -> None:
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, _NoisyCounter(name="noisy")(keras.layers.Dense(4)(inputs)))
+    with pytest.raises(InputError, match=r"^'noisy' \(_NoisyCounter\) .* mixes the rows of a batch"):
+        check_rows(model, 2)
