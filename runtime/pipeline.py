@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
+from partitioner.errors import InputError
 from partitioner.plan import Plan
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
@@ -226,9 +227,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-            if layer_loss is not None:  # add_loss and activity regularizers, as Keras' compute_loss adds them
-                loss = loss + tf.cast(layer_loss, loss.dtype)
+            # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
+            # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
+            # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
+            loss = None if self._compile_loss is None else self._compile_loss(y, y_pred, sample_weight)
+            if layer_loss is not None:
+                loss = layer_loss if loss is None else loss + tf.cast(layer_loss, loss.dtype)
+            if loss is None:
+                raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
