@@ -72,6 +72,8 @@ def test_loss_reduction_loss_and_gradients_match_original(case: str, virtual_dev
     assert len(pairs) == len(model.trainable_weights) == len(ref_grads)
     for original, clone in pairs:
         assert_close(clone_grad[id(clone)], tf.convert_to_tensor(ref_grads[index[id(original)]]))
+    evaluated = [m.evaluate(x, y, sample_weight=weights, batch_size=BATCH, verbose=0) for m in (wrapped, reference)]
+    assert_close(*evaluated)  # the loss and each output's, on the whole batch
 
 
 def _assert_step_matches_original(model, plan, losses, x, y, weights, optimizer: type) -> None:
