@@ -24,9 +24,9 @@ K - s for 1F1B), the forward of micro-batch m waiting for the backward of m - wi
 
 Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
-left out of the loss (each micro-batch's loss is Keras' compiled loss over its own rows, weighted by
-their share of the batch, so the step's loss and gradients are the original model's on the whole
-batch) and out of batch normalization's statistics (a row mask).
+left out of the loss (each micro-batch's loss is its part of Keras' compiled loss over its own rows,
+``runtime.losses``: for a mean, weighted by their share of the batch; so the step's loss and gradients
+are the original model's on the whole batch) and out of batch normalization's statistics (a row mask).
 """
 
 from __future__ import annotations
@@ -439,27 +439,34 @@ class Executor:
         )
 
     def loss_function(self, loss_fn: Any, scale_loss: Any) -> Any:
-        """f(y, flat_predictions, mask, sample_weight, rows, share) -> (a micro-batch's loss as its share of
-        the batch's, the gradient of its scaled loss for each floating prediction, [valid steps, steps]).
+        """f(y, flat_predictions, mask, sample_weight, weight_sums, rows, share) -> (a micro-batch's part of
+        the batch's loss, the gradient of its scaled part for each floating prediction, [valid steps, steps]).
 
-        The loss is ``loss_fn`` over the micro-batch's own first ``rows`` rows, summed (a micro-batch with
-        no rows of its own, when B < M, gives Keras an empty loss, summed to 0), times ``share``. With
-        an output ``mask`` (None without), Keras' loss is the mean over the micro-batch's valid steps;
-        times the share of its steps that are valid, it becomes the sum over its valid steps divided by
-        the batch's steps, and ``_TrainStep.finish`` divides the step's sum by the share of the batch's
-        steps that are valid: the mean over the batch's valid steps, as the original computes it (the
-        mean of the micro-batches' means is not, when they hold different numbers of valid steps). The
-        gradient of ``scale_loss(loss)`` (the optimizer's loss scaling) is taken inside, so the last
-        stage's backward starts from it and the step graph holds no backward of this function: one
-        function, traced once, called once per micro-batch. (Differentiated from outside, its backward
-        had unused outputs, the gradients of the targets and shares, and Grappler specialised a copy of it
-        for every micro-batch.)"""
+        The part is ``loss_fn`` over the micro-batch's own first ``rows`` rows, given ``share`` (the
+        micro-batch's share of the batch's rows) and ``weight_sums`` (the batch's sample weights summed,
+        leaf by leaf), summed (a micro-batch with no rows of its own, when B < M, gives Keras an empty
+        loss, summed to 0). With an output ``mask`` (None without), Keras' mean loss is the mean over the
+        micro-batch's valid steps; times the share of its steps that are valid, it becomes the sum over
+        its valid steps divided by the batch's steps, and ``_TrainStep.finish`` divides the step's sum by
+        the share of the batch's steps that are valid: the mean over the batch's valid steps, as the
+        original computes it (the mean of the micro-batches' means is not, when they hold different
+        numbers of valid steps). The gradient of ``scale_loss(loss)`` (the optimizer's loss scaling) is
+        taken inside, so the last stage's backward starts from it and the step graph holds no backward
+        of this function: one function, traced once, called once per micro-batch. (Differentiated from
+        outside, its backward had unused outputs, the gradients of the targets and shares, and Grappler
+        specialised a copy of it for every micro-batch.)"""
         key = (loss_fn, scale_loss)
         if key not in self._loss_functions:
             structure = self.model._outputs_struct
 
             def microbatch_loss(
-                y: Any, flat: list[tf.Tensor], mask: Any, sample_weight: Any, rows: tf.Tensor, share: tf.Tensor
+                y: Any,
+                flat: list[tf.Tensor],
+                mask: Any,
+                sample_weight: Any,
+                weight_sums: Any,
+                rows: tf.Tensor,
+                share: tf.Tensor,
             ) -> Any:
                 floating = [t for t in flat if t.dtype.is_floating]
                 steps = None
@@ -478,7 +485,7 @@ class Executor:
                         for part in (y, sample_weight)
                     ]
                     y_pred = keras.tree.pack_sequence_as(structure, predictions)
-                    loss = tf.reduce_sum(tf.cast(loss_fn(own[0], y_pred, own[1]), tf.float32)) * share
+                    loss = tf.reduce_sum(tf.cast(loss_fn(own[0], y_pred, own[1], share, weight_sums), tf.float32))
                     scaled = scale_loss(loss)
                 gradients = tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 return loss, gradients, steps
@@ -615,7 +622,9 @@ class Executor:
             inputs: the model's flat inputs, each [B, ...].
             y: targets in the model's output structure (or None).
             sample_weight: as Keras takes it (or None).
-            loss_fn: (y, y_pred, sample_weight) -> the mean loss of a micro-batch (Keras' compiled loss).
+            loss_fn: (y, y_pred, sample_weight, share, weight_sums) -> a micro-batch's part of the batch's
+                loss (``runtime.losses.microbatch_part``): ``share`` is its share of the batch's rows,
+                ``weight_sums`` the batch's sample weights summed leaf by leaf (None without weights).
             scale_loss: loss -> the loss the gradients are taken of (the optimizer's loss scaling).
 
         Returns:
@@ -751,6 +760,10 @@ class _TrainStep:
         self.parts = _Microbatches(executor, inputs)
         self.y = self.parts.stack(y)
         self.weights = self.parts.stack(sample_weight)
+        with tf.device(executor.stages[-1].device):  # the whole batch's weights, where the loss is
+            self.weight_sums = keras.tree.map_structure(
+                lambda w: None if w is None else tf.reduce_sum(tf.cast(w, tf.float32)), sample_weight
+            )
         self.traced = executor.trace("forward", self.parts)
         self.windows = executor.windows()
         self.model_inputs = {id(t) for t in executor.model.inputs}
@@ -832,7 +845,7 @@ class _TrainStep:
         return values, watched
 
     def _loss(self, s: int, micro: _Micro, outputs: Sequence[tf.Tensor], new: dict[str, Any]) -> list[tf.Tensor] | None:
-        """On the last stage, micro-batch m's loss (as its share of the batch's, added to the carry's) and
+        """On the last stage, micro-batch m's loss (its part of the batch's, added to the carry's) and
         the gradients of the scaled loss for the model's floating outputs, where the stage's backward
         starts; None on other stages."""
         executor = self.executor
@@ -843,7 +856,13 @@ class _TrainStep:
         flat = list(outputs[start : start + len(executor.model.outputs)])
         mask = None if executor.mask is None else outputs[-1]
         loss, gradients, steps = self.loss_function(
-            _take(self.y, m), flat, mask, _take(self.weights, m), self.parts.rows(m), self.parts.share(m)
+            _take(self.y, m),
+            flat,
+            mask,
+            _take(self.weights, m),
+            self.weight_sums,
+            self.parts.rows(m),
+            self.parts.share(m),
         )
         new["loss"] = _add(new["loss"], loss)
         if steps is not None:

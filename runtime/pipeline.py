@@ -3,11 +3,12 @@
 A training step splits the batch into M micro-batches and runs the plan's schedule (GPipe or 1F1B,
 ``partitioner.schedule``) with ``runtime.executor``: each stage's forward and backward on its device,
 in the schedule's order on every device, the gradients accumulated per stage on its device, then one
-optimizer update whose arithmetic runs on each variable's device. The loss is the mean over the whole
-batch, so a step equals one step of the original model on the whole batch::
+optimizer update whose arithmetic runs on each variable's device. The loss is Keras' loss of the whole
+batch (the micro-batches' parts summed), so a step equals one step of the original model on the batch::
 
     loss = sum over m of loss(micro-batch m) * size(m) / batch size        (Keras' mean over the batch)
     masked outputs:  sum over m of loss(m) * valid(m) / valid of the batch  (Keras' mean over valid steps)
+    reduction="sum": sum over m of loss(m); other reductions: runtime.losses
 
     clock →   t0    t1    t2    t3    t4    t5    t6    t7
     stage 0   F0    F1    F2    F3                      B3 ...
@@ -27,6 +28,7 @@ from partitioner.errors import InputError
 from partitioner.plan import Plan
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
+from runtime.losses import microbatch_part
 from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
 from runtime.rebuild import Rebuilt, copy_weights
 from runtime.stages import cut_stages
@@ -65,9 +67,6 @@ def _own_rows(outputs: Any, batch: tf.Tensor) -> Any:
         return output
 
     return keras.tree.map_structure(one, outputs)
-
-
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
@@ -152,23 +151,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def _flat_inputs(self, x: Any) -> list[tf.Tensor]:
         return [tf.convert_to_tensor(t) for t in self.staged._standardize_inputs(x)]
 
-    def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
-        if self._compile_loss is None:
-            raise InputError(
-                "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
-                "activity regularizers) are added to it; they cannot stand in for it."
-            )
-        loss = self._compile_loss(y, y_pred, sample_weight)
-        if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
-            for entry in self._compile_loss._flat_losses or []:
-                reduction = getattr(entry.loss, "reduction", None)
-                if reduction not in _MEAN_REDUCTIONS:
-                    raise InputError(
-                        f"The loss {getattr(entry.loss, 'name', entry.loss)!r} of a masked output reduces with "
-                        f"reduction={reduction!r}: the pipelined step can match Keras' mean over the valid steps "
-                        f"only. Expected one of {_MEAN_REDUCTIONS}: compile with such a loss (Keras' default)."
-                    )
-        return loss
+    def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
+        return microbatch_part(self._compile_loss, y, y_pred, sample_weight, share, weight_sums)
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """One pipelined forward and backward of a batch, without an update.
@@ -232,6 +216,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
             self._loss_tracker.update_state(loss, sample_weight=batch)
+            if self._compile_loss.metrics:  # each output's loss, logged as Keras does: once, on the whole batch
+                self._compile_loss(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data: Any) -> Any:
@@ -241,9 +227,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-            if layer_loss is not None:  # add_loss and activity regularizers, as Keras' compute_loss adds them
-                loss = loss + tf.cast(layer_loss, loss.dtype)
+            # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
+            # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
+            # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
+            loss = None if self._compile_loss is None else self._compile_loss(y, y_pred, sample_weight)
+            if layer_loss is not None:
+                loss = layer_loss if loss is None else loss + tf.cast(layer_loss, loss.dtype)
+            if loss is None:
+                raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

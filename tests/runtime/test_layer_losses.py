@@ -82,3 +82,45 @@ def test_add_loss_with_microbatches_is_refused_but_predicts(virtual_devices) -> 
         wrapped.train_on_batch(x, y)
     with pytest.raises(InputError, match="Use num_microbatches=1"):
         wrapped.evaluate(x, y, verbose=0)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_evaluate_counts_layer_losses_once_after_recompile_and_an_eager_call(
+    num_microbatches: int, virtual_devices
+) -> None:
+    """An eager call leaves its added losses on the layers (Keras drops them at the model's next call,
+    which the pipelined steps never make): evaluate and val_loss count the step's own, once."""
+    model = _model(add_loss=num_microbatches == 1)  # add_loss is refused with micro-batches
+    x, y = _data(8)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model,
+        devices=virtual_devices[:2],
+        batch_size=8,
+        num_microbatches=num_microbatches,
+        pins={"first": virtual_devices[0], "head": virtual_devices[1]},
+    )
+    assert wrapped.plan.num_stages == 2
+    for m in (reference, wrapped):
+        m.compile("sgd", "mse")
+        m.evaluate(x, y, verbose=0)
+        m.compile("sgd", "mse")
+        m(x)
+    assert wrapped.evaluate(x, y, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0), rel=1e-5)
+    expected = reference.fit(x, y, validation_data=(x, y), epochs=1, verbose=0).history
+    logs = wrapped.fit(x, y, validation_data=(x, y), epochs=1, verbose=0).history
+    assert sorted(logs) == sorted(expected) == ["loss", "val_loss"]
+    for key in expected:
+        assert logs[key] == pytest.approx(expected[key], rel=1e-5)
+
+
+def test_evaluate_without_any_loss_is_refused(virtual_devices) -> None:
+    model = _model(add_loss=False)
+    for layer in model.layers:  # no activity regularizer: no loss a layer adds
+        layer.activity_regularizer = None
+    x, y = _data(8)
+    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
+    wrapped.compile("sgd")
+    with pytest.raises(InputError, match=r"No loss to evaluate: compile\(loss=\.\.\.\) first"):
+        wrapped.evaluate(x, y, verbose=0)

@@ -1,0 +1,120 @@
+"""A micro-batch's part of the batch's compiled Keras loss, for each reduction Keras offers.
+
+The pipelined step adds up its micro-batches' parts, so the parts must sum to the loss Keras
+computes on the whole batch of B rows. Each entry of the compiled loss (one per output's loss) is
+Keras' own loss of the micro-batch's rows, times a factor that depends on the entry's reduction::
+
+    reduction                                   factor of micro-batch m (its B(m) rows, weights w(m))
+    "sum_over_batch_size", "mean"               share = B(m) / B         (of valid steps, masked: executor)
+    "sum"                                       1
+    "mean_with_sample_weight", weights given    sum w(m) / sum w         (Keras divides by the weights' sum)
+    "mean_with_sample_weight", no weights       share                    (Keras takes the mean)
+    None, "none"                                refused: fit trains on the sum of the unreduced losses
+                                                and reports their mean
+
+The entry's loss weight (``compile(loss_weights=...)``) multiplies it as Keras does. A masked output's
+loss is matched for the mean reductions only (the executor's correction to the batch's valid steps
+scales the whole loss). Keras' CompileLoss is read and, while a part is traced, its entries' weights
+changed: the only module that reaches into it (Keras 3.15).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.backend import compute_output_spec, get_keras_mask  # what Keras' own trainer calls
+
+from partitioner.errors import InputError
+
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+REDUCTIONS = (*MEAN_REDUCTIONS, "sum", "mean_with_sample_weight")
+
+
+def microbatch_part(
+    compile_loss: Any, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any
+) -> tf.Tensor:
+    """The micro-batch's part of the batch's compiled loss (the parts of all micro-batches sum to it).
+
+    Args:
+        compile_loss: the model's ``_compile_loss`` (Keras' CompileLoss), or None.
+        y, y_pred, sample_weight: the micro-batch's own rows, in the structures Keras takes.
+        share: the micro-batch's share of the batch's rows (of its valid steps, with a masked output).
+        weight_sums: each leaf of the whole batch's ``sample_weight``, summed (None without weights).
+
+    Raises:
+        InputError: no loss is compiled, or an entry's reduction has no exact split.
+    """
+    if compile_loss is None:
+        raise InputError(
+            "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
+            "activity regularizers) are added to it; they cannot stand in for it."
+        )
+    if not compile_loss.built:  # as Keras' trainer builds it: on symbolic tensors, leaving no ops behind
+        symbolic = keras.tree.map_structure(
+            lambda t: None if t is None else keras.KerasTensor(t.shape, t.dtype), (y, y_pred, sample_weight)
+        )
+        compute_output_spec(compile_loss, *symbolic)
+    masked = any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred))
+    factors = [
+        _factor(entry, masked, sample_weight, share, weight_sums)
+        for entry in compile_loss._flat_losses  # Keras 3.15: (path, loss, loss_weights, name) per output loss
+    ]
+    with _weighted(compile_loss, factors):
+        return compile_loss(y, y_pred, sample_weight)
+
+
+def _factor(entry: Any, masked: bool, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
+    """What one entry's loss of the micro-batch is multiplied by (the table in the module docstring)."""
+    name = getattr(entry.loss, "name", entry.loss)
+    reduction = getattr(entry.loss, "reduction", None)
+    if masked and reduction not in MEAN_REDUCTIONS:
+        raise InputError(
+            f"The loss {name!r} of a masked output reduces with reduction={reduction!r}: the pipelined step "
+            f"can match Keras' mean over the valid steps only. Expected one of {MEAN_REDUCTIONS}: compile "
+            "with such a loss (Keras' default)."
+        )
+    if reduction not in REDUCTIONS:
+        raise InputError(
+            f"The loss {name!r} reduces with reduction={reduction!r}: Keras' fit trains on the sum of the "
+            "unreduced losses and reports their mean, which the pipelined step does not reproduce. Expected "
+            f"one of {REDUCTIONS}: compile with reduction='sum' (the same gradients) or the default."
+        )
+    if reduction == "sum":
+        return tf.ones([])
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        # Keras divides the micro-batch's weighted sum by its own weights' sum: the batch's is wanted
+        own, whole = (_entry_weights(entry, w) for w in (sample_weight, weight_sums))
+        return tf.math.divide_no_nan(tf.reduce_sum(tf.cast(own, tf.float32)), tf.cast(whole, tf.float32))
+    return share
+
+
+def _entry_weights(entry: Any, structure: Any) -> Any:
+    """The sample weights of one entry, as Keras' CompileLoss picks them: by its path when nested."""
+    if not keras.tree.is_nested(structure):
+        return structure
+    for key in entry.path:
+        structure = structure[key]
+    return structure
+
+
+@contextlib.contextmanager
+def _weighted(compile_loss: Any, factors: list[tf.Tensor]) -> Any:
+    """While a micro-batch's loss is traced, each entry's loss weight is multiplied by its factor, and
+    the per-output loss metrics are left alone (``PipelinedModel.train_step`` updates them once, from
+    the whole batch). Keras 3.15's CompileLoss.call multiplies each value by the loss weight of its
+    ``_flat_losses`` entry, and updates ``_metrics`` (one per entry, when there are several) with the
+    unweighted value."""
+    entries, metrics = compile_loss._flat_losses, compile_loss._metrics
+    compile_loss._flat_losses = [
+        entry._replace(loss_weights=factor if entry.loss_weights is None else factor * entry.loss_weights)
+        for entry, factor in zip(entries, factors)
+    ]
+    if metrics:
+        compile_loss._metrics = [None] * len(metrics)
+    try:
+        yield
+    finally:
+        compile_loss._flat_losses, compile_loss._metrics = entries, metrics
