@@ -16,6 +16,8 @@ batch, so a step equals one step of the original model on the whole batch::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -348,13 +350,26 @@ def _copy_architecture(model: Any) -> Any:
     from keras.src.saving.serialization_lib import SafeModeScope
 
     # the user's own model, in memory: a Lambda's Python function is theirs, not an untrusted file's
-    with SafeModeScope(False):
+    with SafeModeScope(False), _uncompiled(model):
         if type(model) not in (keras.Model, Functional, keras.Sequential):
             try:
                 return type(model).from_config(model.get_config())
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 pass
         return keras.models.clone_model(model)
+
+
+@contextmanager
+def _uncompiled(model: Any) -> Iterator[None]:
+    """``model`` counts as not compiled for a moment: ``keras.models.clone_model`` compiles its copy from
+    the model's compile config through Keras' serialization, which cannot find a plain Python function
+    (``loss=my_loss``) by its name. The copy is compiled after, as the wrapped model is (``compile_like``)."""
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
 
 
 def _layer_pairs(original: Any, copy: Any, pairs: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
