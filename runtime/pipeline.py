@@ -94,6 +94,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         stages = tuple(canonical(d) for d in plan.stages)  # the spelling the rebuilt layers' devices use
         executor = Executor(rebuilt.model, cut_stages(rebuilt.model, rebuilt.device_of, stages), options)
         self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
+        self.built = True  # its variables exist (the staged model is built): BackupAndRestore checks it
 
     # ----- what it is ------------------------------------------------------------------------------
 

@@ -186,6 +186,44 @@ def test_training_resumes_from_a_weights_only_checkpoint(tmp_path, virtual_devic
     _assert_same_weights(resumed.unwrap().get_weights(), straight.unwrap().get_weights())
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Raises at one batch of one epoch (a worker that fails), as Keras' own BackupAndRestore tests do."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), -1
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit(tmp_path, virtual_devices) -> None:
+    """fit with BackupAndRestore, interrupted in epoch 3; a new wrapped model of the same original and plan
+    resumes from the backup of epoch 2 (weights, Adam's slots and step count) and ends where 4 epochs
+    straight end."""
+    model, x, y, loss = _model_and_data()
+    plan = _uniform_plan(model, virtual_devices)
+    assert plan.num_stages == 2
+    backup = str(tmp_path / "backup")
+
+    def fit(epochs: int, *callbacks: keras.callbacks.Callback) -> PipelinedModel:
+        wrapped = wrap(model, plan, validate=False)
+        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+        wrapped.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks))
+        return wrapped
+
+    straight = fit(4)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(4, keras.callbacks.BackupAndRestore(backup), _Interrupt(epoch=2, batch=0))
+    resumed = fit(4, keras.callbacks.BackupAndRestore(backup))
+    assert int(resumed.optimizer.iterations) == int(straight.optimizer.iterations) == 8
+    _assert_same_weights(resumed.unwrap().get_weights(), straight.unwrap().get_weights())
+
+
 def test_early_stopping_stops(virtual_devices) -> None:
     model, x, y, loss = _model_and_data()
     wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
