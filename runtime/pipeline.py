@@ -30,7 +30,7 @@ from partitioner.plan import Plan
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
-from runtime.rebuild import Rebuilt, copy_weights
+from runtime.rebuild import Rebuilt, clone_operation, copy_weights, user_code
 from runtime.stages import cut_stages
 
 
@@ -339,25 +339,33 @@ def _unscaled(loss: tf.Tensor) -> tf.Tensor:
 
 
 def _copy_architecture(model: Any) -> Any:
-    """A new model of ``model``'s own class and architecture (weights not copied).
+    """A new model of ``model``'s own class and architecture (weights not copied, not compiled).
 
     A functional model of a class of its own (a keras-hub ``GPT2CausalLM`` or ``BertBackbone``) is
     made again from its config, so the user gets their class back, with its methods; a plain
     Functional or Sequential model, and a class that cannot be made from its config (a subclass
     without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
-    ``keras.models.clone_model``: a functional model of the same layers.
+    ``keras.models.clone_model``: a functional model of the same layers, each copied by
+    ``clone_operation`` (a Lambda keeps the user's function), nested models likewise.
     """
     from keras.src.models.functional import Functional
-    from keras.src.saving.serialization_lib import SafeModeScope
 
-    # the user's own model, in memory: a Lambda's Python function is theirs, not an untrusted file's
-    with SafeModeScope(False), _uncompiled(model):
-        if type(model) not in (keras.Model, Functional, keras.Sequential):
+    plain_classes = (keras.Model, Functional, keras.Sequential)
+
+    def clone_model(model: Any) -> Any:
+        with _uncompiled(model):
+            return keras.models.clone_model(model, clone_function=clone)
+
+    def clone(layer: Any) -> Any:
+        return clone_model(layer) if type(layer) in plain_classes else clone_operation(layer, layer.name)
+
+    with user_code(model):  # the user's own model, in memory: their functions, not an untrusted file's
+        if type(model) not in plain_classes:
             try:
                 return type(model).from_config(model.get_config())
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 pass
-        return keras.models.clone_model(model)
+        return clone_model(model)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from partitioner.errors import ProfileError
 from runtime import plan_and_wrap
 
 BATCH = 8
@@ -81,3 +82,89 @@ def test_plain_function_loss_and_metric_train_unwrap_and_save(tmp_path, virtual_
     loaded = keras.models.load_model(path, custom_objects={"my_loss": my_loss, "my_metric": my_metric})
     assert loaded.loss is my_loss
     np.testing.assert_allclose(loaded.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def double(t):
+    return t * 2.0
+
+
+def scaled_tanh(t):
+    return keras.ops.tanh(t) * 2.0
+
+
+def _lambda_in_wrapper() -> keras.Model:
+    inputs = keras.Input((3, 4))
+    h = keras.layers.TimeDistributed(keras.layers.Lambda(lambda t: t * 2.0), name="twice")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="fc")(keras.layers.Flatten(name="flat")(h)))
+
+
+def _named_function() -> keras.Model:
+    inputs = keras.Input((4,))
+    h = keras.layers.Lambda(double, name="twice")(keras.layers.Dense(8, name="fc1")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(2, name="fc")(h))
+
+
+def _named_function_in_nested_model() -> keras.Model:
+    inner_inputs = keras.Input((8,))
+    inner = keras.Model(inner_inputs, keras.layers.Lambda(double, name="twice")(inner_inputs), name="inner")
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(2, name="fc")(inner(keras.layers.Dense(8, name="fc1")(inputs))))
+
+
+def _function_activation() -> keras.Model:
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation=scaled_tanh, name="twice")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="fc")(h))
+
+
+@pytest.mark.parametrize(
+    ("build", "refusal", "load_arguments"),
+    [
+        (_lambda_in_wrapper, "safe_mode=False", {"safe_mode": False}),
+        (_named_function, "Could not locate function 'double'", {"custom_objects": {"double": double}}),
+        (_named_function_in_nested_model, "could not be deserialized", {"custom_objects": {"double": double}}),
+        (_function_activation, "could not be deserialized", {"custom_objects": {"scaled_tanh": scaled_tanh}}),
+    ],
+)
+def test_user_functions_in_layers_wrap_train_unwrap_and_save(
+    build, refusal: str, load_arguments: dict, tmp_path, virtual_devices
+) -> None:
+    """A Lambda of a Python lambda inside a wrapper layer, a Lambda of a named function (at the top, in a nested
+    model), an activation given as a function: wrap, one step as the original's, unwrap, save; loading the
+    file asks what loading the original's file asks (safe_mode=False, custom_objects), as Keras' rule is."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    wrapped = _two_stages(model, virtual_devices, "twice", "fc")
+    x, y = _data(model)
+    for m in (model, wrapped):  # the original trains as the reference: wrapping copied its weights
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    np.testing.assert_allclose(wrapped.train_on_batch(x, y), model.train_on_batch(x, y), rtol=1e-5)
+    got, want = wrapped.unwrap().get_weights(), model.get_weights()
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    for source in (model, wrapped):
+        path = str(tmp_path / f"{source.name}.keras")
+        source.save(path)
+        with pytest.raises((TypeError, ValueError), match=refusal):
+            keras.models.load_model(path)
+        loaded = keras.models.load_model(path, **load_arguments)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def _scale(factor: float):
+    def scale(t):
+        return keras.ops.tanh(t) * factor
+
+    return scale
+
+
+def test_two_functions_of_one_name_in_a_layer_are_refused(virtual_devices) -> None:
+    """Two different functions named 'scale' in one layer: its config names both 'scale', and a copy with
+    either one in both places would compute something else than the original, so wrapping refuses."""
+    inputs = keras.Input((3, 4))
+    rnn = keras.layers.LSTM(4, activation=_scale(1.0), recurrent_activation=_scale(0.5), name="rnn")
+    model = keras.Model(inputs, keras.layers.Dense(2, name="fc")(rnn(inputs)))
+    with pytest.raises(ProfileError, match=r"Cannot copy 'rnn' \(LSTM\): it holds 2 different functions named 'scale'"):
+        _two_stages(model, virtual_devices, "rnn", "fc")
