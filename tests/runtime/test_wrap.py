@@ -240,6 +240,45 @@ def test_wrap_accepts_a_plan_from_json(virtual_devices) -> None:
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+def _built_again(units: int = 8) -> keras.Model:
+    """The same architecture each call, with the names Keras makes up (dense_4, dense_5, ... one call later)."""
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(units, activation="relu")(keras.layers.Dense(8, activation="relu")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+def test_plan_maps_onto_the_same_architecture_built_again(virtual_devices) -> None:
+    """A plan (through JSON) of one build wraps the same build() run again and a clone_model copy, whose
+    layers Keras names otherwise: the plan's node i is their node i, and a step equals their own."""
+    keras.utils.set_random_seed(0)
+    first = _built_again()
+    plan = pt.Plan.from_json(_uniform_plan(first, virtual_devices, num_microbatches=2, batch=8).to_json())
+    assert plan.num_stages == 2 and len(plan.structure) == len(plan.assignment) == 4
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    rebuilt = _built_again()
+    assert {layer.name for layer in rebuilt.layers}.isdisjoint(plan.assignment)  # Keras named them otherwise
+    for again in (rebuilt, keras.models.clone_model(first)):  # clone_model keeps the names
+        names = [layer.name for layer in again.layers]
+        wrapped = wrap(again, plan)
+        assert list(wrapped.plan.assignment) == names
+        assert list(wrapped.plan.assignment.values()) == list(plan.assignment.values())
+        for m in (again, wrapped):  # the original is the reference: wrapping copied its weights
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        np.testing.assert_allclose(wrapped.train_on_batch(x, y), again.train_on_batch(x, y), rtol=1e-5)
+        _assert_same_weights(wrapped.unwrap().get_weights(), again.get_weights())
+
+
+def test_plan_for_another_architecture_names_the_first_difference(virtual_devices) -> None:
+    plan = _uniform_plan(_built_again(), virtual_devices, num_microbatches=2, batch=8)
+    with pytest.raises(
+        pt.PlanError,
+        match=r"made for another model: node 2 in topological order is 'dense_\d+' \(Dense \w+ <- 1\) in this "
+        r"model but 'dense_\d+' \(Dense \w+ <- 1\) in the plan",
+    ):
+        wrap(_built_again(units=16), plan, validate=False)
+
+
 def test_plans_on_devices_spelled_as_in_cluster_files_run(virtual_devices) -> None:
     """The bundled cluster files spell devices '/CPU:0', TensorFlow '/device:CPU:0': a plan made on either,
     with pins in a third spelling, runs through plan_and_wrap and through wrap of its JSON, cut in two."""
@@ -266,7 +305,7 @@ def test_plans_on_devices_spelled_as_in_cluster_files_run(virtual_devices) -> No
 def test_plan_for_another_model_is_refused(virtual_devices) -> None:
     model, _, _, _ = _model_and_data("mlp")
     other, _, _, _ = _model_and_data("shared_layer")
-    with pytest.raises(pt.PlanError, match=r"not in the plan|not in the graph|have no device"):
+    with pytest.raises(pt.PlanError, match=r"another model: node 0 .* is '\w+' \(InputLayer .* but 'features' "):
         wrap(other, _uniform_plan(model, virtual_devices))
 
 
