@@ -13,6 +13,7 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     activation_bytes    int     bytes kept alive for the backward pass, per micro-batch
     time_s              float   measured forward + backward seconds per micro-batch (optional)
     layer_type          str     the Keras class name (optional)
+    config_digest       str     a digest of the layer's config without names (optional; structure)
     colocation_group    str     nodes sharing a group share weights: one device (optional)
     edge bytes          int     bytes of the tensor sent from u to v per micro-batch
 
@@ -223,6 +224,26 @@ def topological_order(graph: nx.DiGraph) -> list[str]:
     """Returns the nodes in a deterministic topological order that keeps insertion order where it can."""
     index = {node: i for i, node in enumerate(graph.nodes)}
     return list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
+
+
+def structure(graph: nx.DiGraph) -> tuple[str, ...]:
+    """Per node, in topological order: its layer type, config digest and the positions of the nodes it
+    reads, e.g. ``"Dense 3fa2c19b77d0 <- 0"``; the same for the same architecture built again under other
+    names. Empty where a node has no ``config_digest`` (a graph from before digests, a synthetic one).
+
+    Example:
+        >>> structure(graph)[:2]                                     # doctest: +SKIP
+        ('InputLayer 5d1e8a03b2c4 <- ', 'Dense 3fa2c19b77d0 <- 0')
+    """
+    order = topological_order(graph)
+    if any("config_digest" not in graph.nodes[v] for v in order):
+        return ()
+    position = {v: i for i, v in enumerate(order)}
+    return tuple(
+        f"{graph.nodes[v].get('layer_type', '')} {graph.nodes[v]['config_digest']} <- "
+        + ",".join(str(i) for i in sorted(position[u] for u in graph.predecessors(v)))
+        for v in order
+    )
 
 
 def is_chain(graph: nx.DiGraph) -> bool:

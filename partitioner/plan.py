@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from partitioner.cost import CostModel
 
 # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
-PLAN_SCHEMA_VERSION = 2
+# 3: structure (older files load without it: their names must match the model's)
+PLAN_SCHEMA_VERSION = 3
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
@@ -62,6 +63,10 @@ class Plan:
     # proven lower bound on the step of every legal plan (CostModel.step_lower_bound_s, or the exact chain
     # search's), capped at the plan's step; set where the planner minimised the step, None elsewhere
     step_lower_bound_s: float | None = None
+    # per node of ``assignment``, in its order: its layer type, config digest and the positions of the nodes
+    # it reads (partitioner.graph.structure), so that wrap can map the plan onto the same architecture
+    # built again under other names; empty where the graph had no digests
+    structure: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
@@ -179,7 +184,7 @@ class Plan:
             )
         names = {f.name for f in fields(cls)}
         # Fields added after schema version 1 shipped: older files lack them and take the default.
-        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute", "step_lower_bound_s")
+        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute", "step_lower_bound_s", "structure")
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:
@@ -187,13 +192,18 @@ class Plan:
         values = {k: v for k, v in data.items() if k in names}
         try:
             values["devices"] = tuple(values["devices"])
-            if "recompute" in values:
-                values["recompute"] = tuple(values["recompute"])
+            for key in ("recompute", "structure"):
+                if key in values:
+                    values[key] = tuple(values[key])
             plan = cls(**values)
         except (TypeError, AttributeError) as err:
             raise PlanError(f"{source} is corrupt: {err}.") from err
         if plan.status not in STATUSES or not isinstance(plan.assignment, dict):
             raise PlanError(f"{source} is corrupt: bad status {plan.status!r} or assignment.")
+        if plan.structure and len(plan.structure) != len(plan.assignment):
+            raise PlanError(
+                f"{source} is corrupt: structure has {len(plan.structure)} entries for {len(plan.assignment)} nodes."
+            )
         if plan.schedule not in SCHEDULES:
             raise PlanError(f"{source} is corrupt: schedule {plan.schedule!r} is not one of {SCHEDULES}.")
         if (

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
+from partitioner.graph import structure
 from partitioner.plan import STATUSES, Plan
 from partitioner.simulate import simulate_assignment
 
@@ -81,6 +82,7 @@ def score_assignment(
         fill_drain_step_s=ev.step_time_s,
         schedule=costs.schedule,
         recompute=ev.recompute,
+        structure=structure(costs.graph),
     )
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
-from partitioner.graph import colocation_groups
+from partitioner.graph import colocation_groups, structure, topological_order
 from partitioner.order import same_devices
 from partitioner.plan import Plan
 from partitioner.units import format_bytes
@@ -80,3 +82,41 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
 def _recomputed(plan: Plan, device: str) -> bool:
     """True iff ``device`` runs a stage of ``plan`` that recomputes its forward."""
     return device in plan.stages and plan.recompute[plan.stages.index(device)]
+
+
+def match_names(plan: Plan, graph: nx.DiGraph) -> Plan:
+    """``plan`` with ``graph``'s node names, where its own names differ but its architecture is the graph's.
+
+    Keras makes names up by counting (``dense_6`` the second time a ``build()`` runs in a process, or
+    after ``keras.models.clone_model``), so a plan saved for one build names nodes another build lacks.
+    Where the plan records its structure (``plan.structure``) and it equals the graph's
+    (``partitioner.graph.structure``: layer types, configs and edges, in topological order), node i of
+    the plan is node i of the graph. A plan with the graph's names, or without a structure, is returned
+    as it is (``validate_plan`` then says which names differ).
+
+    Raises:
+        PlanError: naming the first node where the plan's structure and the graph's differ.
+
+    Example:
+        >>> plan = match_names(plan, profile_model(model_built_again))   # doctest: +SKIP
+    """
+    names = topological_order(graph)
+    if set(names) == set(plan.assignment) or not plan.structure:
+        return plan
+    theirs, ours = list(plan.structure), list(structure(graph))
+    if theirs != ours:
+        if not ours:
+            raise PlanError(
+                "The plan's node names differ from the model's, and the model's layer graph has no config "
+                "digests to match them by. Profile the model with profiles.profile_model, or plan again for it."
+            )
+        i = next(i for i in range(max(len(theirs), len(ours))) if theirs[i : i + 1] != ours[i : i + 1])
+        planned = list(plan.assignment)
+        plan_node = f"'{planned[i]}' ({theirs[i]})" if i < len(theirs) else "nothing (it has fewer nodes)"
+        model_node = f"'{names[i]}' ({ours[i]})" if i < len(ours) else "nothing (it has fewer nodes)"
+        raise PlanError(
+            f"The plan was made for another model: node {i} in topological order is {model_node} in this "
+            f"model but {plan_node} in the plan (type, config digest <- positions of the nodes read). Plan "
+            "again for this model (runtime.plan_and_wrap does both), or load the plan made for it."
+        )
+    return dataclasses.replace(plan, assignment=dict(zip(names, plan.assignment.values(), strict=True)))

@@ -32,6 +32,8 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        in TensorLists of no static size), an upper bound; it is taken to read
                        all its inputs. InputLayer: 0.
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
+    config_digest      the layer's config without names, hashed (config_digest): a plan's record of
+                       the architecture it was made for (partitioner.graph.structure)
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
@@ -64,6 +66,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,7 +290,7 @@ class _CallProfiler:
         ``activation_bytes`` is 0 here: it depends on the calls that read the outputs
         (:meth:`activation_bytes`, once every call is traced).
         """
-        attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__}
+        attrs: dict[str, Any] = {"layer_type": type(call.operation).__name__, "config_digest": config_digest(call)}
         if call.colocation_group is not None:
             attrs["colocation_group"] = call.colocation_group
         if call.is_input:
@@ -582,6 +586,26 @@ def _check_numbers(batch_size: Any, num_microbatches: Any, repeats: Any, warmup:
         raise InputError(f"repeats must be an integer >= 1. Received: repeats={repeats!r}.")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise InputError(f"warmup must be an integer >= 0. Received: warmup={warmup!r}.")
+
+
+def config_digest(call: LayerCall) -> str:
+    """12 hex digits of the called operation's config with every name left out: the same for the same
+    layer built again (Keras numbers the names it makes up: ``dense_6`` against ``dense_2``), another
+    where a setting differs. An operation without a config is known by its class alone."""
+
+    def nameless(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: nameless(v) for k, v in value.items() if k != "name"}
+        if isinstance(value, (list, tuple)):
+            return [nameless(v) for v in value]
+        return value
+
+    try:
+        config = call.operation.get_config()
+    except Exception:  # an op made with arguments Keras cannot serialize
+        config = {}
+    text = json.dumps(nameless(config), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _resolve_device(tf: Any, device: str | None) -> str:

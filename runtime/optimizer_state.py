@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from partitioner.errors import InputError
+
 
 def _prefix(variable: Any) -> str:
     return f"{variable.path.replace('/', '_')}_"
@@ -50,16 +52,56 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
 
     Does nothing when ``source_model`` is not compiled.
     """
-    if not getattr(source_model, "compiled", False) or source_model.optimizer is None:
+    compiled = getattr(source_model, "compiled", False) and hasattr(source_model, "_compile_config")
+    if not compiled or source_model.optimizer is None:
         return
-    config = source_model.get_compile_config()
-    if config is None:
-        return
-    destination_model.compile_from_config(config)
+    destination_model.compile(**compile_arguments(source_model))
+    optimizer = destination_model.optimizer
+    if destination_model.built and not optimizer.built:  # as Keras' compile_from_config does
+        optimizer.build(destination_model.trainable_variables)
     if source_model.optimizer.built:
-        if not destination_model.optimizer.built:
-            destination_model.optimizer.build(destination_model.trainable_variables)
-        copy_optimizer_state(source_model.optimizer, destination_model.optimizer, pairs)
+        copy_optimizer_state(source_model.optimizer, optimizer, pairs)
+
+
+def compile_arguments(model: Any) -> dict[str, Any]:
+    """The arguments ``model.compile`` was called with, for compiling another model the same way.
+
+    The optimizer and the metric objects are made anew from their configs (they hold state); losses,
+    strings and the user's functions are passed as they are. A round trip of the whole compile config
+    through Keras' serialization (``compile_from_config``) would look a plain Python function
+    (``loss=my_loss``) up by its name in Keras' registry and fail, though the function is right here.
+
+    Raises:
+        InputError: when a metric object cannot be made anew from its config.
+    """
+    import keras
+
+    arguments = dict(model._compile_config.config)  # what Keras' compile keeps of its arguments (Keras 3.0 to 3.15)
+    optimizer = keras.saving.serialize_keras_object(arguments["optimizer"])
+    arguments["optimizer"] = keras.saving.deserialize_keras_object(optimizer)
+    for key in ("metrics", "weighted_metrics"):
+        arguments[key] = _new_metrics(arguments[key])
+    return arguments
+
+
+def _new_metrics(metrics: Any) -> Any:
+    """``metrics`` (a metric, a list or a dict of them) with every Metric object replaced by a new one."""
+    import keras
+
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(_new_metrics(m) for m in metrics)
+    if isinstance(metrics, dict):
+        return {key: _new_metrics(m) for key, m in metrics.items()}
+    if not isinstance(metrics, keras.metrics.Metric):
+        return metrics  # None, a name or a function: compile makes the metric
+    try:
+        return type(metrics).from_config(metrics.get_config())
+    except Exception as err:
+        raise InputError(
+            f"The metric {metrics.name!r} ({type(metrics).__name__}) cannot be made anew from its config for the "
+            f"other model: from_config(get_config()) failed with {type(err).__name__}: {err}. Implement "
+            "get_config() in the metric's class (returning every __init__ argument), or compile that model yourself."
+        ) from err
 
 
 def place_updates(optimizer: Any) -> None:

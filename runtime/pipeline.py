@@ -17,6 +17,8 @@ batch (the micro-batches' parts summed), so a step equals one step of the origin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,7 +32,7 @@ from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import microbatch_part
 from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
-from runtime.rebuild import Rebuilt, copy_weights
+from runtime.rebuild import Rebuilt, clone_operation, copy_weights, user_code
 from runtime.stages import cut_stages
 
 
@@ -91,6 +93,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         stages = tuple(canonical(d) for d in plan.stages)  # the spelling the rebuilt layers' devices use
         executor = Executor(rebuilt.model, cut_stages(rebuilt.model, rebuilt.device_of, stages), options)
         self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
+        self.built = True  # its variables exist (the staged model is built): BackupAndRestore checks it
 
     # ----- what it is ------------------------------------------------------------------------------
 
@@ -327,25 +330,46 @@ def _unscaled(loss: tf.Tensor) -> tf.Tensor:
 
 
 def _copy_architecture(model: Any) -> Any:
-    """A new model of ``model``'s own class and architecture (weights not copied).
+    """A new model of ``model``'s own class and architecture (weights not copied, not compiled).
 
     A functional model of a class of its own (a keras-hub ``GPT2CausalLM`` or ``BertBackbone``) is
     made again from its config, so the user gets their class back, with its methods; a plain
     Functional or Sequential model, and a class that cannot be made from its config (a subclass
     without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
-    ``keras.models.clone_model``: a functional model of the same layers.
+    ``keras.models.clone_model``: a functional model of the same layers, each copied by
+    ``clone_operation`` (a Lambda keeps the user's function), nested models likewise.
     """
     from keras.src.models.functional import Functional
-    from keras.src.saving.serialization_lib import SafeModeScope
 
-    # the user's own model, in memory: a Lambda's Python function is theirs, not an untrusted file's
-    with SafeModeScope(False):
-        if type(model) not in (keras.Model, Functional, keras.Sequential):
+    plain_classes = (keras.Model, Functional, keras.Sequential)
+
+    def clone_model(model: Any) -> Any:
+        with _uncompiled(model):
+            return keras.models.clone_model(model, clone_function=clone)
+
+    def clone(layer: Any) -> Any:
+        return clone_model(layer) if type(layer) in plain_classes else clone_operation(layer, layer.name)
+
+    with user_code(model):  # the user's own model, in memory: their functions, not an untrusted file's
+        if type(model) not in plain_classes:
             try:
                 return type(model).from_config(model.get_config())
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 pass
-        return keras.models.clone_model(model)
+        return clone_model(model)
+
+
+@contextmanager
+def _uncompiled(model: Any) -> Iterator[None]:
+    """``model`` counts as not compiled for a moment: ``keras.models.clone_model`` compiles its copy from
+    the model's compile config through Keras' serialization, which cannot find a plain Python function
+    (``loss=my_loss``) by its name. The copy is compiled after, as the wrapped model is (``compile_like``)."""
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
 
 
 def _layer_pairs(original: Any, copy: Any, pairs: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:

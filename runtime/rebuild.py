@@ -14,9 +14,11 @@ model plus a map from each cloned operation to its device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +103,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         clone = clones.get(id(operation))
         if clone is None:
             with tf.device(device):
-                clone = _clone(operation, names[id(operation)])
+                clone = clone_operation(operation, names[id(operation)])
             clones[id(operation)] = clone
             device_of[id(clone)] = device
             node_of[id(clone)] = call.name
@@ -266,11 +268,13 @@ def _clone_names(calls: list[LayerCall]) -> dict[int, str]:
     return names
 
 
-def _clone(operation: Any, name: str) -> Any:
+def clone_operation(operation: Any, name: str) -> Any:
     """A fresh copy of a layer or Keras op, named ``name``, made from its config (weights not copied).
 
     A Lambda layer gets the user's own function back rather than a deserialized one (its config
-    holds Python bytecode, which Keras loads only with unsafe deserialization). A Keras op that has
+    holds Python bytecode, which Keras loads only with unsafe deserialization, or a function's name,
+    which Keras finds only when it is registered). Any other layer is made from its config with the
+    user's code at hand (``user_code``: a ``TimeDistributed(Lambda(f))``). A Keras op that has
     no config (made with arguments Keras cannot serialize) is used as it is: ops hold no state.
     """
     import keras
@@ -285,23 +289,70 @@ def _clone(operation: Any, name: str) -> Any:
             arguments=operation.arguments,
             **config,
         )
+    alike = [(key, functions) for key, functions in _functions_by_name(operation).items() if len(functions) > 1]
+    if alike:
+        key, functions = alike[0]
+        raise ProfileError(
+            f"Cannot copy '{operation.name}' ({type(operation).__name__}): it holds {len(functions)} different "
+            f"functions named {key!r}, which its config names alike, so a copy made from the config cannot tell "
+            "them apart. Expected one name per function; give each its own name (set its __name__)."
+        )
     try:
         config = operation.get_config()
         if "name" in config:
             config = {**config, "name": name}
-        clone = operation.__class__.from_config(config)
+        with user_code(operation):
+            clone = operation.__class__.from_config(config)
     except Exception as err:
         if not isinstance(operation, keras.layers.Layer) and operation.name == name:
             return operation  # a Keras op holds no state: the same op, called once more in the flat graph
         raise ProfileError(
-            f"Cannot copy '{operation.name}' ({type(operation).__name__}) onto its device: "
-            f"from_config(get_config()) failed with {type(err).__name__}: {err}. Expected every layer to "
+            f"Cannot copy '{operation.name}' ({type(operation).__name__}): "
+            f"from_config(get_config()) failed with {type(err).__name__}: {' '.join(str(err).split())} Expected "
+            "every layer to "
             "be rebuildable from its config, as keras.models.clone_model needs; implement get_config() "
             "(returning every __init__ argument) in the layer's class."
         ) from err
     if clone.name != name:  # an op whose __init__ takes no name
         clone.name = name
     return clone
+
+
+@contextlib.contextmanager
+def user_code(operation: Any) -> Iterator[None]:
+    """Keras' deserialization, for a moment, as for the user's own model in memory (not a file): a Python
+    lambda is made from its bytecode (what Keras' safe mode refuses from a file), and a function that a
+    layer inside ``operation`` holds (a Lambda's, an ``activation=my_fn``) and its config names is that
+    very function, where no other function there has its name (else Keras looks the name up in its
+    registry, as it does when loading a file)."""
+    import keras
+    from keras.src.saving.serialization_lib import SafeModeScope  # no public scope for this (Keras 3.0 to 3.15)
+
+    functions = {key: named[0] for key, named in _functions_by_name(operation).items() if len(named) == 1}
+    with SafeModeScope(False), keras.saving.custom_object_scope(functions):
+        yield
+
+
+def _functions_by_name(operation: Any) -> dict[str, list[Any]]:
+    """{name: the different functions of that name} that the layers inside ``operation`` hold (a Lambda's
+    function, an ``activation=my_fn``), of those a config names by their bare name: the user's own,
+    unregistered functions (Keras' own are named by their module, registered ones by their registered
+    name, Python lambdas by their bytecode)."""
+    import keras
+
+    by_name: dict[str, list[Any]] = {}
+    for layer in _layers(operation):
+        for value in vars(layer).values():
+            if (
+                isinstance(value, types.FunctionType)
+                and value.__name__ != "<lambda>"
+                and value.__module__.split(".")[0] not in ("keras", "keras_hub", "tensorflow")
+                and keras.saving.get_registered_name(value) == value.__name__
+            ):
+                named = by_name.setdefault(value.__name__, [])
+                if not any(value is f for f in named):
+                    named.append(value)
+    return by_name
 
 
 def _layers(operation: Any) -> list[Any]:

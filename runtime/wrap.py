@@ -11,7 +11,7 @@ from partitioner.cost import check_recompute
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError
 from partitioner.plan import Plan
 from partitioner.solver import solve
-from partitioner.validate import validate_plan
+from partitioner.validate import match_names, validate_plan
 from profiles.shapes import InputShapes
 from runtime.devices import canonical, resolve_devices
 from runtime.executor import ExecutionOptions
@@ -192,8 +192,14 @@ def wrap(
             dimensions open (see ``plan_and_wrap``), and to check its rows at (every open dimension 1
             without them).
 
+    A plan made for the same architecture built again (``keras.models.clone_model``, or the same
+    ``build()`` run twice in a process, where Keras numbers its names on: ``dense_6`` for ``dense_2``)
+    is mapped onto this model's names when its recorded structure (layer types, configs and edges, in
+    topological order) equals this model's; the wrapped model's ``plan`` then names this model's nodes.
+
     Raises:
-        PlanError: when the plan was made for another model or names devices that do not exist.
+        PlanError: when the plan was made for another model (naming the first node that differs) or
+            names devices that do not exist.
         InputError: when ``batch_norm="deferred"`` meets a batch normalization it cannot defer; for a
             model whose class overrides a step or ``call``, or whose ops mix the rows of a batch where
             ``num_microbatches`` cannot (``runtime.supported``).
@@ -209,7 +215,7 @@ def wrap(
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
-    if validate:
+    if validate or not _same_names(model, plan):
         from profiles import profile_model
 
         graph = profile_model(
@@ -220,9 +226,19 @@ def wrap(
             input_shapes=input_shapes,
             sequence_length=sequence_length,
         )
+        plan = match_names(plan, graph)  # the same architecture built again: the plan in this model's names
+    if validate:
         planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
         validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
     return _wrap(model, plan, options)
+
+
+def _same_names(model: Any, plan: Plan) -> bool:
+    """True iff the plan's nodes are named as ``model``'s layer calls."""
+    from profiles.walk import flatten_calls, functional_graph
+
+    calls, _ = flatten_calls(functional_graph(model))
+    return {call.name for call in calls} == set(plan.assignment)
 
 
 def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:

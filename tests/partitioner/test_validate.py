@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import networkx as nx
 import pytest
 from graphs import KIB, chain, diamond, random_dag, shared_layer_graph
 
 import partitioner as pt
 from partitioner.errors import PlanError
+from partitioner.validate import match_names
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -154,3 +156,21 @@ def test_validate_plan_memory_counts_the_plans_microbatches():
 def test_validate_plan_not_a_plan():
     with pytest.raises(PlanError, match=r"Expected a partitioner.Plan. Received: dict"):
         pt.validate_plan({"l0": G0}, chain([1e9]), _cluster(1))  # type: ignore[arg-type]
+
+
+def test_match_names_maps_a_plan_onto_the_same_structure_under_other_names():
+    graph = diamond()
+    for node in graph:
+        graph.nodes[node]["config_digest"] = "0" * 12
+    plan = pt.Plan.from_json(pt.solve(graph, _cluster(), time_limit_s=10).to_json())
+    assert len(plan.structure) == len(plan.assignment) == graph.number_of_nodes()
+    renamed = nx.relabel_nodes(graph, {v: f"{v}_2" for v in graph})
+    matched = match_names(plan, renamed)
+    assert matched.assignment == {f"{v}_2": d for v, d in plan.assignment.items()}
+    pt.validate_plan(matched, renamed, _cluster())
+    assert match_names(plan, graph) is plan
+
+    node = list(renamed)[2]
+    renamed.nodes[node]["config_digest"] = "1" * 12
+    with pytest.raises(PlanError, match=rf"node 2 in topological order is '{node}' \(Dense 1{{12}} <- "):
+        match_names(plan, renamed)

@@ -129,6 +129,8 @@ def test_profile_model_mlp_bytes_by_hand():
     assert graph.edges["hidden", "logits"]["bytes"] == 8 * 32 * 4
     assert [graph.nodes[n]["activation_bytes"] for n in graph] == [0, 8 * 32 * 4, 8 * 8 * 4]
     assert [graph.nodes[n]["param_bytes"] for n in graph] == [0, (16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
+    digest = graph.nodes["x"].pop("config_digest")
+    assert len(digest) == 12 and int(digest, 16) >= 0
     assert graph.nodes["x"] == {"layer_type": "InputLayer", "flops": 0.0, "param_bytes": 0, "activation_bytes": 0}
     assert graph.nodes["hidden"]["layer_type"] == "Dense"
     assert graph.graph == {

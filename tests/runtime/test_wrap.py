@@ -186,6 +186,44 @@ def test_training_resumes_from_a_weights_only_checkpoint(tmp_path, virtual_devic
     _assert_same_weights(resumed.unwrap().get_weights(), straight.unwrap().get_weights())
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Raises at one batch of one epoch (a worker that fails), as Keras' own BackupAndRestore tests do."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), -1
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit(tmp_path, virtual_devices) -> None:
+    """fit with BackupAndRestore, interrupted in epoch 3; a new wrapped model of the same original and plan
+    resumes from the backup of epoch 2 (weights, Adam's slots and step count) and ends where 4 epochs
+    straight end."""
+    model, x, y, loss = _model_and_data()
+    plan = _uniform_plan(model, virtual_devices)
+    assert plan.num_stages == 2
+    backup = str(tmp_path / "backup")
+
+    def fit(epochs: int, *callbacks: keras.callbacks.Callback) -> PipelinedModel:
+        wrapped = wrap(model, plan, validate=False)
+        wrapped.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+        wrapped.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks))
+        return wrapped
+
+    straight = fit(4)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(4, keras.callbacks.BackupAndRestore(backup), _Interrupt(epoch=2, batch=0))
+    resumed = fit(4, keras.callbacks.BackupAndRestore(backup))
+    assert int(resumed.optimizer.iterations) == int(straight.optimizer.iterations) == 8
+    _assert_same_weights(resumed.unwrap().get_weights(), straight.unwrap().get_weights())
+
+
 def test_early_stopping_stops(virtual_devices) -> None:
     model, x, y, loss = _model_and_data()
     wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
@@ -200,6 +238,45 @@ def test_wrap_accepts_a_plan_from_json(virtual_devices) -> None:
     plan = pt.Plan.from_json(_uniform_plan(model, virtual_devices).to_json())
     wrapped = wrap(model, plan)
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def _built_again(units: int = 8) -> keras.Model:
+    """The same architecture each call, with the names Keras makes up (dense_4, dense_5, ... one call later)."""
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(units, activation="relu")(keras.layers.Dense(8, activation="relu")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+def test_plan_maps_onto_the_same_architecture_built_again(virtual_devices) -> None:
+    """A plan (through JSON) of one build wraps the same build() run again and a clone_model copy, whose
+    layers Keras names otherwise: the plan's node i is their node i, and a step equals their own."""
+    keras.utils.set_random_seed(0)
+    first = _built_again()
+    plan = pt.Plan.from_json(_uniform_plan(first, virtual_devices, num_microbatches=2, batch=8).to_json())
+    assert plan.num_stages == 2 and len(plan.structure) == len(plan.assignment) == 4
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 6)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    rebuilt = _built_again()
+    assert {layer.name for layer in rebuilt.layers}.isdisjoint(plan.assignment)  # Keras named them otherwise
+    for again in (rebuilt, keras.models.clone_model(first)):  # clone_model keeps the names
+        names = [layer.name for layer in again.layers]
+        wrapped = wrap(again, plan)
+        assert list(wrapped.plan.assignment) == names
+        assert list(wrapped.plan.assignment.values()) == list(plan.assignment.values())
+        for m in (again, wrapped):  # the original is the reference: wrapping copied its weights
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        np.testing.assert_allclose(wrapped.train_on_batch(x, y), again.train_on_batch(x, y), rtol=1e-5)
+        _assert_same_weights(wrapped.unwrap().get_weights(), again.get_weights())
+
+
+def test_plan_for_another_architecture_names_the_first_difference(virtual_devices) -> None:
+    plan = _uniform_plan(_built_again(), virtual_devices, num_microbatches=2, batch=8)
+    with pytest.raises(
+        pt.PlanError,
+        match=r"made for another model: node 2 in topological order is 'dense_\d+' \(Dense \w+ <- 1\) in this "
+        r"model but 'dense_\d+' \(Dense \w+ <- 1\) in the plan",
+    ):
+        wrap(_built_again(units=16), plan, validate=False)
 
 
 def test_plans_on_devices_spelled_as_in_cluster_files_run(virtual_devices) -> None:
@@ -228,7 +305,7 @@ def test_plans_on_devices_spelled_as_in_cluster_files_run(virtual_devices) -> No
 def test_plan_for_another_model_is_refused(virtual_devices) -> None:
     model, _, _, _ = _model_and_data("mlp")
     other, _, _, _ = _model_and_data("shared_layer")
-    with pytest.raises(pt.PlanError, match=r"not in the plan|not in the graph|have no device"):
+    with pytest.raises(pt.PlanError, match=r"another model: node 0 .* is '\w+' \(InputLayer .* but 'features' "):
         wrap(other, _uniform_plan(model, virtual_devices))
 
 
