@@ -153,6 +153,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile_options(placed)
     _add_traceback_option(placed)
 
+    launch = commands.add_parser(
+        "launch",
+        help="run a training program as D worker processes (data x pipeline parallel), as torchrun does",
+        description="Starts D workers of PROGRAM on this machine, each with its TF_CONFIG (free ports) and its "
+        "devices; stops all on the first failure; restarts all up to --max-restarts times. In the program, "
+        "call runtime.start_worker() first.",
+    )
+    launch.add_argument("--workers", type=int, required=True, help="D: worker processes, one per pipeline replica")
+    launch.add_argument(
+        "--devices-per-worker",
+        type=int,
+        help="K: devices of each worker (logical CPU devices, or its own K GPUs via CUDA_VISIBLE_DEVICES)",
+    )
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart every worker up to R times (default 0)")
+    launch.add_argument("--timeout", type=float, help="stop everything after S seconds; exit status 124")
+    launch.add_argument("--log-dir", help="write each worker's output to DIR/worker-<i>.log as well")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="-- then the command each worker runs")
+
     profile = commands.add_parser("profile", help="profile a model into a layer graph JSON")
     profile.add_argument("model", help=model_help)
     _add_profile_options(profile)
@@ -216,6 +234,8 @@ def _add_traceback_option(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (0 ok, 2 on a user error, 1 on a failure inside the library)."""
     args = _parser().parse_args(argv)
+    if args.command == "launch":
+        return _launch(args)
     if not (args.command == "plan" and args.model.endswith(".json")):  # a profile .json brings its own
         args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
         args.micro_batches = DEFAULT_MICROBATCHES if args.micro_batches is None else args.micro_batches
@@ -245,6 +265,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rerun with --traceback to see where, and report it with the model.",
         )
         return 1
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``partitioner launch``: the first failing worker's status, 2 on bad options."""
+    from partitioner.launch import LaunchOptions, launch
+
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    try:
+        options = LaunchOptions(
+            args.workers,
+            devices_per_worker=args.devices_per_worker,
+            max_restarts=args.max_restarts,
+            timeout_s=args.timeout,
+            log_dir=args.log_dir,
+        )
+        return launch(program, options)
+    except InputError as error:
+        _print_error(Console(stderr=True), str(error))
+        return 2
 
 
 def _print_error(err: Console, message: str) -> None:

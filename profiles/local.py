@@ -39,11 +39,14 @@ def local_cluster(
     flops_per_s: float | str | None = None,
     bandwidth: Any = None,
     action_overhead_s: float = 0.0,
+    names: list[str] | None = None,
 ) -> Cluster:
     """Returns a cluster of TensorFlow's local logical devices: the GPUs if any, else the CPUs.
 
     Args:
         num_devices: use the first ``num_devices`` devices; all of them when None.
+        names: the local devices by name, where TensorFlow lists more than this process's (a worker of
+            a cluster sees every worker's: ``runtime.devices.local_device_names`` keeps its own).
         memory: bytes per device (a number or a string like "16GiB"). Required for GPUs that
             have no virtual-device memory limit; overrides the RAM split on CPUs.
         flops_per_s: FLOP/s of every device; measured per device with a matmul when None.
@@ -68,7 +71,8 @@ def local_cluster(
     """
     gpus = tf.config.list_logical_devices("GPU")
     kind = "GPU" if gpus else "CPU"
-    names = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    if names is None:
+        names = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
     if num_devices is not None:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ClusterError(f"num_devices must be an integer >= 1. Received: num_devices={num_devices!r}.")

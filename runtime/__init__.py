@@ -13,15 +13,19 @@ from __future__ import annotations
 from runtime.devices import make_virtual_devices, resolve_devices
 from runtime.pipeline import PipelinedModel
 from runtime.placement import executed_placement, placement_report, synthetic_batch
+from runtime.workers import Worker, current_worker, start_worker
 from runtime.wrap import plan_and_wrap, wrap
 
 __all__ = [
     "PipelinedModel",
+    "Worker",
+    "current_worker",
     "executed_placement",
     "make_virtual_devices",
     "placement_report",
     "plan_and_wrap",
     "resolve_devices",
+    "start_worker",
     "synthetic_batch",
     "wrap",
 ]

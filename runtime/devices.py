@@ -7,6 +7,7 @@ from typing import Any
 
 from partitioner.cluster import Cluster, Device, canonical_device_name
 from partitioner.errors import ClusterError, InputError
+from runtime.workers import local_task
 
 
 def make_virtual_devices(num_devices: int, *, gpu_memory_mb: int = 1024) -> list[str]:
@@ -53,15 +54,22 @@ def make_virtual_devices(num_devices: int, *, gpu_memory_mb: int = 1024) -> list
 
 
 def local_device_names() -> list[str]:
-    """TensorFlow's logical accelerators here: the GPUs if any, else the CPUs."""
+    """TensorFlow's logical accelerators of this process: the GPUs if any, else the CPUs. In a cluster
+    (``runtime.workers``) TensorFlow lists every worker's devices: this worker's only, named locally."""
     import tensorflow as tf
 
     gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    names = [canonical(d.name) for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    return [n for n in names if not n.startswith("/job:")]
 
 
-# '/GPU:1', 'GPU:1' and '/device:GPU:1' -> '/device:GPU:1': the planner's one rule for device names
-canonical = canonical_device_name
+def canonical(name: str) -> str:
+    """'/GPU:1', 'GPU:1' and '/device:GPU:1' -> '/device:GPU:1': the planner's one rule for device names
+    (``partitioner.cluster.canonical_device_name``), where this worker's own task prefix
+    ('/job:worker/replica:0/task:1', ``runtime.workers``) is dropped too: its devices are the local ones."""
+    name = canonical_device_name(name)
+    task = local_task()
+    return name[len(task) :] if task and name.startswith(f"{task}/device:") else name
 
 
 def resolve_devices(
@@ -98,7 +106,7 @@ def resolve_devices(
             raise ClusterError(f"Device(s) {missing or '[]'} do not exist here. TensorFlow sees: {available}.")
     from profiles.local import local_cluster
 
-    cluster = local_cluster(len(available), memory=memory, flops_per_s=flops_per_s)
+    cluster = local_cluster(len(available), memory=memory, flops_per_s=flops_per_s, names=available)
     by_name = {canonical(d.name): d for d in cluster.devices}
     chosen: list[Device] = [by_name[canonical(n)] for n in names]
     index = [cluster.index(d.name) for d in chosen]

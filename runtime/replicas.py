@@ -132,12 +132,11 @@ def broadcast_variables(collectives: Sequence[StageCollectives], variables: Sequ
     @tf.function(autograph=False)
     def run() -> None:
         for group, stage_variables in zip(collectives, variables):
-            readable = [v for v in stage_variables if v.dtype.is_floating or v.dtype.is_integer]
-            if not readable:
+            if not stage_variables:
                 continue
             with tf.device(group.device):
-                values = group.broadcast([v.read_value() for v in readable], rank)
-                for variable, value in zip(readable, values):
+                values = group.broadcast([v.read_value() for v in stage_variables], rank)
+                for variable, value in zip(stage_variables, values):
                     variable.assign(value)
 
     run()

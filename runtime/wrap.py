@@ -18,7 +18,9 @@ from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
+from runtime.replicas import Replicas
 from runtime.supported import check_rows, check_steps
+from runtime.workers import current_worker, join_replicas
 
 
 def _check_microbatches(num_microbatches: Any, batch_size: Any) -> None:
@@ -62,6 +64,7 @@ def plan_and_wrap(
     batch_norm: str = "deferred",
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
+    replicas: int | None = None,
 ) -> PipelinedModel:
     """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
 
@@ -102,6 +105,10 @@ def plan_and_wrap(
             list in the order of ``model.inputs``, without the batch axis. The wrapped model still
             runs any shape the original accepts; the plan's costs are for this one.
         sequence_length: shorthand: every unknown non-batch dimension of every input gets this size.
+        replicas: D, the copies of the pipeline trained data parallel, one per worker process
+            (``runtime.workers``): every stage sums its gradients with the other copies' after each
+            step's micro-batches. Defaults to the workers ``start_worker`` joined (1 without). The plan is
+            for one copy: ``devices`` and ``batch_size`` are this worker's (its share of the global batch).
 
     Returns:
         A PipelinedModel; its ``.plan`` is the plan used.
@@ -120,6 +127,7 @@ def plan_and_wrap(
     _check_microbatches(num_microbatches, batch_size)
     check_recompute(recompute)
     candidate_schedules(schedule)  # bad options fail before profiling
+    num_replicas = _num_replicas(replicas)
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
     fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
@@ -160,7 +168,11 @@ def plan_and_wrap(
         raise cluster.headroom_note(error) from None
     validate_plan(plan, graph, cluster)
     options = ExecutionOptions(
-        plan.num_microbatches, schedule=plan.schedule, recompute=tuple(plan.recompute), batch_norm=batch_norm
+        plan.num_microbatches,
+        schedule=plan.schedule,
+        recompute=tuple(plan.recompute),
+        batch_norm=batch_norm,
+        num_replicas=num_replicas,
     )
     return _wrap(model, plan, options)
 
@@ -176,6 +188,7 @@ def wrap(
     batch_norm: str = "deferred",
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
+    replicas: int | None = None,
 ) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
 
@@ -188,6 +201,7 @@ def wrap(
         recompute: "never", "always", or None / "auto": the stages the plan recomputes (see
             ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
+        replicas: D, the data-parallel copies, one per worker (see ``plan_and_wrap``).
         input_shapes, sequence_length: the shapes to validate at, where the model leaves non-batch
             dimensions open (see ``plan_and_wrap``), and to check its rows at (every open dimension 1
             without them).
@@ -210,7 +224,11 @@ def wrap(
     _check_microbatches(num_microbatches, None)
     schedule = plan.schedule if schedule is None else schedule
     options = ExecutionOptions(
-        num_microbatches, schedule=schedule, recompute=stage_recompute(plan, recompute), batch_norm=batch_norm
+        num_microbatches,
+        schedule=schedule,
+        recompute=stage_recompute(plan, recompute),
+        batch_norm=batch_norm,
+        num_replicas=_num_replicas(replicas),
     )
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
     check_steps(model)
@@ -241,11 +259,29 @@ def _same_names(model: Any, plan: Plan) -> bool:
     return {call.name for call in calls} == set(plan.assignment)
 
 
+def _num_replicas(replicas: int | None) -> int:
+    """D: ``replicas`` checked against the workers ``start_worker`` joined (their number by default)."""
+    worker = current_worker()
+    workers = 1 if worker is None else worker.num_workers
+    if replicas is None:
+        return workers
+    Replicas(replicas)  # an integer >= 1, or one clear error
+    if replicas != workers:
+        raise InputError(
+            f"replicas={replicas} but this process is one of {workers} worker(s): each replica is one worker "
+            "process. Start the workers with `partitioner launch --workers D -- python train.py` (or TF_CONFIG) "
+            "and call runtime.start_worker() first; or leave replicas out."
+        )
+    return replicas
+
+
 def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:
-    """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along."""
+    """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along. With
+    replicas, every worker checks it runs the same plan and takes worker 0's initial weights."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
     rebuilt = rebuild(model, assignment)
     wrapped = PipelinedModel(rebuilt, plan, model, options)
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)
+    join_replicas(wrapped, options.num_replicas)
     return wrapped

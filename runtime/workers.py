@@ -1,0 +1,175 @@
+"""Worker processes: one per pipeline replica, joined into a cluster by TensorFlow's own multi-worker machinery.
+
+Data x pipeline parallelism runs D copies of a K-stage pipeline, one per worker process, each on its
+own K devices; after every step's micro-batches the copies sum their gradients stage by stage (the
+``R`` action, ``runtime.replicas``). A worker's program starts with ``start_worker()`` and then wraps
+and trains as on one machine::
+
+    from runtime import plan_and_wrap, start_worker
+    worker = start_worker(num_devices=2)        # first: before anything touches TensorFlow
+    model = build_model()
+    wrapped = plan_and_wrap(model, devices=2, batch_size=32, num_microbatches=4)   # replicas: every worker
+    wrapped.compile(optimizer="adam", loss="mse")
+    wrapped.fit(dataset.shard(worker.num_workers, worker.rank), epochs=3)         # each worker its share
+    if worker.rank == 0:
+        wrapped.save("trained.keras")
+
+The cluster comes from ``TF_CONFIG`` (``partitioner launch`` writes one per worker; Kubeflow's TFJob
+does too; by hand on several machines): ``{"cluster": {"worker": ["host0:port", ...]}, "task":
+{"type": "worker", "index": i}}``. ``start_worker`` creates TensorFlow's
+``MultiWorkerMirroredStrategy`` only to start the cluster (its gRPC server, collective executor and
+heartbeat) and never enters its scope: Keras 3's ``fit`` under that scope fails
+(keras-team/keras#20585). It must run before TensorFlow initialises its context.
+
+Every worker must run the same number of steps (an extra step is a collective nobody answers: the
+others wait, and the heartbeat ends them): give each worker shards of equal size or ``steps_per_epoch``.
+A worker that dies makes the others fail within seconds (the heartbeat, about 10 s for a hung one);
+``partitioner launch --max-restarts`` restarts them all, and ``keras.callbacks.BackupAndRestore`` (one
+folder per worker) resumes from the last epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from partitioner.errors import InputError
+from partitioner.launch import DEVICES_PER_WORKER_ENV  # set by ``partitioner launch --devices-per-worker``
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This process's place in the cluster."""
+
+    rank: int  # this worker's index in TF_CONFIG's worker list; 0 writes files
+    num_workers: int  # D, the replicas of the pipeline
+    task: str  # TensorFlow's name of this worker ('/job:worker/replica:0/task:1'), '' without TF_CONFIG
+    devices: tuple[str, ...]  # this worker's devices, as the runtime names them ('/device:CPU:0', ...)
+
+
+_state: dict[str, Any] = {"worker": None, "strategy": None, "task": ""}
+
+
+def _read_tf_config() -> tuple[list[str], int] | None:
+    text = os.environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+        workers = list(config["cluster"]["worker"])
+        task = config.get("task", {})
+        kind, index = task.get("type", "worker"), int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(
+            f"TF_CONFIG is not a cluster of workers: {err}. Expected JSON such as "
+            '{"cluster": {"worker": ["host0:12345", "host1:12345"]}, "task": {"type": "worker", "index": 0}}.'
+        ) from None
+    if kind != "worker" or not 0 <= index < len(workers):
+        raise InputError(
+            f"TF_CONFIG's task is {{'type': {kind!r}, 'index': {index}}}; expected a worker of the cluster's "
+            f"{len(workers)}: type 'worker', index 0 to {len(workers) - 1}."
+        )
+    return workers, index
+
+
+def start_worker(num_devices: int | None = None) -> Worker:
+    """Joins this process to the cluster ``TF_CONFIG`` describes; call it before anything touches TensorFlow.
+
+    Args:
+        num_devices: the devices of this worker: on a GPU machine its visible GPUs (set
+            ``CUDA_VISIBLE_DEVICES`` per worker, as ``partitioner launch`` does), else this many logical
+            CPU devices. Defaults to ``$PARTITIONER_DEVICES_PER_WORKER``, else 1 on CPU.
+
+    Returns:
+        The Worker (rank, number of workers, devices). Without ``TF_CONFIG``: the only worker, rank 0.
+
+    Raises:
+        InputError: TF_CONFIG is malformed, or TensorFlow initialised before this call.
+
+    Example:
+        >>> worker = start_worker(num_devices=2)       # doctest: +SKIP
+        >>> worker.rank, worker.num_workers            # doctest: +SKIP
+        (0, 2)
+    """
+    if _state["worker"] is not None:
+        return _state["worker"]
+    import tensorflow as tf
+
+    from runtime.devices import local_device_names
+
+    if num_devices is None:
+        num_devices = int(os.environ.get(DEVICES_PER_WORKER_ENV, "1"))
+    cluster = _read_tf_config()
+    if not tf.config.list_physical_devices("GPU"):  # logical CPU devices, without listing them (that initialises)
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+        except RuntimeError as err:
+            raise InputError(
+                f"Cannot make {num_devices} devices for this worker: {err}. Expected start_worker() to run before "
+                "anything initialises TensorFlow (listing devices, making a tensor or a model): call it first."
+            ) from None
+    if cluster is None or len(cluster[0]) == 1:
+        worker = Worker(0, 1, "", tuple(local_device_names()))
+        _state["worker"] = worker
+        return worker
+    _, rank = cluster
+    try:
+        # starts the gRPC server, the collective executor and the heartbeat; its scope is never entered
+        _state["strategy"] = tf.distribute.MultiWorkerMirroredStrategy()
+    except RuntimeError as err:
+        raise InputError(
+            f"Cannot join the cluster of TF_CONFIG: {err}. Expected start_worker() to run before anything "
+            "initialises TensorFlow (listing devices, making a tensor or a model): call it first."
+        ) from None
+    _state["task"] = task = f"/job:worker/replica:0/task:{rank}"  # what local_device_names keeps
+    _state["worker"] = worker = Worker(rank, len(cluster[0]), task, tuple(local_device_names()))
+    return worker
+
+
+def current_worker() -> Worker | None:
+    """The Worker ``start_worker`` made in this process, or None."""
+    return _state["worker"]
+
+
+def local_task() -> str:
+    """This worker's TensorFlow task name ('/job:worker/replica:0/task:1'), '' outside a cluster."""
+    return str(_state["task"])
+
+
+def join_replicas(wrapped: Any, num_replicas: int) -> None:
+    """Every replica checks it wraps the same plan with the same stage variables (one clear error, not
+    a hang), then takes replica 0's initial weights (floating variables; seed states stay each one's).
+
+    Raises:
+        InputError: when a replica's plan or stage variables differ from another's.
+    """
+    from runtime.replicas import agree, broadcast_variables
+
+    if num_replicas == 1:
+        return
+    worker = _state["worker"]
+    rank = 0 if worker is None else worker.rank
+    executor = wrapped.executor
+    plan = wrapped.plan
+    # what decides the collectives every replica issues: the placement, the schedule, the variables
+    decisions = (sorted(plan.assignment.items()), plan.stages, executor.options)
+    shapes = [[(v.path, tuple(v.shape), str(v.dtype)) for v in _stage_weights(stage)] for stage in executor.stages]
+    fingerprint = hashlib.sha256(repr((decisions, shapes)).encode()).hexdigest()
+    agree(executor.collectives, fingerprint, "the plan and its stages' variables")
+    broadcast_variables(
+        executor.collectives, [[v.value for v in _stage_weights(stage)] for stage in executor.stages], rank
+    )
+
+
+def _stage_weights(stage: Any) -> list[Any]:
+    """Every floating weight of the stage's layers, each once, in a fixed order."""
+    found: dict[int, Any] = {}
+    for operation in stage.operations:
+        for variable in operation.weights:
+            if variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+                found.setdefault(id(variable), variable)
+    return list(found.values())

@@ -1,0 +1,63 @@
+"""Data x pipeline across worker processes: 2 workers x 2 stages, started by ``partitioner launch``,
+against one Keras model trained on the whole batch (slow suite: each case starts 2 TensorFlow processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent / "workers"
+sys.path.insert(0, str(HERE))
+from shards import NUM_STEPS, batch, build  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 240
+
+
+def _launch(out: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
+    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(out / "logs"), "--"]
+    command += [sys.executable, str(HERE / "train.py"), str(out), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_microbatches", "recompute"),
+    [("gpipe", 1, "never"), ("gpipe", 2, "never"), ("1f1b", 4, "always")],
+)
+def test_two_workers_train_as_one_model_on_the_whole_batch(schedule, num_microbatches, recompute, tmp_path) -> None:
+    """Uneven shards (8 and 7 rows of 15), an L2 penalty, Adam, 3 steps, each worker seeded differently:
+    the workers end bitwise equal (worker 0's initial weights were broadcast) and equal, within 1e-5, to
+    the original model trained on the whole batch with worker 0's initial weights."""
+    result = _launch(tmp_path, schedule, str(num_microbatches), recompute)
+    assert result.returncode == 0, result.stdout[-3000:]
+    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
+    keras.utils.set_random_seed(100)  # worker 0's seed
+    reference = build()
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    losses = [reference.train_on_batch(*batch(step)) for step in range(NUM_STEPS)]
+    expected = reference.get_weights()
+    for saved in workers:
+        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+        assert len(weights) == len(expected)
+        for actual, value in zip(weights, expected):
+            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
+    for key in workers[0].files:
+        if key != "losses":
+            np.testing.assert_array_equal(workers[0][key], workers[1][key])
+    assert (tmp_path / "logs" / "worker-1.log").read_text().count("worker 1 of 2 done") == 1
+
+
+def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:
+    result = _launch(tmp_path, "gpipe", "2", "never", "--disagree")
+    assert result.returncode != 0
+    assert "The 2 replicas do not agree on the plan and its stages' variables" in result.stdout
+    assert not list(tmp_path.glob("worker-*.npz"))

@@ -1,0 +1,50 @@
+"""One worker of a data x pipeline test: 2 stages on 2 logical devices, trained on its shard, weights saved.
+
+Run by ``partitioner launch --workers D --devices-per-worker 2 -- python train.py OUT SCHEDULE M RECOMPUTE``
+from tests/runtime/test_workers.py. Each worker builds the model with a seed of its own: the wrapped
+model must take worker 0's initial weights (the broadcast) for the workers to end equal.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from runtime import start_worker
+
+worker = start_worker(num_devices=2)
+
+import keras  # noqa: E402  (after start_worker: TensorFlow must not initialise first)
+import numpy as np  # noqa: E402
+
+from runtime import plan_and_wrap  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
+
+out, schedule, num_microbatches, recompute = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+disagree = "--disagree" in sys.argv  # the last worker plans another split: every worker must refuse to start
+keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
+model = build()
+devices = worker.devices
+x, y = shard(worker.rank, worker.num_workers, 0)
+wrapped = plan_and_wrap(
+    model,
+    devices=list(devices),
+    batch_size=-(-GLOBAL_BATCH // worker.num_workers),  # the same plan on every worker: the larger share
+    num_microbatches=num_microbatches,
+    pins={"hidden": devices[0], "middle": devices[int(disagree and worker.rank == 1)], "head": devices[1]},
+    schedule=schedule,
+    recompute=recompute,
+)
+assert wrapped.plan.num_stages == 2, wrapped.plan.assignment
+wrapped.compile(
+    optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+)
+losses = []
+for step in range(NUM_STEPS):
+    x, y = shard(worker.rank, worker.num_workers, step)
+    losses.append(wrapped.train_on_batch(x, y))
+weights = wrapped.unwrap().get_weights()
+np.savez(out / f"worker-{worker.rank}.npz", *weights, losses=np.asarray(losses))
+print(f"worker {worker.rank} of {worker.num_workers} done: losses {losses}")
