@@ -10,10 +10,12 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 HERE = Path(__file__).parent / "workers"
 sys.path.insert(0, str(HERE))
-from shards import NUM_STEPS, batch, build  # noqa: E402
+from shards import GLOBAL_BATCH, NUM_STEPS, batch, build  # noqa: E402
+from test_transparency import _reference_loss  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 240
@@ -54,6 +56,36 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(schedule, num_microba
         if key != "losses":
             np.testing.assert_array_equal(workers[0][key], workers[1][key])
     assert (tmp_path / "logs" / "worker-1.log").read_text().count("worker 1 of 2 done") == 1
+
+
+def test_two_workers_with_batch_normalization_train_as_the_microbatched_original(tmp_path) -> None:
+    """Batch normalization on the first stage, 2 workers with M = 2 each on contiguous shards of 7 rows (14 of
+    15): each micro-batch normalised by its own statistics, the moving statistics moved once per step towards
+    the whole global batch's (the R action sums the moments): the original model run on the same 4
+    micro-batches, its moving statistics moved once (``_reference_loss``), 3 Adam steps."""
+    result = _launch(tmp_path, "gpipe", "2", "never", "--bn")
+    assert result.returncode == 0, result.stdout[-3000:]
+    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
+    keras.utils.set_random_seed(100)
+    reference = build("bn")
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    rows = GLOBAL_BATCH // 2 * 2
+    for step in range(NUM_STEPS):
+        x, y = (part[:rows] for part in batch(step))
+        with tf.GradientTape() as tape:
+            loss = _reference_loss(reference, x, y, 4, sizes=[rows // 4] * 4 if rows % 4 == 0 else [4, 3, 4, 3])
+        grads = tape.gradient(loss, reference.trainable_weights)
+        reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+        for saved in workers:
+            np.testing.assert_allclose(saved["losses"][step], float(loss), rtol=1e-5)
+    expected = reference.get_weights()
+    for saved in workers:
+        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+        assert len(weights) == len(expected) == 10  # moving mean and variance included
+        for actual, value in zip(weights, expected):
+            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
 
 
 def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:

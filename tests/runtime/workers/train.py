@@ -24,10 +24,10 @@ from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
 
 out, schedule, num_microbatches, recompute = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 disagree = "--disagree" in sys.argv  # the last worker plans another split: every worker must refuse to start
+kind = "bn" if "--bn" in sys.argv else "mlp"  # with batch normalization: contiguous, even shards
 keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
-model = build()
+model = build(kind)
 devices = worker.devices
-x, y = shard(worker.rank, worker.num_workers, 0)
 wrapped = plan_and_wrap(
     model,
     devices=list(devices),
@@ -43,7 +43,7 @@ wrapped.compile(
 )
 losses = []
 for step in range(NUM_STEPS):
-    x, y = shard(worker.rank, worker.num_workers, step)
+    x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn")
     losses.append(wrapped.train_on_batch(x, y))
 weights = wrapped.unwrap().get_weights()
 np.savez(out / f"worker-{worker.rank}.npz", *weights, losses=np.asarray(losses))
