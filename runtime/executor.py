@@ -502,6 +502,26 @@ class Executor:
         """Every stage's trainable variables, stage after stage: the order ``train`` returns gradients in."""
         return [v for stage in self.stages for v in stage.trainable_variables]
 
+    def weight_penalties(self) -> tf.Tensor | None:
+        """The model's weight-regularizer penalties, each stage's computed on its device (None without any)."""
+        penalties = []
+        for stage in self.stages:
+            with tf.device(stage.device):
+                penalty = weight_penalty(stage)
+            if penalty is not None:
+                penalties.append(penalty)
+        return tf.add_n(penalties) if penalties else None
+
+    def mean_over_replicas(self, value: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
+        """A replica's mean ``value`` over its ``count`` rows -> the mean over every replica's rows, on the
+        last stage's device (the value itself with one replica): evaluation's loss."""
+        if not self.collectives:
+            return value
+        with tf.device(self.stages[-1].device):
+            n = tf.cast(count, tf.float32)
+            total, rows = self.collectives[-1].sum([tf.cast(value, tf.float32) * n, n], "evaluate")
+            return tf.cast(total / rows, value.dtype)
+
     def with_options(self, **changes: Any) -> Executor:
         """The same stages run with other options (new stage functions, traced afresh)."""
         return Executor(self.model, self.stages, replace(self.options, **changes))
@@ -1066,14 +1086,19 @@ def _check_splittable(program: StageProgram, kind: str) -> None:
         )
 
 
+def weight_penalty(stage: Stage) -> tf.Tensor | None:
+    """The sum of the stage's weight regularizers' penalties (``kernel_regularizer`` ...), or None."""
+    terms = [t for op in stage.operations for t in getattr(op, "_get_regularization_losses", list)()]
+    return tf.cast(tf.add_n(terms), tf.float32) if terms else None
+
+
 def _regularization(stage: Stage, gradients: list[Any], scale_loss: Any) -> tf.Tensor | None:
     """Adds the gradients of the stage's weight regularizers to ``gradients``; returns their sum (or None)."""
     variables = list(stage.trainable_variables)
     with tf.GradientTape() as tape:
-        terms = [t for op in stage.operations for t in getattr(op, "_get_regularization_losses", list)()]
-        if not terms:
+        penalty = weight_penalty(stage)
+        if penalty is None:
             return None
-        penalty = tf.cast(tf.add_n(terms), tf.float32)
         scaled = scale_loss(penalty)
     for i, g in enumerate(tape.gradient(scaled, variables)):
         if g is not None:

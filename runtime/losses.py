@@ -34,7 +34,13 @@ REDUCTIONS = (*MEAN_REDUCTIONS, "sum", "mean_with_sample_weight")
 
 
 def microbatch_part(
-    compile_loss: Any, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any
+    compile_loss: Any,
+    y: Any,
+    y_pred: Any,
+    sample_weight: Any,
+    share: tf.Tensor,
+    weight_sums: Any,
+    num_replicas: int = 1,
 ) -> tf.Tensor:
     """The micro-batch's part of the batch's compiled loss (the parts of all micro-batches sum to it).
 
@@ -43,6 +49,8 @@ def microbatch_part(
         y, y_pred, sample_weight: the micro-batch's own rows, in the structures Keras takes.
         share: the micro-batch's share of the batch's rows (of its valid steps, with a masked output).
         weight_sums: each leaf of the whole batch's ``sample_weight``, summed (None without weights).
+        num_replicas: D, the data-parallel replicas the step's loss is averaged over (``runtime.replicas``:
+            each replica's mean times its rows, summed, over the rows): only mean reductions split so.
 
     Raises:
         InputError: no loss is compiled, or an entry's reduction has no exact split.
@@ -59,17 +67,27 @@ def microbatch_part(
         compute_output_spec(compile_loss, *symbolic)
     masked = any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred))
     factors = [
-        _factor(entry, masked, sample_weight, share, weight_sums)
+        _factor(entry, masked, sample_weight, share, weight_sums, num_replicas)
         for entry in compile_loss._flat_losses  # Keras 3.15: (path, loss, loss_weights, name) per output loss
     ]
     with _weighted(compile_loss, factors):
         return compile_loss(y, y_pred, sample_weight)
 
 
-def _factor(entry: Any, masked: bool, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
+def _factor(
+    entry: Any, masked: bool, sample_weight: Any, share: tf.Tensor, weight_sums: Any, num_replicas: int = 1
+) -> tf.Tensor:
     """What one entry's loss of the micro-batch is multiplied by (the table in the module docstring)."""
     name = getattr(entry.loss, "name", entry.loss)
     reduction = getattr(entry.loss, "reduction", None)
+    weighted_mean = reduction == "mean_with_sample_weight" and sample_weight is not None
+    if num_replicas > 1 and (reduction == "sum" or weighted_mean):
+        raise InputError(
+            f"The loss {name!r} reduces with reduction={reduction!r}{' and sample weights' if weighted_mean else ''}: "
+            f"across {num_replicas} replicas the step averages each replica's loss by its rows, which matches "
+            f"Keras only for a mean over rows. Expected one of {MEAN_REDUCTIONS} with replicas: compile with "
+            "such a loss (Keras' default), or train on one replica."
+        )
     if masked and reduction not in MEAN_REDUCTIONS:
         raise InputError(
             f"The loss {name!r} of a masked output reduces with reduction={reduction!r}: the pipelined step "

@@ -155,7 +155,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         return [tf.convert_to_tensor(t) for t in self.staged._standardize_inputs(x)]
 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
-        return microbatch_part(self._compile_loss, y, y_pred, sample_weight, share, weight_sums)
+        return microbatch_part(
+            self._compile_loss, y, y_pred, sample_weight, share, weight_sums, self.options.num_replicas
+        )
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """One pipelined forward and backward of a batch, without an update.
@@ -238,6 +240,12 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 loss = layer_loss if loss is None else loss + tf.cast(layer_loss, loss.dtype)
             if loss is None:
                 raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
+            executor = self._state.executor
+            loss = executor.mean_over_replicas(loss, batch)
+        penalty = executor.weight_penalties()  # as Keras' compute_loss adds them (the same on every replica)
+        with tf.device(self._state.stages[-1]):
+            if penalty is not None:
+                loss = loss + tf.cast(penalty, loss.dtype)
             self._loss_tracker.update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

@@ -45,15 +45,17 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(schedule, num_microba
         optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     losses = [reference.train_on_batch(*batch(step)) for step in range(NUM_STEPS)]
+    evaluated = reference.evaluate(*batch(NUM_STEPS - 1), verbose=0)  # evaluate: the global batch's loss too
     expected = reference.get_weights()
     for saved in workers:
-        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
-        assert len(weights) == len(expected)
+        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
+        assert len(saved.files) == len(expected) + 2
         for actual, value in zip(weights, expected):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
     for key in workers[0].files:
-        if key != "losses":
+        if key not in ("losses", "evaluated"):
             np.testing.assert_array_equal(workers[0][key], workers[1][key])
     assert (tmp_path / "logs" / "worker-1.log").read_text().count("worker 1 of 2 done") == 1
 
@@ -82,8 +84,8 @@ def test_two_workers_with_batch_normalization_train_as_the_microbatched_original
             np.testing.assert_allclose(saved["losses"][step], float(loss), rtol=1e-5)
     expected = reference.get_weights()
     for saved in workers:
-        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
-        assert len(weights) == len(expected) == 10  # moving mean and variance included
+        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
+        assert len(saved.files) == len(expected) + 2 == 12  # moving mean and variance included
         for actual, value in zip(weights, expected):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
 

@@ -478,3 +478,21 @@ def test_outputs_log_under_the_original_names(virtual_devices) -> None:
     assert [t.name for t in wrapped.inputs] == [t.name for t in model.inputs]
     assert len(wrapped.outputs) == 2
     np.testing.assert_allclose(wrapped.get_layer("label").kernel, wrapped.unwrap().get_layer("label").kernel)
+
+
+def test_evaluate_counts_weight_penalties_as_keras_does(virtual_devices) -> None:
+    """evaluate's loss is the compiled loss plus the weights' regularization penalties, as Keras' compute_loss
+    adds them (a kernel_regularizer on each of two stages)."""
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="first", kernel_regularizer=keras.regularizers.L2(0.05))(inputs)
+    outputs = keras.layers.Dense(2, name="second", kernel_regularizer=keras.regularizers.L1(0.05))(x)
+    model = keras.Model(inputs, outputs)
+    x, y = np.random.default_rng(0).normal(size=(2, 12, 6)).astype("float32")
+    pins = {"first": virtual_devices[0], "second": virtual_devices[1]}
+    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=12, num_microbatches=2, pins=pins)
+    assert wrapped.plan.num_stages == 2
+    for each in (model, wrapped):
+        each.compile(optimizer="sgd", loss="mse")
+    np.testing.assert_allclose(
+        wrapped.evaluate(x, y[:, :2], verbose=0), model.evaluate(x, y[:, :2], verbose=0), rtol=1e-6
+    )

@@ -45,6 +45,7 @@ losses = []
 for step in range(NUM_STEPS):
     x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn")
     losses.append(wrapped.train_on_batch(x, y))
+evaluated = wrapped.evaluate(x, y, batch_size=len(x), verbose=0)  # the last step's shard
 weights = wrapped.unwrap().get_weights()
-np.savez(out / f"worker-{worker.rank}.npz", *weights, losses=np.asarray(losses))
+np.savez(out / f"worker-{worker.rank}.npz", *weights, losses=np.asarray(losses), evaluated=np.asarray(evaluated))
 print(f"worker {worker.rank} of {worker.num_workers} done: losses {losses}")
