@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
@@ -243,6 +244,9 @@ class _Probe:
     def _random(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Standard normal floats, integers 0 or 1 (valid token and class ids), as ``runtime.synthetic_batch``."""
         name = str(getattr(dtype, "name", dtype))
+        if "string" in name:  # words from a small vocabulary (a lookup maps unknown ones to its OOV index)
+            words = np.asarray(["0", "1", "a", "b c", ""], dtype=object)
+            return tf.constant(words[self.rng.integers(0, len(words), shape)])
         if "int" in name or "bool" in name:
             return keras.ops.convert_to_tensor(self.rng.integers(0, 2, shape).astype(name))
         return keras.ops.convert_to_tensor(self.rng.normal(size=shape).astype(name))
