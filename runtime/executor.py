@@ -72,6 +72,19 @@ def _seed_generators(operations: Sequence[Any]) -> list[Any]:
     return list(found.values())
 
 
+def xla_blockers(stage: Stage) -> list[str]:
+    """The layers of a stage that keep it from being compiled with XLA: recurrent layers (LSTM, GRU, any
+    ``keras.layers.RNN``, inside ``Bidirectional`` too), whose while loop's TensorList intermediates, which
+    the recorded forward hands to the backward, cannot leave an XLA cluster (TensorFlow's
+    UnimplementedError). ``compile(jit_compile=True)`` leaves such a stage uncompiled and compiles the rest."""
+    found = []
+    for operation in stage.operations:
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+        if any(isinstance(layer, keras.layers.RNN) for layer in layers):
+            found.append(operation.name)
+    return found
+
+
 def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
     """The batch's row count B, as a value Grappler cannot fold into a constant.
 
@@ -144,7 +157,8 @@ class StageProgram:
     def __init__(self, stage: Stage, returns: Sequence[Any], options: ExecutionOptions) -> None:
         self.stage = stage
         self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
-        self.jit_compile = options.jit_compile
+        # XLA per stage, where XLA can compile the stage's recorded forward (``xla_blockers``)
+        self.jit_compile = options.jit_compile and not xla_blockers(stage)
         self.batch_norm = options.batch_norm
         self.seed_generators = _seed_generators(stage.operations)
         self.seed_variables = [g.state.value for g in self.seed_generators]  # TensorFlow's variables

@@ -179,9 +179,10 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """keras.Model.compile. ``jit_compile=True`` compiles each stage's functions with XLA on its
-        device (one XLA cluster per stage: XLA runs a cluster on one device); Keras' "auto" means
-        False here. The optimizer is built at once, its slots on their variables' devices, and its
-        update arithmetic is issued on each variable's device."""
+        device (one XLA cluster per stage: XLA runs a cluster on one device), but a stage holding a
+        recurrent layer, which runs uncompiled (``xla_stages``); Keras' "auto" means False here. The
+        optimizer is built at once, its slots on their variables' devices, and its update arithmetic
+        is issued on each variable's device."""
         jit = kwargs.get("jit_compile") is True
         kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)
@@ -202,8 +203,15 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
 
     @property
     def stage_jit_compile(self) -> bool:
-        """True iff each stage's functions are compiled with XLA (``compile(jit_compile=True)``)."""
+        """True iff the stages' functions are compiled with XLA where XLA can (``compile(jit_compile=True)``)."""
         return self._state.executor.options.jit_compile
+
+    @property
+    def xla_stages(self) -> tuple[bool, ...]:
+        """Per stage, whether its functions are compiled with XLA: with ``jit_compile=True`` every stage but
+        those holding a recurrent layer (``runtime.executor.xla_blockers``: XLA cannot hand an LSTM's loop
+        state to the backward), which run uncompiled, as plain Keras runs such a layer."""
+        return tuple(program.jit_compile for program in self._state.executor.programs)
 
     def compile_from_config(self, config: Any) -> None:
         """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""
