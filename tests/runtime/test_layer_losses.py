@@ -42,13 +42,19 @@ def _assert_wrapped_matches(model, devices, batch, num_microbatches, **wrap_opti
     reference.compile("sgd", "mse")
     expected_eval = reference.evaluate(x, y, verbose=0)
     expected = [reference.train_on_batch(x, y) for _ in range(2)]
+    pins = {"first": devices[0], "head": devices[1]}  # a cut the layer losses must cross
     wrapped = plan_and_wrap(
-        model, devices=devices[:2], batch_size=batch, num_microbatches=num_microbatches, **wrap_options
+        model, devices=devices[:2], batch_size=batch, num_microbatches=num_microbatches, pins=pins, **wrap_options
     )
+    assert wrapped.plan.num_stages == 2
+    if wrap_options.get("recompute") == "always":
+        assert wrapped.options.recompute == (True, False)
     wrapped.compile("sgd", "mse")
     assert wrapped.evaluate(x, y, verbose=0) == pytest.approx(expected_eval, rel=1e-5)
     assert [wrapped.train_on_batch(x, y) for _ in range(2)] == pytest.approx(expected, rel=1e-5)
-    for want, got in zip(reference.get_weights(), wrapped.unwrap().get_weights()):
+    weights, after = reference.get_weights(), wrapped.unwrap().get_weights()
+    assert len(weights) == len(after) == len(model.get_weights())
+    for want, got in zip(weights, after):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
