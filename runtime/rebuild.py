@@ -306,12 +306,20 @@ def clone_operation(operation: Any, name: str) -> Any:
     except Exception as err:
         if not isinstance(operation, keras.layers.Layer) and operation.name == name:
             return operation  # a Keras op holds no state: the same op, called once more in the flat graph
+        library = type(operation).__module__.split(".")[0]
+        advice = (
+            f"the layer is {library}'s own, whose get_config does not give back its arguments (keras-hub 0.32's "
+            "Llama, Qwen3, GPT-NeoX and ViT blocks; keras.models.clone_model fails on them too): this runtime "
+            "cannot wrap such a model yet; train it unwrapped, or with a version of the library whose layers "
+            "rebuild from their config."
+            if library in ("keras_hub", "keras_nlp", "keras_cv")
+            else "Expected every layer to be rebuildable from its config, as keras.models.clone_model needs; "
+            "implement get_config() (returning every __init__ argument) in the layer's class."
+        )
         raise ProfileError(
             f"Cannot copy '{operation.name}' ({type(operation).__name__}): "
-            f"from_config(get_config()) failed with {type(err).__name__}: {' '.join(str(err).split())} Expected "
-            "every layer to "
-            "be rebuildable from its config, as keras.models.clone_model needs; implement get_config() "
-            "(returning every __init__ argument) in the layer's class."
+            f"from_config(get_config()) failed with {type(err).__name__}: {' '.join(str(err).split()).rstrip('.')}. "
+            f"{advice[0].upper()}{advice[1:]}"
         ) from err
     if clone.name != name:  # an op whose __init__ takes no name
         clone.name = name
