@@ -51,6 +51,8 @@ class Worker:
 
 
 _state: dict[str, Any] = {"worker": None, "strategy": None, "task": ""}
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_NUMBERS = (*_FLOATS, "int32", "int64")  # what a collective sums: an optimizer's slots and counters
 
 
 def _read_tf_config() -> tuple[list[str], int] | None:
@@ -165,11 +167,59 @@ def join_replicas(wrapped: Any, num_replicas: int) -> None:
     )
 
 
+def start_together(wrapped: Any, first_epoch: int | None) -> int | None:
+    """Every replica takes replica 0's weights, optimizer state and first epoch: ``fit`` runs this after
+    its callbacks' ``on_train_begin``, where ``BackupAndRestore`` restored each worker's own folder.
+
+    The folders need not hold the same epoch: a worker killed between an epoch's last step and its
+    backup restarts an epoch behind the others, and replicas that trained on from different weights
+    would sum gradients of different models, each one's wrong (and run different numbers of steps).
+
+    Args:
+        wrapped: the PipelinedModel.
+        first_epoch: the epoch this replica's callbacks resume from (Keras' ``_initial_epoch``), or None.
+
+    Returns:
+        Replica 0's ``first_epoch`` (None where it had none).
+    """
+    import tensorflow as tf
+
+    from runtime.replicas import StageCollectives
+
+    executor = wrapped.executor
+    num_replicas = executor.options.num_replicas
+    if num_replicas == 1:
+        return first_epoch
+    worker = _state["worker"]
+    rank = 0 if worker is None else worker.rank
+    variables = [v for stage in executor.stages for v in _stage_weights(stage)]
+    optimizer = wrapped.optimizer
+    if optimizer is not None:
+        if not optimizer.built:  # its slots exist before they are sent (as BackupAndRestore does)
+            optimizer.build(wrapped.trainable_variables)
+        variables += [v for v in optimizer.variables if v.dtype in _NUMBERS]
+    stage = executor.stages[0]
+    # collective keys of its own: what is sent may differ from one fit to the next (another optimizer)
+    group = StageCollectives(stage.index, stage.device, num_replicas)
+    epoch = tf.constant(-1 if first_epoch is None else first_epoch, tf.int64)
+
+    @tf.function(autograph=False)
+    def run() -> tf.Tensor:
+        with tf.device(group.device):
+            *values, first = group.broadcast([v.value.read_value() for v in variables] + [epoch], rank)
+            for variable, value in zip(variables, values):
+                variable.value.assign(value)
+            return first
+
+    first = int(run())
+    return None if first < 0 else first
+
+
 def _stage_weights(stage: Any) -> list[Any]:
     """Every floating weight of the stage's layers, each once, in a fixed order."""
     found: dict[int, Any] = {}
     for operation in stage.operations:
         for variable in operation.weights:
-            if variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+            if variable.dtype in _FLOATS:
                 found.setdefault(id(variable), variable)
     return list(found.values())
