@@ -7,8 +7,8 @@ groups of their own; their output goes to one log per worker and is echoed with 
 
     partitioner launch --workers 2 --devices-per-worker 2 -- python train.py --epochs 3
 
-The first worker to fail stops all the others (SIGTERM to each group, SIGKILL after a grace period: a
-stopped process ignores SIGTERM); with ``--max-restarts R`` all are started again, up to R times
+The first worker to fail stops all the others (SIGTERM and SIGCONT to each group, SIGKILL to what is
+left after a grace period); with ``--max-restarts R`` all are started again, up to R times
 (resume with ``keras.callbacks.BackupAndRestore``). SIGTERM and SIGINT are forwarded. The status is
 0 when every worker ends with 0, else the first failure's (124 on ``--timeout``, 128 + the signal's
 number when the launcher itself is stopped), and no worker is left behind.
@@ -136,10 +136,12 @@ class _Worker:
 
 
 def _stop(workers: Sequence[_Worker]) -> None:
-    """SIGTERM to every worker's group, then SIGKILL to those still there after the grace period."""
+    """SIGTERM to every worker's group, then SIGKILL to those still there after the grace period. SIGCONT
+    follows SIGTERM (as systemd does): a stopped worker takes its SIGTERM now, not a SIGKILL at the end."""
     running = [w for w in workers if w.process.poll() is None]
     for w in running:
         w.signal(signal.SIGTERM)
+        w.signal(signal.SIGCONT)
     deadline = time.monotonic() + GRACE_S
     while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
         time.sleep(_POLL_S)

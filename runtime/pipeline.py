@@ -17,6 +17,7 @@ batch (the micro-batches' parts summed), so a step equals one step of the origin
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from runtime.losses import microbatch_part
 from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
 from runtime.rebuild import Rebuilt, clone_operation, copy_weights, user_code
 from runtime.stages import cut_stages
+from runtime.workers import start_together
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,22 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""
         self.compile(**keras.saving.deserialize_keras_object(config))
 
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """keras.Model.fit. With replicas (workers), every replica then starts from replica 0's weights,
+        optimizer state and first epoch, once the callbacks' ``on_train_begin`` ran (``BackupAndRestore``
+        restores each worker's own folder there, and a worker killed before its backup is an epoch
+        behind the others): ``runtime.workers.start_together``."""
+        if self.options.num_replicas == 1:
+            return super().fit(*args, **kwargs)
+        arguments = inspect.signature(super().fit).bind(*args, **kwargs).arguments
+        callbacks = arguments.get("callbacks")
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.append(_StartTogether())  # after the user's, whose on_train_begin restores
+            callbacks.set_model(self)
+        else:
+            arguments["callbacks"] = [*(callbacks or []), _StartTogether()]
+        return super().fit(**arguments)
+
     def train_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
@@ -333,6 +351,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def sync_original(self) -> None:
         """Copies the current weights back into the model that was wrapped."""
         copy_weights([(clone, orig) for orig, clone in self._state.rebuilt.origin])
+
+
+class _StartTogether(keras.callbacks.Callback):  # type: ignore[misc]
+    """The last callback of a fit with replicas: they take replica 0's state and first epoch."""
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        # Keras 3 (read on 3.15) reads ``_initial_epoch`` once, after on_train_begin; BackupAndRestore sets it there
+        self.model._initial_epoch = start_together(self.model, self.model._initial_epoch)
 
 
 def _weight_pairs(layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:

@@ -48,6 +48,18 @@ def test_the_first_failure_stops_every_worker_and_is_the_status(tmp_path) -> Non
     assert time.monotonic() - started < 30  # the sleepers were stopped, not waited for
 
 
+def test_a_stopped_worker_takes_its_sigterm_when_another_fails(tmp_path) -> None:
+    """Worker 0 stops itself (SIGSTOP, a hung worker); worker 1 fails: the launcher's SIGCONT after
+    SIGTERM lets worker 0 run its SIGTERM handler instead of waiting for the SIGKILL."""
+    handled = tmp_path / "handled"
+    program = "import json, os, signal, sys, time; rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+    program += f"signal.signal(signal.SIGTERM, lambda *_: (open({str(handled)!r}, 'w').close(), sys.exit(9)))\n"
+    program += "os.kill(os.getpid(), signal.SIGSTOP) if rank == 0 else (time.sleep(0.5), sys.exit(5))"
+    result = _run(["--workers", "2", "--", PY, "-c", program])
+    assert result.returncode == 5
+    assert handled.exists()
+
+
 def test_restarts_every_worker_then_returns_the_failure(tmp_path) -> None:
     counter = tmp_path / "starts"
     program = f"import sys; f = open({str(counter)!r}, 'a'); f.write('x'); f.close(); sys.exit(3)"
