@@ -3,6 +3,7 @@ against one Keras model trained on the whole batch (slow suite: each case starts
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ def _launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
     command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(out / "logs"), "--"]
     command += [sys.executable, str(HERE / "train.py"), str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}  # the workers import this checkout
+    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=env)
 
 
 @pytest.mark.parametrize(
