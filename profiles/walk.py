@@ -128,7 +128,11 @@ def _flatten(functional: Any) -> tuple[list[LayerCall], dict[int, Source]]:
                     )
             inner = _inner_graph(operation)
             if inner is not None:
-                outer_inputs, inner_inputs = node.input_tensors, list(inner.inputs)
+                # Keras passes the inputs' masks as call(mask=...): not inputs; they travel with the tensors
+                mask = node.arguments.kwargs.get("mask")
+                masks = {id(t) for t in (mask if isinstance(mask, (list, tuple)) else [mask])}
+                outer_inputs = [t for t in node.input_tensors if id(t) not in masks]
+                inner_inputs = list(inner.inputs)
                 outer_outputs, inner_outputs = node.output_tensors, list(inner.outputs)
                 if len(outer_inputs) != len(inner_inputs) or len(outer_outputs) != len(inner_outputs):
                     raise ProfileError(

@@ -1,0 +1,206 @@
+"""The model fuzzer: drawn functional models, wrapped on 2-4 stages, train as the original does.
+
+Each Case of ``fuzz_models`` (a random DAG of Dense, Conv1D, Embedding with or without a mask, pooling,
+layer and batch normalization on either axis, dropout, Add, Concatenate, keras.ops between layers, a
+shared layer and a nested model each called twice, 1-2 inputs, 1-3 outputs, one of them perhaps read
+downstream too; every loss reduction the runtime accepts, sample weights, L2 kernel regularizers, SGD,
+momentum, Adam or AdamW) is split with the uniform baseline over 2-4 of the virtual devices (a plan of at
+least 2 stages, asserted), wrapped with GPipe or 1F1B, recomputing or not, at M = 1, 2 or 4 on a batch
+of 7, 8 or 10 rows, and held to the ORIGINAL model: after each train_on_batch (two for an optimizer with
+state) the logs have the original's keys and values (the loss, each output's loss, every metric), and
+every weight is the original's, within the transparency tolerance (``assert_close``).
+
+The reference is the original model itself, trained by Keras after the wrapped model took its copy. With
+batch normalization and M > 1 it is the original run micro-batch by micro-batch (each normalised by its
+own rows' statistics, the loss and metrics on the concatenated predictions, the moving statistics moved
+once towards the whole batch's), as in ``test_transparency._reference_loss``.
+
+Dropout: its masks are compared, not switched off, where the wrapped model draws them as the original
+does (M = 1: the wrapped copy took the original's seed states, so equal logs and weights mean equal
+masks); at M > 1 the masks differ by design (one draw per micro-batch), so a drawn Dropout has rate 0.
+
+A Case the runtime refuses with an InputError or ProfileError is the contract kept (one clear line
+before any weight moves); more than half refused fails the run, as the fuzzer would test nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from fuzz_models import Case, Step, batch, build, cases, compile_arguments, effective
+from hypothesis import HealthCheck, Phase, given, settings
+from test_transparency import _slice, assert_close
+
+import partitioner as pt
+from partitioner.errors import InputError, ProfileError
+from profiles import profile_model
+from runtime import wrap
+
+
+def _plan(model: keras.Model, devices: list[str], case: Case) -> pt.Plan:
+    """The uniform split over the first ``case.num_devices`` devices: at least 2 stages, as many as layers allow."""
+    graph = profile_model(model, batch_size=case.batch, num_microbatches=case.num_microbatches, measure_time=False)
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices[: case.num_devices]])
+    plan = pt.baselines.uniform(graph, cluster, num_microbatches=case.num_microbatches)
+    pt.validate_plan(plan, graph, cluster)
+    assert plan.num_stages >= 2, f"the plan does not cut: {plan.assignment}"
+    return plan
+
+
+def _norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
+    return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def _microbatched_step(model: keras.Model, x, y, weights, num_microbatches: int) -> dict[str, float]:
+    """One train step of the original model run micro-batch by micro-batch (M micro-batches of ceil(B / M)
+    rows, the last ones shorter or empty), returning its logs as train_on_batch does."""
+    rows = len(keras.tree.flatten(x)[0])
+    size = math.ceil(rows / num_microbatches)
+    bounds = [(start, min(start + size, rows)) for start in range(0, rows, size)]
+    norms = _norms(model)
+    moving = [v for layer in norms for v in (layer.moving_mean, layer.moving_variance)]
+    before = [v.numpy() for v in moving]
+    probe = keras.Model(model.inputs, [layer.input for layer in norms])  # what each batch norm reads
+    model.reset_metrics()
+    seen, predictions = [], []
+    with tf.GradientTape() as tape:
+        for start, stop in bounds:
+            x_m = _slice(x, start, stop)
+            with tape.stop_recording():
+                seen.append([np.asarray(t, dtype=np.float64) for t in keras.tree.flatten(probe(x_m, training=True))])
+            predictions.append(model(x_m, training=True))
+        y_pred = keras.tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *predictions)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights, training=True)
+    gradients = tape.gradient(loss, model.trainable_weights)
+    model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    for variable, value in zip(moving, before):
+        variable.assign(value)
+    for i, layer in enumerate(norms):
+        inputs = np.concatenate([parts[i] for parts in seen], axis=0)
+        axes = tuple(a for a in range(inputs.ndim) if a != layer.axis % inputs.ndim)
+        for variable, value in ((layer.moving_mean, inputs.mean(axes)), (layer.moving_variance, inputs.var(axes))):
+            variable.assign(variable.numpy() * layer.momentum + value * (1 - layer.momentum))
+    model._loss_tracker.update_state(loss, sample_weight=rows)  # as Keras' train_step
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=weights)
+    return {key: float(value) for key, value in logs.items()}
+
+
+def check_case(case: Case, devices: list[str]) -> str | None:
+    """Holds the wrapped model of ``case`` to the original; returns the refusal's message, or None."""
+    model = build(case)
+    case = effective(case, model)
+    x, y, weights = batch(case, model)
+    try:
+        plan = _plan(model, devices, case)
+        wrapped = wrap(model, plan, validate=False, schedule=case.schedule, recompute=case.recompute)
+        wrapped.compile(**compile_arguments(case))
+        model.compile(**compile_arguments(case))
+        micro_batched = case.num_microbatches > 1 and bool(_norms(model))
+        for _ in range(case.num_train_steps):
+            logs = wrapped.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+            if micro_batched:
+                expected = _microbatched_step(model, x, y, weights, case.num_microbatches)
+            else:
+                expected = model.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+            assert sorted(logs) == sorted(expected)
+            for key, value in expected.items():
+                assert_close(logs[key], value)
+    except (InputError, ProfileError) as refusal:
+        return str(refusal)
+    after, want = wrapped.unwrap().get_weights(), model.get_weights()
+    assert len(after) == len(want) > 0
+    for actual, value in zip(after, want):
+        assert_close(actual, value)
+    return None
+
+
+def _run(strategy_settings: settings, virtual_devices: list[str], max_steps: int) -> None:
+    refused: list[str] = []
+    total = [0]
+
+    @strategy_settings
+    @given(case=cases(max_steps=max_steps))
+    def fuzz(case: Case) -> None:
+        total[0] += 1
+        message = check_case(case, virtual_devices)
+        if message is not None:
+            refused.append(f"{case!r}: {message}")
+
+    fuzz()
+    assert len(refused) * 2 <= total[0], f"{len(refused)} of {total[0]} cases refused:\n" + "\n".join(refused)
+
+
+_COMMON = {
+    "deadline": None,
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "phases": [Phase.explicit, Phase.generate],  # no shrinking: a case takes seconds; the failing Case is printed
+}
+
+
+def test_fuzz_wrapped_models_train_as_the_original(virtual_devices) -> None:
+    """The fast budget (make test): 25 cases, the same each run (35 s on 2 busy cores)."""
+    _run(settings(max_examples=25, derandomize=True, **_COMMON), virtual_devices, max_steps=5)
+
+
+@pytest.mark.slow
+def test_fuzz_wrapped_models_train_as_the_original_long(virtual_devices) -> None:
+    """The slow budget (make test-slow): 150 cases of up to 8 steps, drawn anew each run (100 took 187 s)."""
+    _run(settings(max_examples=150, **_COMMON), virtual_devices, max_steps=8)
+
+
+# ----- cases the fuzzer found ------------------------------------------------------------------
+
+REGRESSIONS = [
+    pytest.param(
+        # Keras' Adam on an embedding's IndexedSlices squares each looked-up row's slice before the duplicates
+        # are summed (v gets the sum of squares), the runtime sums the micro-batches' gradients dense first
+        # (v gets the square of the sum): the embedding is 0.0145 away after one step at lr 0.01, at M = 1 too
+        Case(("tokens",), (Step("pool"),), optimizer="adam"),
+        marks=pytest.mark.xfail(reason="Adam on an embedding: dense summed gradients, Keras' sparse ones", strict=True),
+        id="embedding_adam",
+    ),
+    pytest.param(
+        # Keras passes the input's mask to a nested model as call(mask=...): profiles.walk counted it as a
+        # second input and refused a model Keras trains ("called with 2 tensor(s)")
+        Case(("masked_tokens",), (Step("nested"),)),
+        id="nested_on_masked",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", REGRESSIONS)
+def test_fuzz_regression(case: Case, virtual_devices) -> None:
+    assert check_case(case, virtual_devices) is None
+
+
+def test_nested_model_on_a_masked_tensor_reads_its_mask(virtual_devices) -> None:
+    """Keras passes a nested model the mask of its input (call(mask=...)) and the nested model's layers read
+    it: a GlobalAveragePooling1D inside averages over the valid steps only. Before the fix the mask was
+    taken for a second input and the model refused ("called with 2 tensor(s)")."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, mask_zero=True, name="embed")(tokens)
+    inner_in = keras.Input((5, 4))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(keras.layers.Dense(4, name="inner_dense")(inner_in))
+    nested = keras.Model(inner_in, pooled, name="nested")
+    model = keras.Model(tokens, keras.layers.Dense(3, name="head")(nested(h)))
+    x = np.array([[1, 2, 0, 0, 0], [3, 4, 5, 6, 7], [8, 0, 0, 0, 0], [9, 1, 2, 0, 0]] * 2, dtype="int32")
+    y = np.arange(8) % 3
+    unmasked = keras.Model(tokens, model.get_layer("head")(nested(model.get_layer("embed")(tokens) * 1.0)))
+    assert np.max(np.abs(np.asarray(unmasked(x)) - np.asarray(model(x)))) > 1e-3  # the mask changes the outputs
+    plan = _plan(model, virtual_devices, Case(("masked_tokens",), (), num_microbatches=2))
+    assert plan.assignment["embed"] != plan.assignment["head"]
+    wrapped = wrap(model, plan, validate=False)
+    assert_close(np.asarray(wrapped(x)), np.asarray(model(x)))
+    for each in (wrapped, model):
+        each.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    assert_close(wrapped.train_on_batch(x, y), model.train_on_batch(x, y))
+    after, want = wrapped.unwrap().get_weights(), model.get_weights()
+    assert len(after) == len(want) == 5
+    for actual, value in zip(after, want):
+        assert_close(actual, value)
