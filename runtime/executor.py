@@ -649,7 +649,15 @@ class Executor:
                 set_keras_mask(output, flat[-1])
         return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
 
-    def train(self, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any) -> Any:
+    def train(
+        self,
+        inputs: Sequence[tf.Tensor],
+        y: Any,
+        sample_weight: Any,
+        loss_fn: Any,
+        scale_loss: Any,
+        sparse_rows_summable: bool = True,
+    ) -> Any:
         """Runs every micro-batch's forwards and backwards for one batch (``_TrainStep``).
 
         Args:
@@ -660,13 +668,16 @@ class Executor:
                 loss (``runtime.losses.microbatch_part``): ``share`` is its share of the batch's rows,
                 ``weight_sums`` the batch's sample weights summed leaf by leaf (None without weights).
             scale_loss: loss -> the loss the gradients are taken of (the optimizer's loss scaling).
+            sparse_rows_summable: whether the optimizer that takes the gradients updates from an
+                embedding's sparse rows as from their sum (``optimizer_state.updates_sparse_rows_linearly``);
+                where not, a sparse gradient is refused at M x D > 1 (at M = 1 it is handed on as it is).
 
         Returns:
             (the batch's loss, the model outputs as ``forward`` returns them, the gradients of every
             stage's trainable variables, stage after stage, each summed over the micro-batches on its
             stage's device).
         """
-        return _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss).run()
+        return _TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss, sparse_rows_summable).run()
 
 
 class _Microbatches:
@@ -786,9 +797,27 @@ class _TrainStep:
     """
 
     def __init__(
-        self, executor: Executor, inputs: Sequence[tf.Tensor], y: Any, sample_weight: Any, loss_fn: Any, scale_loss: Any
+        self,
+        executor: Executor,
+        inputs: Sequence[tf.Tensor],
+        y: Any,
+        sample_weight: Any,
+        loss_fn: Any,
+        scale_loss: Any,
+        sparse_rows_summable: bool = True,
     ) -> None:
         self.executor = executor
+        self.sparse_rows_summable = sparse_rows_summable
+        # one micro-batch on one replica: an embedding's sparse gradient goes to the optimizer as it is,
+        # as Keras hands it over (Adam squares each row before summing repeated rows)
+        self.keeps_sparse = executor.num_microbatches == 1 and executor.options.num_replicas == 1
+        # M > 1 on one replica, an optimizer that updates row by row: an embedding's sparse rows are kept
+        # apart through the loop (``rows`` of the carry) and handed over together, as the original's batch
+        # gives them; ``sparse`` records, per (stage, variable), whether the traced backward gave rows
+        self.sparse_rows_apart = (
+            not sparse_rows_summable and executor.num_microbatches > 1 and executor.options.num_replicas == 1
+        )
+        self.sparse: dict[tuple[int, int], bool] = {}
         self.scale_loss = scale_loss
         self.loss_function = executor.loss_function(loss_fn, scale_loss)
         self.parts = _Microbatches(executor, inputs)
@@ -826,6 +855,8 @@ class _TrainStep:
                 for s, w in zip(executor.stages, self.windows)
             ],
             "gradients": [[None] * len(s.trainable_variables) for s in executor.stages],
+            # per stage and embedding variable: the micro-batches' sparse gradient rows, kept apart
+            "rows": [{} for _ in executor.stages],
             "statistics": collectors,
             "outputs": [
                 executor._collector(spec)
@@ -836,9 +867,16 @@ class _TrainStep:
             "steps": None,
         }
         if looped:
-            for stage, sums in zip(executor.stages, carry["gradients"]):
+            for stage, sums, rows in zip(executor.stages, carry["gradients"], carry["rows"]):
                 with tf.device(stage.device):
                     sums[:] = [tf.zeros(v.shape, v.dtype) for v in stage.trainable_variables]
+                    if self.sparse_rows_apart:
+                        rows.update(
+                            {
+                                i: _row_arrays(stage.trainable_variables[i], executor.num_microbatches)
+                                for i in _embeddings(stage)
+                            }
+                        )
             with tf.device(last.stage.device):
                 carry["loss"], carry["layer_loss"] = tf.zeros([]), tf.zeros([])
                 carry["steps"] = tf.zeros([2]) if executor.mask is not None else []
@@ -966,14 +1004,45 @@ class _TrainStep:
         for i, g in zip(watched_index, result[: len(watched)]):
             if g is not None:
                 micro.pending.setdefault(id(stage.inputs[i]), []).append(g)
-        new["gradients"][s] = self._accumulate(s, new["gradients"][s], result[len(watched) :])
+        new["gradients"][s], new["rows"][s] = self._accumulate(
+            s, micro.m, new["gradients"][s], new["rows"][s], result[len(watched) :]
+        )
         return [g for g in tf.nest.flatten(result, expand_composites=True) if g is not None]
 
-    def _accumulate(self, s: int, totals: list[Any], gradients: Sequence[Any]) -> list[Any]:
-        """Stage s's sums with a micro-batch's weight gradients added (unlooped, the first ones start them)."""
-        totals = list(totals)
-        # an embedding's IndexedSlices are made dense to be summed
-        new = {i: tf.convert_to_tensor(g) for i, g in enumerate(gradients) if g is not None}
+    def _accumulate(
+        self, s: int, m: Any, totals: list[Any], rows: dict[int, Any], gradients: Sequence[Any]
+    ) -> tuple[list[Any], dict[int, Any]]:
+        """Stage s's sums with micro-batch m's weight gradients added (unlooped, the first ones start them),
+        and its sparse rows kept apart where the optimizer updates row by row (``sparse_rows_apart``)."""
+        totals, rows = list(totals), dict(rows)
+        stage = self.executor.stages[s]
+        new: dict[int, Any] = {}
+        for i, g in enumerate(gradients):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if self.keeps_sparse:  # the only micro-batch: nothing to sum
+                    new[i] = g
+                    continue
+                if i in rows:  # kept apart: written at m, concatenated after the loop
+                    values, indices = rows[i]
+                    rows[i] = (
+                        values.write(m, tf.cast(g.values, values.dtype)),
+                        indices.write(m, tf.cast(g.indices, tf.int32)),
+                    )
+                    self.sparse[(s, i)] = True
+                    continue
+                if not self.sparse_rows_summable:
+                    parts = self.executor.num_microbatches * self.executor.options.num_replicas
+                    raise InputError(
+                        f"'{stage.trainable_variables[i].path}' gets a sparse gradient (one row per token, an "
+                        f"embedding's) and the optimizer updates each row on its own (Keras' sparse update: Adam, "
+                        f"RMSprop, Adagrad, clipping square or clip a row before repeated rows are summed): summed "
+                        f"over {parts} micro-batches or replicas first, the step would differ from the original's. "
+                        "Expected num_microbatches=1 on one replica, or an optimizer that updates from the sum "
+                        "(SGD, with momentum, without clipping)."
+                    )
+            new[i] = tf.convert_to_tensor(g)  # an embedding's IndexedSlices are made dense to be summed
         summed = [i for i in new if totals[i] is not None]
         if summed:
             sums = self.executor.programs[s].accumulate()([totals[i] for i in summed], [new[i] for i in summed])
@@ -981,7 +1050,7 @@ class _TrainStep:
                 totals[i] = total
         for i in new.keys() - set(summed):
             totals[i] = new[i]
-        return totals
+        return totals, rows
 
     def finish(self, carry: dict[str, Any]) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
         """After the last micro-batch, per stage on its device: with replicas, the ``R`` action (the
@@ -990,6 +1059,12 @@ class _TrainStep:
         batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
         sums = [list(grads) for grads in carry["gradients"]]
+        for (s, i), written in self.sparse.items():  # every micro-batch's sparse rows, as one batch's
+            if written:
+                values, indices = carry["rows"][s][i]
+                variable = executor.stages[s].trainable_variables[i]
+                with tf.device(executor.stages[s].device):
+                    sums[s][i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(variable))
         last = executor.stages[-1].device
         loss = carry["loss"]
         layer_loss = carry["layer_loss"] if any(self.layer_losses) else None
@@ -1008,7 +1083,7 @@ class _TrainStep:
                 loss, count = loss * correction, valid
             for stage, grads in zip(executor.stages, sums):
                 with tf.device(stage.device):
-                    grads[:] = [None if g is None else g * tf.cast(correction, g.dtype) for g in grads]
+                    grads[:] = [None if g is None else _scaled(g, correction) for g in grads]
         statistics = []  # per stage: [(layer, [[mean, variance, count] per part])], one entry per layer
         for program, collected in zip(executor.programs, carry["statistics"]):
             moments: dict[int, tuple[Any, list[Any]]] = {}
@@ -1081,6 +1156,26 @@ class _Micro:
     layer_losses: list[tf.Tensor] = field(default_factory=list)
 
 
+def _embeddings(stage: Stage) -> list[int]:
+    """Positions in ``stage.trainable_variables`` of the embeddings' tables: their gradients come as sparse rows."""
+    tables = {id(op.embeddings) for op in stage.operations if isinstance(op, keras.layers.Embedding)}
+    return [i for i, v in enumerate(stage.trainable_variables) if id(v) in tables]
+
+
+def _row_arrays(variable: Any, num: int) -> tuple[tf.TensorArray, tf.TensorArray]:
+    """Where the loop leaves each micro-batch's sparse rows of ``variable``: values and row indices."""
+    values = tf.TensorArray(variable.dtype, size=num, infer_shape=False, element_shape=[None, *variable.shape[1:]])
+    return values, tf.TensorArray(tf.int32, size=num, infer_shape=False, element_shape=[None])
+
+
+def _scaled(gradient: Any, factor: tf.Tensor) -> Any:
+    """gradient x factor, for a dense gradient or an embedding's sparse rows (IndexedSlices)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
 def _add(total: Any, value: tf.Tensor) -> tf.Tensor:
     """total + value, where a total of None (unlooped, nothing summed yet) is 0."""
     return value if total is None else total + value
@@ -1115,6 +1210,6 @@ def _regularization(stage: Stage, gradients: list[Any], scale_loss: Any) -> tf.T
             return None
         scaled = scale_loss(penalty)
     for i, g in enumerate(tape.gradient(scaled, variables)):
-        if g is not None:
-            gradients[i] = g if gradients[i] is None else gradients[i] + g
+        if g is not None:  # sparse rows and a penalty's dense gradient sum to a dense one, as in Keras' tape
+            gradients[i] = g if gradients[i] is None else tf.convert_to_tensor(gradients[i]) + tf.convert_to_tensor(g)
     return penalty

@@ -14,6 +14,18 @@ from typing import Any
 from partitioner.errors import InputError
 
 
+def updates_sparse_rows_linearly(optimizer: Any) -> bool:
+    """True iff ``optimizer`` updates a variable from an embedding's sparse gradient (IndexedSlices, one
+    row per token) as from the rows summed first: plain SGD, momentum and weight decay included, without
+    clipping. Adam, RMSprop, Adagrad and the like square (or clip) each row before Keras sums repeated
+    rows, so they differ. A loss-scaling wrapper is judged by the optimizer it wraps."""
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    clipping = any(getattr(inner, name, None) is not None for name in ("clipnorm", "global_clipnorm", "clipvalue"))
+    return type(inner) is keras.optimizers.SGD and not clipping
+
+
 def _prefix(variable: Any) -> str:
     return f"{variable.path.replace('/', '_')}_"
 

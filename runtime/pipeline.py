@@ -32,7 +32,12 @@ from partitioner.plan import Plan
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import microbatch_part
-from runtime.optimizer_state import compile_like, copy_optimizer_state, place_updates
+from runtime.optimizer_state import (
+    compile_like,
+    copy_optimizer_state,
+    place_updates,
+    updates_sparse_rows_linearly,
+)
 from runtime.rebuild import Rebuilt, clone_operation, copy_weights, user_code
 from runtime.stages import cut_stages
 from runtime.workers import start_together
@@ -240,7 +245,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         inputs = self._flat_inputs(x)
         executor = self._state.executor
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
-        loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale)
+        summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
+        loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]

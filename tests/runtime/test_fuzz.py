@@ -158,10 +158,11 @@ def test_fuzz_wrapped_models_train_as_the_original_long(virtual_devices) -> None
 REGRESSIONS = [
     pytest.param(
         # Keras' Adam on an embedding's IndexedSlices squares each looked-up row's slice before the duplicates
-        # are summed (v gets the sum of squares), the runtime sums the micro-batches' gradients dense first
-        # (v gets the square of the sum): the embedding is 0.0145 away after one step at lr 0.01, at M = 1 too
+        # are summed (v gets the sum of squares), the runtime made the gradient dense first (v got the square
+        # of the sum): the embedding was 0.0145 away after one step at lr 0.01, at M = 1 too. At M = 1 the
+        # sparse gradient now goes to the optimizer as it is; at M > 1 such an optimizer is refused
+        # (tests/runtime/test_optimizers.py)
         Case(("tokens",), (Step("pool"),), optimizer="adam"),
-        marks=pytest.mark.xfail(reason="Adam on an embedding: dense summed gradients, Keras' sparse ones", strict=True),
         id="embedding_adam",
     ),
     pytest.param(
