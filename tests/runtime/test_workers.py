@@ -31,14 +31,22 @@ def _launch(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "num_microbatches", "recompute"),
-    [("gpipe", 1, "never"), ("gpipe", 2, "never"), ("1f1b", 4, "always")],
+    ("schedule", "num_microbatches", "recompute", "flags"),
+    [
+        ("gpipe", 1, "never", ()),
+        ("gpipe", 2, "never", ()),
+        ("1f1b", 4, "always", ()),
+        ("gpipe", 2, "never", ("--data-parallel",)),  # K = 1: pure data parallel, one device per worker
+    ],
 )
-def test_two_workers_train_as_one_model_on_the_whole_batch(schedule, num_microbatches, recompute, tmp_path) -> None:
+def test_two_workers_train_as_one_model_on_the_whole_batch(
+    schedule, num_microbatches, recompute, flags, tmp_path
+) -> None:
     """Uneven shards (8 and 7 rows of 15), an L2 penalty, Adam, 3 steps, each worker seeded differently:
     the workers end bitwise equal (worker 0's initial weights were broadcast) and equal, within 1e-5, to
-    the original model trained on the whole batch with worker 0's initial weights."""
-    result = _launch(tmp_path, schedule, str(num_microbatches), recompute)
+    the original model trained on the whole batch with worker 0's initial weights (what MirroredStrategy
+    computes for K = 1)."""
+    result = _launch(tmp_path, schedule, str(num_microbatches), recompute, *flags)
     assert result.returncode == 0, result.stdout[-3000:]
     workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
     keras.utils.set_random_seed(100)  # worker 0's seed

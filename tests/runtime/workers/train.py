@@ -12,7 +12,8 @@ from pathlib import Path
 
 from runtime import start_worker
 
-worker = start_worker(num_devices=2)
+# "--data-parallel": one device per worker, K = 1 (pure data parallel); else a 2-stage pipeline per worker
+worker = start_worker(num_devices=1 if "--data-parallel" in sys.argv else 2)
 
 import keras  # noqa: E402  (after start_worker: TensorFlow must not initialise first)
 import numpy as np  # noqa: E402
@@ -33,11 +34,13 @@ wrapped = plan_and_wrap(
     devices=list(devices),
     batch_size=-(-GLOBAL_BATCH // worker.num_workers),  # the same plan on every worker: the larger share
     num_microbatches=num_microbatches,
-    pins={"hidden": devices[0], "middle": devices[int(disagree and worker.rank == 1)], "head": devices[1]},
+    pins=None
+    if len(devices) == 1
+    else {"hidden": devices[0], "middle": devices[int(disagree and worker.rank == 1)], "head": devices[1]},
     schedule=schedule,
     recompute=recompute,
 )
-assert wrapped.plan.num_stages == 2, wrapped.plan.assignment
+assert wrapped.plan.num_stages == len(devices), wrapped.plan.assignment
 wrapped.compile(
     optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 )
