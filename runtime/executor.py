@@ -1095,13 +1095,13 @@ class _TrainStep:
             loss, layer_loss = self._reduce(sums, statistics, loss, layer_loss, count)
         losses = [loss] + ([] if layer_loss is None else [layer_loss])
         gradients = []
-        for program, grads, moments in zip(executor.programs, sums, statistics):
+        for program, grads, layers in zip(executor.programs, sums, statistics):
             stage = program.stage
             with tf.device(stage.device):
                 penalties = _regularization(stage, grads, self.scale_loss)  # the same on every replica: after R
                 if penalties is not None:
                     losses.append(penalties)
-                for layer, stats in moments:
+                for layer, stats in layers:
                     update_moving_statistics(layer, stats)
                 gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
         with tf.device(last):

@@ -129,7 +129,7 @@ class StageCollectives:
 def broadcast_variables(collectives: Sequence[StageCollectives], variables: Sequence[Sequence[Any]], rank: int) -> None:
     """Sets every stage's variables to replica 0's (the initial weights of every replica must agree)."""
 
-    @tf.function(autograph=False)
+    @tf.function(autograph=False)  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
     def run() -> None:
         for group, stage_variables in zip(collectives, variables):
             if not stage_variables:
@@ -157,7 +157,7 @@ def agree(collectives: Sequence[StageCollectives], fingerprint: str, what: str) 
     mine = tf.constant(words, tf.float32)
     group = collectives[0]
 
-    @tf.function(autograph=False)
+    @tf.function(autograph=False)  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
     def run() -> tf.Tensor:
         with tf.device(group.device):
             return group.sum([mine, tf.square(mine)], "agree")

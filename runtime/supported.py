@@ -197,7 +197,7 @@ class _Probe:
         finally:
             if isinstance(operation, keras.layers.Layer):
                 operation._clear_losses()  # the losses it added on probe data: leave none behind
-        return keras.tree.flatten(outputs)
+        return list(keras.tree.flatten(outputs))
 
     def _part(self, value: _Value, half: int) -> Any:
         """What a micro-batch of the probe batch's rows ``half`` gives an op: those rows of a batched

@@ -109,7 +109,7 @@ def start_worker(num_devices: int | None = None) -> Worker:
         (0, 2)
     """
     if _state["worker"] is not None:
-        return _state["worker"]
+        return _state["worker"]  # type: ignore[no-any-return]
     import tensorflow as tf
 
     from runtime.devices import local_device_names
@@ -146,7 +146,7 @@ def start_worker(num_devices: int | None = None) -> Worker:
 
 def current_worker() -> Worker | None:
     """The Worker ``start_worker`` made in this process, or None."""
-    return _state["worker"]
+    return _state["worker"]  # type: ignore[no-any-return]
 
 
 def local_task() -> str:
@@ -215,7 +215,7 @@ def start_together(wrapped: Any, first_epoch: int | None) -> int | None:
     group = StageCollectives(stage.index, stage.device, num_replicas)
     epoch = tf.constant(-1 if first_epoch is None else first_epoch, tf.int64)
 
-    @tf.function(autograph=False)
+    @tf.function(autograph=False)  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
     def run() -> tf.Tensor:
         with tf.device(group.device):
             *values, first = group.broadcast([v.value.read_value() for v in variables] + [epoch], rank)
