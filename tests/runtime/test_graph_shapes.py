@@ -314,12 +314,13 @@ def _assert_mask_crosses(wrapped) -> None:
     assert any(t.dtype == "bool" for t in boundary), [t.dtype for t in boundary]
 
 
-def _split_before_reader(model: keras.Model, devices: list[str]) -> pt.Plan:
-    """A plan with every node before "reader" on the first device and the rest on the second, so the
-    mask, computed next to the embedding or masking layer, crosses the stage boundary."""
+def _split_before_reader(model: keras.Model, devices: list[str], reader: str = "reader") -> pt.Plan:
+    """A plan with every node before ``reader`` (a nested model's too: "inner/reader") on the first device
+    and the rest on the second, so the mask, computed next to the embedding or masking layer, crosses the
+    stage boundary."""
     graph = profile_model(model, batch_size=BATCH, num_microbatches=2, measure_time=False)
     order = list(graph.nodes)
-    cut = order.index("reader")
+    cut = next(i for i, node in enumerate(order) if node.split("/")[-1] == reader)
     pins = {node: devices[0] if i < cut else devices[1] for i, node in enumerate(order)}
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices[:2]])
     plan = pt.solve(graph, cluster, num_microbatches=2, pins=pins)
@@ -459,14 +460,18 @@ def test_masked_output_trains_as_the_original(nested: bool, virtual_devices) -> 
         model = keras.Model(outer, model(outer))
     x, _ = _tokens(5, 10)(BATCH, 1)
     y = np.random.default_rng(2).integers(0, 3, (BATCH, 5))
-    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=BATCH, num_microbatches=2)
+    plan = _split_before_reader(model, virtual_devices, reader="tagger")  # the mask crosses to the loss's stage
+    assert plan.num_stages == 2
+    wrapped = wrap(model, plan)
     _assert_same_outputs(model, wrapped, x)
     reference = _copy(model)
     for m in (reference, wrapped):
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss=SCCE)
     assert_close(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y))
-    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
-        assert_close(after, expected)
+    after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
+    assert len(after) == len(expected) == len(model.get_weights())
+    for a, e in zip(after, expected):
+        assert_close(a, e)
 
 
 class _Opaque(layers.Layer):
