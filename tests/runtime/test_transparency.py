@@ -440,6 +440,42 @@ def test_recompute_draws_the_same_dropout_masks(schedule: str, virtual_devices) 
         np.testing.assert_array_equal(recomputed, kept)
 
 
+@pytest.mark.parametrize(("schedule", "recompute"), [("gpipe", "never"), ("1f1b", "always")])
+def test_dropout_at_four_microbatches_matches_the_original_run_microbatch_by_microbatch(
+    schedule: str, recompute: str, virtual_devices
+) -> None:
+    """M = 4 against the ORIGINAL (not wrapped against wrapped): each dropout layer draws one mask per
+    micro-batch, in micro-batch order, from the seed state the copy took from the original, so the
+    original run micro-batch by micro-batch from the same seed states draws the same masks; its
+    share-weighted losses' gradients give the same step. Would fail if dropout were off (asserted: the
+    masks change the loss) or drew in another order."""
+    keras.utils.set_random_seed(0)
+    model = _dropout_model()
+    x, y = _dropout_batch()
+    plan = _plan(model, virtual_devices, 2, 4)
+    wrapped = wrap(model, plan, validate=False, schedule=schedule, recompute=recompute)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference = _copy(model)
+    for state, copy in zip(seed_states(model), seed_states(reference)):
+        copy.assign(state.value)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    size = BATCH // 4
+    with tf.GradientTape() as tape:
+        ref_loss = 0.0
+        for m in range(4):
+            x_m, y_m = x[m * size : (m + 1) * size], y[m * size : (m + 1) * size]
+            y_pred = reference(x_m, training=True)
+            ref_loss += reference.compute_loss(x=x_m, y=y_m, y_pred=y_pred, training=True) * size / BATCH
+    plain = reference.compute_loss(x=x, y=y, y_pred=reference(x))
+    assert abs(float(ref_loss) - float(plain)) > 1e-3  # the masks were drawn
+    _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
+    clones = [clone for _, clone in wrapped._state.rebuilt.origin]
+    after, expected = [v for c in clones for v in _seed_values(c)], _seed_values(reference)
+    assert len(after) == len(expected) == 2
+    for a, e in zip(after, expected):
+        np.testing.assert_array_equal(a, e)  # four draws each, as the original's
+
+
 def test_recompute_draws_from_seed_states_of_its_own(virtual_devices) -> None:
     """A recomputing stage draws from variables of its own, not the layers' seed states: given a
     tf.Variable, keras.Variable wraps it, and the recompute of micro-batch m then rewound the state
