@@ -217,7 +217,7 @@ def brute_force(graph: nx.DiGraph, cluster: pt.Cluster, **kwargs: object) -> flo
     groups = list(colocation_groups(graph).values())
     best = None
     for labels in itertools.product(range(cluster.num_devices), repeat=len(costs.order)):
-        where = dict(zip(costs.order, labels))
+        where = dict(zip(costs.order, labels, strict=True))
         if any(where[u] > where[v] for u, v in graph.edges):
             continue
         if any(len({where[v] for v in nodes}) > 1 for nodes in groups):

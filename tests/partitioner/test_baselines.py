@@ -71,7 +71,7 @@ def test_split_balanced_is_optimal_contiguous_and_uses_every_part(weights, num_p
     assert all(b - a in (0, 1) for a, b in itertools.pairwise(labels))  # contiguous blocks in order
     assert labels[-1] + 1 == min(num_parts, len(weights))
     sums = Counter()
-    for w, b in zip(weights, labels):
+    for w, b in zip(weights, labels, strict=True):
         sums[b] += w
     assert max(sums.values()) == _brute_force_max_block(weights, num_parts)
 
@@ -130,7 +130,7 @@ def test_by_time_balances_compute():
 
 def test_by_time_uses_measured_time_with_cost_time():
     graph = chain([1e9] * 4)
-    for node, seconds in zip(graph.nodes, [3.0, 1.0, 1.0, 1.0]):
+    for node, seconds in zip(graph.nodes, [3.0, 1.0, 1.0, 1.0], strict=True):
         graph.nodes[node]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 1e12
     plan = pt.baselines.by_time(graph, _cluster(2), cost="time")

@@ -463,7 +463,7 @@ def test_cli_failure_inside_the_library_is_one_line_status_1(profile_file, capsy
 @pytest.fixture
 def long_named_profile(tmp_path):
     graph = nx.relabel_nodes(random_dag(len(LONG_NAMES), seed=1), {f"n{i}": name for i, name in enumerate(LONG_NAMES)})
-    for node, kind in zip(graph, ["Conv2D", "Activation", "BatchNormalization", "EinsumDense", "Softmax"]):
+    for node, kind in zip(graph, ["Conv2D", "Activation", "BatchNormalization", "EinsumDense", "Softmax"], strict=True):
         graph.nodes[node]["layer_type"] = kind
     path = tmp_path / "long.json"
     pt.save_graph(graph, path)

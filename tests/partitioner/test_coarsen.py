@@ -55,7 +55,7 @@ def test_segments_keep_every_total(problem, num_units, data):
     # Edges between units point forward, so a placement of units that follows them follows the graph.
     assert all(a < b for a, b in uc.edges)
     # Pinned nodes are units of their own, pinned; a unit holds the calls of at most one shared layer.
-    for unit, domain in zip(c.units, c.domains):
+    for unit, domain in zip(c.units, c.domains, strict=True):
         pinned_here = [v for v in unit if v in pins]
         if pinned_here:
             assert unit == (pinned_here[0],)
@@ -120,7 +120,7 @@ def test_around_boundaries_frees_the_nodes_near_a_cut():
     assert c.domains == ((0, 0), (0, 1), (0, 1), (0, 1), (0, 1), (1, 1))
     # Radius 0: only the two nodes on the cut move.
     c = coarsen.around_boundaries(costs, assignment, 0)
-    assert [d for u, d in zip(c.units, c.domains) if d[0] < d[1]] == [(0, 1), (0, 1)]
+    assert [d for u, d in zip(c.units, c.domains, strict=True) if d[0] < d[1]] == [(0, 1), (0, 1)]
 
 
 def test_around_boundaries_keeps_pins_and_shared_layers():
@@ -138,7 +138,7 @@ def test_around_boundaries_keeps_pins_and_shared_layers():
     for unit in c.units:
         assert len({graph.nodes[v].get("colocation_group") for v in unit} - {None}) <= 1
     # The plan itself is a placement of these units, inside their domains.
-    for unit, (lo, hi) in zip(c.units, c.domains):
+    for unit, (lo, hi) in zip(c.units, c.domains, strict=True):
         assert len({plan.assignment[v] for v in unit}) == 1
         assert lo <= cluster.index(plan.assignment[unit[0]]) <= hi
 

@@ -130,7 +130,7 @@ def test_costmodel_fits():
 
 def test_costmodel_cost_time_rescales_by_profiled_speed():
     graph = _abc()
-    for node, seconds in zip(["l0", "l1", "l2"], [0.5, 1.0, 2.0]):
+    for node, seconds in zip(["l0", "l1", "l2"], [0.5, 1.0, 2.0], strict=True):
         graph.nodes[node]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 2e9  # measured on a device twice as fast as ours
     devices = [Device(G0, memory="1GiB", flops_per_s=1e9), Device(G1, memory="1GiB", flops_per_s=4e9)]

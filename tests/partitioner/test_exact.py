@@ -27,7 +27,7 @@ def brute_force_chain(graph, cluster, **kwargs) -> tuple[float, int] | None:
     costs = CostModel(graph, cluster, **kwargs)
     scored = []
     for labels in itertools.combinations_with_replacement(range(cluster.num_devices), len(costs.order)):
-        ev = costs.evaluate({v: cluster.names[k] for v, k in zip(costs.order, labels)})
+        ev = costs.evaluate({v: cluster.names[k] for v, k in zip(costs.order, labels, strict=True)})
         if costs.fits(ev):
             scored.append((ev.bottleneck_s, ev.transfer_bytes))
     if not scored:
@@ -143,7 +143,7 @@ def test_exact_chain_slow_link_as_a_mapping():
 
 def test_exact_chain_cost_time():
     graph = chain([1e9] * 4)
-    for node, seconds in zip(graph.nodes, [1.0, 1.0, 1.0, 3.0]):
+    for node, seconds in zip(graph.nodes, [1.0, 1.0, 1.0, 3.0], strict=True):
         graph.nodes[node]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 1e12
     plan = pt.exact_chain(

@@ -112,7 +112,7 @@ def test_step_formula_is_the_simulated_step(problem, schedule):
     costs = CostModel(graph, cluster, num_microbatches=m, schedule=schedule)
     order, k = costs.order, cluster.num_devices
     labels = [min(k - 1, i * k // len(order)) for i in range(len(order))]
-    assignment = {v: cluster.names[d] for v, d in zip(order, labels)}
+    assignment = {v: cluster.names[d] for v, d in zip(order, labels, strict=True)}
     ev = costs.evaluate(assignment)
     used = [cluster.index(d) for d in ev.stages]
     figures = []
@@ -264,4 +264,4 @@ def test_local_searches_side_by_side_take_the_paths_they_take_alone(schedule):
         starts.append(_Found(_split_step(schedule, 4, figures), np.inf, 0, split))
     together = _local_search(tables, schedule, 4, starts)
     assert together == [_local_search(tables, schedule, 4, [start])[0] for start in starts]
-    assert all(f.step < start.step for f, start in zip(together, starts))  # every search moved
+    assert all(f.step < start.step for f, start in zip(together, starts, strict=True))  # every search moved

@@ -120,7 +120,7 @@ def brute_force_orders(graph, cluster, num_microbatches):
         permuted = reorder(cluster, perm)
         costs = CostModel(graph, permuted, num_microbatches=num_microbatches)
         for labels in itertools.combinations_with_replacement(range(cluster.num_devices), len(costs.order)):
-            ev = costs.evaluate({v: permuted.names[k] for v, k in zip(costs.order, labels)})
+            ev = costs.evaluate({v: permuted.names[k] for v, k in zip(costs.order, labels, strict=True)})
             if costs.fits(ev) and (least is None or ev.bottleneck_s < least):
                 least = ev.bottleneck_s
         for size in range(1, cluster.num_devices + 1):

@@ -283,7 +283,7 @@ def _brute_force_chain(graph, cluster, **kwargs) -> float | None:
     costs = CostModel(graph, cluster, **kwargs)
     best = None
     for labels in itertools.combinations_with_replacement(range(cluster.num_devices), len(costs.order)):
-        ev = costs.evaluate({v: cluster.names[k] for v, k in zip(costs.order, labels)})
+        ev = costs.evaluate({v: cluster.names[k] for v, k in zip(costs.order, labels, strict=True)})
         if costs.fits(ev) and (best is None or ev.bottleneck_s < best):
             best = ev.bottleneck_s
     return best

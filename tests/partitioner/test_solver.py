@@ -294,7 +294,7 @@ def test_solve_respects_memory():
 
 def test_solve_cost_time():
     graph = diamond()
-    for v, seconds in zip("abcd", [1.0, 2.0, 2.0, 1.0]):
+    for v, seconds in zip("abcd", [1.0, 2.0, 2.0, 1.0], strict=True):
         graph.nodes[v]["time_s"] = seconds
     graph.graph["profiled_flops_per_s"] = 1e12
     plan = pt.solve(graph, _cluster(2), cost="time", time_limit_s=10, options=CP_SAT_ONLY)

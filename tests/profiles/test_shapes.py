@@ -113,7 +113,7 @@ def test_plan_and_wrap_planned_at_one_length_runs_any_length(virtual_devices) ->
     assert wrapped.plan.num_stages == 2
     wrapped.compile(optimizer="sgd", loss="mse")
     batches = [synthetic_batch(model, 4, input_shapes={"token_ids": n}, sequence_length=n) for n in (16, 8)]
-    for length, (x, y) in zip((16, 8), batches):
+    for length, (x, y) in zip((16, 8), batches, strict=True):
         assert x[0].shape == (4, length) and x[1].shape == (4, length, 3) and y.shape == (4, 3)
         np.testing.assert_allclose(wrapped(x), model(x), atol=1e-6)
     for x, y in batches:

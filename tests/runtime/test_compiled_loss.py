@@ -66,7 +66,7 @@ def test_loss_reduction_loss_and_gradients_match_original(case: str, virtual_dev
     wrapped.compile(optimizer="sgd", **losses)
     loss, grads = wrapped.loss_and_gradients(x, y, weights)
     assert_close(float(loss), float(ref_loss))
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, grads)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, grads, strict=True)}
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
     pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
     assert len(pairs) == len(model.trainable_weights) == len(ref_grads)
@@ -90,7 +90,7 @@ def _assert_step_matches_original(model, plan, losses, x, y, weights, optimizer:
         assert_close(logs[key], value)
     after, want = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(want) == len(model.get_weights())
-    for got, value in zip(after, want):
+    for got, value in zip(after, want, strict=True):
         assert_close(got, value)
 
 
@@ -125,5 +125,5 @@ def test_loss_reduction_none_is_refused_before_any_weight_moves(reduction: str |
     before = wrapped.unwrap().get_weights()
     with pytest.raises(InputError, match=rf"reduction={reduction!r}:.*Expected one of .*'sum'"):
         wrapped.train_on_batch(x, y)
-    for got, want in zip(wrapped.unwrap().get_weights(), before):
+    for got, want in zip(wrapped.unwrap().get_weights(), before, strict=True):
         np.testing.assert_array_equal(got, want)

@@ -74,13 +74,13 @@ def _two_stage_step(devices, *, backward_on_stage_devices=True, update="sgd"):
                 grads0 = tape0.gradient(h, layers[0].trainable_variables, output_gradients=grad_h)
             for k, grads in enumerate((grads0, grads1)):
                 with tf.device(devices[k]):
-                    sums[k] = grads if sums[k] is None else [a + b for a, b in zip(sums[k], grads)]
+                    sums[k] = grads if sums[k] is None else [a + b for a, b in zip(sums[k], grads, strict=True)]
         variables = [v for layer in layers for v in layer.trainable_variables]
         grads = sums[0] + sums[1]
         if update == "adam_unscoped":
-            optimizer.apply_gradients(zip(grads, variables))
+            optimizer.apply_gradients(zip(grads, variables, strict=True))
             return loss
-        for variable, grad in zip(variables, grads):
+        for variable, grad in zip(variables, grads, strict=True):
             with tf.device(canonical(variable.value.device)):
                 if update == "sgd":
                     variable.assign_sub(0.1 * grad)

@@ -123,7 +123,7 @@ def test_a_restart_resumes_from_the_last_backup_as_if_never_killed(fault, resume
         assert len(saved["losses"]) == resumed_epochs  # the epochs the restarted fit ran
         weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 2)]
         assert len(weights) == len(expected)
-        for actual, value in zip(weights, expected):
+        for actual, value in zip(weights, expected, strict=True):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
     for key in workers[0].files:
         if key != "losses":

@@ -76,8 +76,8 @@ def _microbatched_step(model: keras.Model, x, y, weights, num_microbatches: int)
         y_pred = keras.tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *predictions)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights, training=True)
     gradients = tape.gradient(loss, model.trainable_weights)
-    model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    for variable, value in zip(moving, before):
+    model.optimizer.apply_gradients(zip(gradients, model.trainable_weights, strict=True))
+    for variable, value in zip(moving, before, strict=True):
         variable.assign(value)
     for i, layer in enumerate(norms):
         inputs = np.concatenate([parts[i] for parts in seen], axis=0)
@@ -113,7 +113,7 @@ def check_case(case: Case, devices: list[str]) -> str | None:
         return str(refusal)
     after, want = wrapped.unwrap().get_weights(), model.get_weights()
     assert len(after) == len(want) > 0
-    for actual, value in zip(after, want):
+    for actual, value in zip(after, want, strict=True):
         assert_close(actual, value)
     return None
 
@@ -203,5 +203,5 @@ def test_nested_model_on_a_masked_tensor_reads_its_mask(virtual_devices) -> None
     assert_close(wrapped.train_on_batch(x, y), model.train_on_batch(x, y))
     after, want = wrapped.unwrap().get_weights(), model.get_weights()
     assert len(after) == len(want) == 5
-    for actual, value in zip(after, want):
+    for actual, value in zip(after, want, strict=True):
         assert_close(actual, value)

@@ -379,11 +379,11 @@ def test_graph_shape_step_matches_original(name: str, virtual_devices) -> None:
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, 2)
     grads = [tf.convert_to_tensor(g) for g in tape.gradient(ref_loss, reference.trainable_weights)]  # dense
-    ref_grads = dict(zip([id(v) for v in reference.trainable_weights], grads))
+    ref_grads = dict(zip([id(v) for v in reference.trainable_weights], grads, strict=True))
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
     pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
     assert len(pairs) == len(model.trainable_weights)
     for original, clone in pairs:
@@ -470,7 +470,7 @@ def test_masked_output_trains_as_the_original(nested: bool, virtual_devices) -> 
     assert_close(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y))
     after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(expected) == len(model.get_weights())
-    for a, e in zip(after, expected):
+    for a, e in zip(after, expected, strict=True):
         assert_close(a, e)
 
 

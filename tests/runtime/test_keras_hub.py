@@ -179,4 +179,4 @@ def test_keras_hub_layers_that_cannot_rebuild_are_refused_in_one_line(virtual_de
         ProfileError, match=r"Cannot copy 'transformer_layer_0' .* is keras_hub's own, .* train it unwrapped"
     ):
         plan_and_wrap(backbone, devices=virtual_devices[:2], batch_size=4, num_microbatches=2, sequence_length=8)
-    assert all(np.array_equal(a, b) for a, b in zip(before, backbone.get_weights()))
+    assert all(np.array_equal(a, b) for a, b in zip(before, backbone.get_weights(), strict=True))

@@ -61,7 +61,7 @@ def _assert_same_training(reference, wrapped, expected: dict, history: dict, tol
         np.testing.assert_allclose(history[key], values, rtol=tolerance, atol=tolerance, err_msg=key)
     after, weights = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(weights) == 6
-    for actual, value in zip(after, weights):
+    for actual, value in zip(after, weights, strict=True):
         np.testing.assert_allclose(actual, value, rtol=tolerance, atol=tolerance)
 
 

@@ -54,7 +54,7 @@ def _assert_wrapped_matches(model, devices, batch, num_microbatches, **wrap_opti
     assert [wrapped.train_on_batch(x, y) for _ in range(2)] == pytest.approx(expected, rel=1e-5)
     weights, after = reference.get_weights(), wrapped.unwrap().get_weights()
     assert len(weights) == len(after) == len(model.get_weights())
-    for want, got in zip(weights, after):
+    for want, got in zip(weights, after, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -51,7 +51,7 @@ def test_stateful_optimizer_matches_keras(name, virtual_devices) -> None:
         np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
     after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(expected) == 6
-    for actual, value in zip(after, expected):
+    for actual, value in zip(after, expected, strict=True):
         np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
     assert int(wrapped.optimizer.iterations) == int(reference.optimizer.iterations) >= 1
 
@@ -96,5 +96,5 @@ def test_embedding_sparse_gradient_matches_keras(optimizer, num_microbatches, sc
         np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
     after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(expected) == 3
-    for actual, value in zip(after, expected):
+    for actual, value in zip(after, expected, strict=True):
         np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)

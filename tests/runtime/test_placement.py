@@ -58,7 +58,7 @@ def test_every_stage_runs_its_forward_backward_and_update_on_its_device(
 
     assert report.ok, report.off_device[:10]
     for stage, forward, backward, update in zip(
-        wrapped.executor.stages, report.forward, report.backward, report.optimizer
+        wrapped.executor.stages, report.forward, report.backward, report.optimizer, strict=True
     ):
         if stage.nodes:  # a stage of input layers only computes nothing
             assert forward.total > 0

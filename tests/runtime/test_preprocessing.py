@@ -89,7 +89,7 @@ def test_adapted_preprocessing_matches_original(name: str, virtual_devices, tmp_
     plain = wrapped.unwrap()
     after, want = plain.get_weights(), model.get_weights()
     assert len(after) == len(want)
-    for a, b in zip(after, want):
+    for a, b in zip(after, want, strict=True):
         assert_close(a, b)
     expected = np.asarray(model(x))
     assert_close(np.asarray(plain(x)), expected)

@@ -28,7 +28,7 @@ def _values(dtype: str) -> list[list[np.ndarray]]:
 def _sum_on_each_device(groups: list[StageCollectives], values: list[list[np.ndarray]], purpose: str) -> list:
     @tf.function(autograph=False)
     def run() -> list:
-        return [group.sum([tf.constant(v) for v in mine], purpose) for group, mine in zip(groups, values)]
+        return [group.sum([tf.constant(v) for v in mine], purpose) for group, mine in zip(groups, values, strict=True)]
 
     return run
 
@@ -43,7 +43,7 @@ def test_stage_sum_over_replicas_equals_the_sum_and_runs_on_each_device(dtype, v
     assert len(results) == NUM
     for result in results:
         assert [r.shape for r in result] == [e.shape for e in expected]
-        for r, e in zip(result, expected):
+        for r, e in zip(result, expected, strict=True):
             np.testing.assert_array_equal(r.numpy(), e)
     reductions = [n for n in nodes if n.op == "CollectiveReduceV2"]
     assert sorted(canonical(n.device) for n in reductions) == sorted(virtual_devices[:NUM])  # one per replica

@@ -147,7 +147,7 @@ def test_op_mixing_rows_is_refused_with_microbatches(name: str, virtual_devices)
         plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
     after = model.get_weights()
     assert len(after) == len(before)
-    for a, b in zip(after, before):
+    for a, b in zip(after, before, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -174,12 +174,12 @@ def test_op_mixing_values_runs_exactly_at_one_microbatch(name: str, virtual_devi
     with tf.GradientTape() as tape:
         ref_loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True), training=True)
     grads = tape.gradient(ref_loss, reference.trainable_weights)
-    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights, strict=True))
     logs = wrapped.train_on_batch(x, y, return_dict=True)
     assert_close(logs["loss"], float(ref_loss))
     after, expected = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(expected) == 4
-    for a, b in zip(after, expected):
+    for a, b in zip(after, expected, strict=True):
         assert_close(a, b)
 
 
@@ -232,7 +232,7 @@ def test_row_check_leaves_variables_seed_states_and_losses_as_they_were() -> Non
     check_rows(model, 1)  # M = 1: the noise, which differs between the batch and its halves, is allowed
     after = [v.numpy() for v in model.variables]
     assert len(after) == len(before) == 9  # kernel, bias, seed, 4 of the batch norm, calls, noise seed
-    for a, b in zip(after, before):
+    for a, b in zip(after, before, strict=True):
         np.testing.assert_array_equal(a, b)
     assert model.losses == []
 

@@ -87,7 +87,7 @@ def _reference_loss(
         loss = model.compute_loss(x=x_m, y=y_m, y_pred=model(x_m, training=True), training=True)
         total += loss * size / batch
         start += size
-    for variable, value in zip(model.non_trainable_weights, before):
+    for variable, value in zip(model.non_trainable_weights, before, strict=True):
         variable.assign(value)
     for i, layer in enumerate(norms):
         inputs = np.concatenate([parts[i] for parts in seen], axis=0)
@@ -101,7 +101,7 @@ def _variable_pairs(wrapped: object) -> list[tuple[tf.Variable, tf.Variable]]:
     """(original variable, clone variable) for every weight of the model."""
     pairs = []
     for original, clone in wrapped._state.rebuilt.origin:
-        pairs += list(zip(original.weights, clone.weights))
+        pairs += list(zip(original.weights, clone.weights, strict=True))
     return pairs
 
 
@@ -109,10 +109,10 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
     """One SGD step of the reference from its taped loss, one train_on_batch of the wrapped model: the same
     loss and the same weights after (moving statistics included)."""
     grads = tape.gradient(ref_loss, reference.trainable_weights)
-    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+    reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights, strict=True))
     logs = wrapped.train_on_batch(x, y, return_dict=True)
     assert_close(logs["loss"], float(ref_loss))
-    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+    for after, expected in zip(wrapped.unwrap().get_weights(), reference.get_weights(), strict=True):
         assert_close(after, expected)
 
 
@@ -189,12 +189,12 @@ def test_transparency_matches_original(
         ref_loss = _reference_loss(reference, x, y, num_microbatches)
     ref_grads = {  # an embedding's gradient comes as IndexedSlices: made dense to compare
         id(v): tf.convert_to_tensor(g)
-        for v, g in zip(reference.trainable_weights, tape.gradient(ref_loss, reference.trainable_weights))
+        for v, g in zip(reference.trainable_weights, tape.gradient(ref_loss, reference.trainable_weights), strict=True)
     }
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
     original_index = {id(v): i for i, v in enumerate(model.trainable_weights)}
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
     compared = 0
     for original, clone in _variable_pairs(wrapped):
         if id(original) not in original_index:
@@ -248,7 +248,7 @@ def test_output_read_by_a_later_stage_trains_as_the_original(schedule, recompute
         assert_close(logs["loss"], expected["loss"])
     after, weights = wrapped.unwrap().get_weights(), reference.get_weights()
     assert len(after) == len(weights) == len(model.get_weights())
-    for actual, value in zip(after, weights):
+    for actual, value in zip(after, weights, strict=True):
         assert_close(actual, value)
 
 
@@ -311,7 +311,7 @@ def test_batch_norm_on_any_axis_is_deferred(axis: int, synchronized: bool, virtu
     ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
     pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
     assert len(pairs) == len(model.trainable_weights)
@@ -405,7 +405,7 @@ def test_dropout_single_microbatch_matches_original(virtual_devices) -> None:
     wrapped = wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     reference = _copy(model)
-    for state, copy in zip(seed_states(model), seed_states(reference)):
+    for state, copy in zip(seed_states(model), seed_states(reference), strict=True):
         copy.assign(state.value)
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     with tf.GradientTape() as tape:
@@ -413,7 +413,7 @@ def test_dropout_single_microbatch_matches_original(virtual_devices) -> None:
     assert abs(float(ref_loss) - float(reference.compute_loss(x=x, y=y, y_pred=reference(x)))) > 1e-3  # masks drawn
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
     clones = [clone for _, clone in wrapped._state.rebuilt.origin]
-    for after, expected in zip([v for c in clones for v in _seed_values(c)], _seed_values(reference)):
+    for after, expected in zip([v for c in clones for v in _seed_values(c)], _seed_values(reference), strict=True):
         np.testing.assert_array_equal(after, expected)
 
 
@@ -434,9 +434,9 @@ def test_recompute_draws_the_same_dropout_masks(schedule: str, virtual_devices) 
         losses[recompute] = [float(losses[recompute])] + [float(wrapped.train_on_batch(x, y)) for _ in range(2)]
         seeds[recompute] = [v for _, clone in wrapped._state.rebuilt.origin for v in _seed_values(clone)]
     assert_close(losses["always"], losses["never"])
-    for recomputed, kept in zip(gradients["always"], gradients["never"]):
+    for recomputed, kept in zip(gradients["always"], gradients["never"], strict=True):
         assert_close(recomputed, kept)
-    for recomputed, kept in zip(seeds["always"], seeds["never"]):
+    for recomputed, kept in zip(seeds["always"], seeds["never"], strict=True):
         np.testing.assert_array_equal(recomputed, kept)
 
 
@@ -456,7 +456,7 @@ def test_dropout_at_four_microbatches_matches_the_original_run_microbatch_by_mic
     wrapped = wrap(model, plan, validate=False, schedule=schedule, recompute=recompute)
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     reference = _copy(model)
-    for state, copy in zip(seed_states(model), seed_states(reference)):
+    for state, copy in zip(seed_states(model), seed_states(reference), strict=True):
         copy.assign(state.value)
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     size = BATCH // 4
@@ -472,7 +472,7 @@ def test_dropout_at_four_microbatches_matches_the_original_run_microbatch_by_mic
     clones = [clone for _, clone in wrapped._state.rebuilt.origin]
     after, expected = [v for c in clones for v in _seed_values(c)], _seed_values(reference)
     assert len(after) == len(expected) == 2
-    for a, e in zip(after, expected):
+    for a, e in zip(after, expected, strict=True):
         np.testing.assert_array_equal(a, e)  # four draws each, as the original's
 
 
@@ -485,7 +485,7 @@ def test_recompute_draws_from_seed_states_of_its_own(virtual_devices) -> None:
     wrapped = wrap(model, _plan(model, virtual_devices, 2, 4), validate=False, schedule="1f1b", recompute="always")
     program = wrapped._state.executor.programs[0]
     assert program.seed_generators and len(program.shadow_seeds) == len(program.seed_generators)
-    for generator, shadow in zip(program.seed_generators, program.shadow_seeds):
+    for generator, shadow in zip(program.seed_generators, program.shadow_seeds, strict=True):
         assert shadow.value is not generator.state.value
         np.testing.assert_array_equal(shadow.numpy(), generator.state.numpy())
 
@@ -550,7 +550,7 @@ def test_masked_output_matches_original(nested: bool, num_microbatches: int, sch
     ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
     pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
     assert_close(float(pipe_loss), float(ref_loss))
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads)}
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
     pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
     assert len(pairs) == len(model.trainable_weights)
@@ -579,7 +579,7 @@ def test_masked_output_with_sample_weights_matches_original(virtual_devices) -> 
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(True))
     expected = reference.train_on_batch(x, y, sample_weight=weights)
     assert_close(wrapped.train_on_batch(x, y, sample_weight=weights), expected)
-    for after, want in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+    for after, want in zip(wrapped.unwrap().get_weights(), reference.get_weights(), strict=True):
         assert_close(after, want)
 
 

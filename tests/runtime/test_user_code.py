@@ -68,7 +68,7 @@ def test_plain_function_loss_and_metric_train_unwrap_and_save(tmp_path, virtual_
     assert plain.optimizer.iterations.numpy() == 1
     got, want = plain.get_weights(), reference.get_weights()
     assert len(got) == len(want) == 4
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     evaluated = wrapped.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
     assert sorted(evaluated) == ["loss", "mean_squared_error", "my_metric"]
@@ -141,7 +141,7 @@ def test_user_functions_in_layers_wrap_train_unwrap_and_save(
     np.testing.assert_allclose(wrapped.train_on_batch(x, y), model.train_on_batch(x, y), rtol=1e-5)
     got, want = wrapped.unwrap().get_weights(), model.get_weights()
     assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     for source in (model, wrapped):

@@ -60,7 +60,7 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(
     for saved in workers:
         weights = [saved[f"arr_{i}"] for i in range(len(expected))]
         assert len(saved.files) == len(expected) + 2
-        for actual, value in zip(weights, expected):
+        for actual, value in zip(weights, expected, strict=True):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
         np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
@@ -89,14 +89,14 @@ def test_two_workers_with_batch_normalization_train_as_the_microbatched_original
         with tf.GradientTape() as tape:
             loss = _reference_loss(reference, x, y, 4, sizes=[rows // 4] * 4 if rows % 4 == 0 else [4, 3, 4, 3])
         grads = tape.gradient(loss, reference.trainable_weights)
-        reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights))
+        reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights, strict=True))
         for saved in workers:
             np.testing.assert_allclose(saved["losses"][step], float(loss), rtol=1e-5)
     expected = reference.get_weights()
     for saved in workers:
         weights = [saved[f"arr_{i}"] for i in range(len(expected))]
         assert len(saved.files) == len(expected) + 2 == 12  # moving mean and variance included
-        for actual, value in zip(weights, expected):
+        for actual, value in zip(weights, expected, strict=True):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
 
 

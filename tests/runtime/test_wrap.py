@@ -52,7 +52,7 @@ def test_remainders_match_full_batch(batch: int, virtual_devices) -> None:
     expected = reference.train_on_batch(x, y)
     got = wrapped.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False).history["loss"][0]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
-    for a, b in zip(wrapped.unwrap().get_weights(), reference.get_weights()):
+    for a, b in zip(wrapped.unwrap().get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -109,13 +109,13 @@ def test_training_resumes_from_a_checkpoint(tmp_path, virtual_devices) -> None:
     resumed = wrap(keras.models.load_model(path), plan, validate=False)
     assert resumed.optimizer is not None and int(resumed.optimizer.iterations) == 4
     resumed.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
-    for a, b in zip(resumed.unwrap().get_weights(), straight.unwrap().get_weights()):
+    for a, b in zip(resumed.unwrap().get_weights(), straight.unwrap().get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _assert_same_weights(actual: list, expected: list) -> None:
     assert len(actual) == len(expected)
-    for a, b in zip(actual, expected):
+    for a, b in zip(actual, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -418,7 +418,7 @@ def test_auto_recompute_runs_the_stages_the_plan_recomputes(virtual_devices) -> 
     loss, gradients = wrapped.loss_and_gradients(x, y)
     kept_loss, kept_gradients = kept.loss_and_gradients(x, y)
     np.testing.assert_allclose(float(loss), float(kept_loss), rtol=1e-6)
-    for a, b in zip(gradients, kept_gradients):
+    for a, b in zip(gradients, kept_gradients, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     traced = [bool(p._functions.get("recompute")) for p in wrapped.executor.programs]
     assert traced == list(wrapped.plan.recompute)
