@@ -105,6 +105,20 @@ def _variable_pairs(wrapped: object) -> list[tuple[tf.Variable, tf.Variable]]:
     return pairs
 
 
+def _assert_gradients_match(model, wrapped, reference, tape, ref_loss, x, y) -> None:
+    """The reference's taped loss and its gradients against the wrapped model's ``loss_and_gradients``:
+    the same loss, and the same gradient for every trainable weight of ``model`` (dense)."""
+    ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
+    pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
+    assert_close(float(pipe_loss), float(ref_loss))
+    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
+    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
+    assert len(pairs) == len(model.trainable_weights)
+    for original, clone in pairs:
+        assert_close(clone_grad[id(clone)], tf.convert_to_tensor(ref_grads[index[id(original)]]))
+
+
 def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
     """One SGD step of the reference from its taped loss, one train_on_batch of the wrapped model: the same
     loss and the same weights after (moving statistics included)."""
@@ -308,15 +322,7 @@ def test_batch_norm_on_any_axis_is_deferred(axis: int, synchronized: bool, virtu
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     with tf.GradientTape() as tape:
         ref_loss = _reference_loss(reference, x, y, 4)
-    ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
-    pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
-    assert_close(float(pipe_loss), float(ref_loss))
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
-    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
-    pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
-    assert len(pairs) == len(model.trainable_weights)
-    for original, clone in pairs:
-        assert_close(clone_grad[id(clone)], ref_grads[index[id(original)]])
+    _assert_gradients_match(model, wrapped, reference, tape, ref_loss, x, y)
 
     wrapped = wrap(model, plan, validate=False)
     wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -547,15 +553,7 @@ def test_masked_output_matches_original(nested: bool, num_microbatches: int, sch
             )
         )
     assert all(abs(float(ref_loss) - float(w)) > 1e-4 for w in wrong)  # far above the tolerance of 1e-5
-    ref_grads = tape.gradient(ref_loss, reference.trainable_weights)
-    pipe_loss, pipe_grads = wrapped.loss_and_gradients(x, y)
-    assert_close(float(pipe_loss), float(ref_loss))
-    clone_grad = {id(v): g for v, g in zip(wrapped.executor.trainable_variables, pipe_grads, strict=True)}
-    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
-    pairs = [(o, c) for o, c in _variable_pairs(wrapped) if id(o) in index]
-    assert len(pairs) == len(model.trainable_weights)
-    for original, clone in pairs:
-        assert_close(clone_grad[id(clone)], tf.convert_to_tensor(ref_grads[index[id(original)]]))
+    _assert_gradients_match(model, wrapped, reference, tape, ref_loss, x, y)
     assert_close(wrapped.evaluate(x, y, batch_size=BATCH, verbose=0), float(ref_loss))
 
     wrapped = wrap(model, plan, validate=False, schedule=schedule)
