@@ -527,8 +527,8 @@ class Executor:
         return tf.add_n(penalties) if penalties else None
 
     def mean_over_replicas(self, value: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
-        """A replica's mean ``value`` over its ``count`` rows -> the mean over every replica's rows, on the
-        last stage's device (the value itself with one replica): evaluation's loss."""
+        """A replica's mean ``value`` over its ``count`` rows (or valid steps) -> the mean over every
+        replica's, on the last stage's device (the value itself with one replica): evaluation's loss."""
         if not self.collectives:
             return value
         with tf.device(self.stages[-1].device):

@@ -274,7 +274,11 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             if loss is None:
                 raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
             executor = self._state.executor
-            loss = executor.mean_over_replicas(loss, batch)
+            # the loss is a mean over rows, or over valid steps where the outputs carry a mask (one mask)
+            mask = next((get_keras_mask(t) for t in keras.tree.flatten(y_pred) if get_keras_mask(t) is not None), None)
+            loss = executor.mean_over_replicas(
+                loss, batch if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
+            )
         penalty = executor.weight_penalties()  # as Keras' compute_loss adds them (the same on every replica)
         with tf.device(self._state.stages[-1]):
             if penalty is not None:

@@ -100,6 +100,32 @@ def test_two_workers_with_batch_normalization_train_as_the_microbatched_original
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
 
 
+def test_two_workers_with_a_masked_output_train_as_one_model_on_the_whole_batch(tmp_path) -> None:
+    """A tagger whose output carries the padding mask, uneven shards (8 and 7 rows) holding different
+    numbers of valid steps, M = 2: the loss is the mean over the global batch's valid steps (each replica's
+    mean times its valid steps, summed, over the summed valid steps), in training and in evaluate; SGD
+    with momentum, 3 steps, against the original on the whole batch."""
+    result = _launch(tmp_path, "gpipe", "2", "never", "--masked")
+    assert result.returncode == 0, result.stdout[-3000:]
+    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
+    keras.utils.set_random_seed(100)
+    reference = build("masked")
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    losses = [reference.train_on_batch(*batch(step, "masked")) for step in range(NUM_STEPS)]
+    evaluated = reference.evaluate(*batch(NUM_STEPS - 1, "masked"), verbose=0)
+    expected = reference.get_weights()
+    for saved in workers:
+        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
+        assert len(saved.files) == len(expected) + 2
+        for actual, value in zip(weights, expected, strict=True):
+            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
+
+
 def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:
     result = _launch(tmp_path, "gpipe", "2", "never", "--disagree")
     assert result.returncode != 0

@@ -9,8 +9,17 @@ GLOBAL_BATCH = 15  # uneven shards over 2 workers: 8 and 7 rows
 NUM_STEPS = 3
 
 
+STEPS, VOCABULARY = 5, 12  # the "masked" kind: token sequences padded with 0
+
+
 def build(kind: str = "mlp") -> keras.Model:
-    """ "mlp": an L2 penalty on the first layer; "bn": batch normalization on the first stage."""
+    """ "mlp": an L2 penalty on the first layer; "bn": batch normalization on the first stage; "masked": a
+    tagger whose per-step output carries the padding mask (its loss is the mean over valid steps)."""
+    if kind == "masked":
+        tokens = keras.Input((STEPS,), dtype="int32", name="tokens")
+        x = keras.layers.Embedding(VOCABULARY, 8, mask_zero=True, name="hidden")(tokens)
+        x = keras.layers.Dense(12, activation="relu", name="middle")(x)
+        return keras.Model(tokens, keras.layers.Dense(3, name="head")(x))
     inputs = keras.Input((6,), name="features")
     x = keras.layers.Dense(12, activation="tanh", name="hidden", kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
     if kind == "bn":
@@ -19,17 +28,24 @@ def build(kind: str = "mlp") -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
 
 
-def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of a step."""
+def batch(step: int, kind: str = "mlp") -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of a step (for "masked": rows of 1 to STEPS tokens, then padding)."""
     rng = np.random.default_rng(step)
+    if kind == "masked":
+        tokens = rng.integers(1, VOCABULARY, (GLOBAL_BATCH, STEPS))
+        lengths = rng.integers(1, STEPS + 1, GLOBAL_BATCH)
+        tokens[np.arange(STEPS)[None, :] >= lengths[:, None]] = 0
+        return tokens.astype("int32"), rng.integers(0, 3, (GLOBAL_BATCH, STEPS))
     return rng.normal(size=(GLOBAL_BATCH, 6)).astype("float32"), rng.integers(0, 3, GLOBAL_BATCH)
 
 
-def shard(rank: int, num_workers: int, step: int, contiguous: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def shard(
+    rank: int, num_workers: int, step: int, contiguous: bool = False, kind: str = "mlp"
+) -> tuple[np.ndarray, np.ndarray]:
     """Worker ``rank``'s rows of a step's global batch: rows rank, rank + D, ... (uneven where D does not
     divide); ``contiguous``: the rank-th of D equal slices of the first GLOBAL_BATCH // D * D rows, so that
     the workers' micro-batches are the global batch's, in order."""
-    x, y = batch(step)
+    x, y = batch(step, kind)
     if contiguous:
         size = GLOBAL_BATCH // num_workers
         return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]

@@ -25,7 +25,8 @@ from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
 
 out, schedule, num_microbatches, recompute = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 disagree = "--disagree" in sys.argv  # the last worker plans another split: every worker must refuse to start
-kind = "bn" if "--bn" in sys.argv else "mlp"  # with batch normalization: contiguous, even shards
+# "--bn": batch normalization, contiguous even shards; "--masked": a masked tagger, trained with SGD momentum
+kind = "bn" if "--bn" in sys.argv else "masked" if "--masked" in sys.argv else "mlp"
 keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
 model = build(kind)
 devices = worker.devices
@@ -41,12 +42,12 @@ wrapped = plan_and_wrap(
     recompute=recompute,
 )
 assert wrapped.plan.num_stages == len(devices), wrapped.plan.assignment
-wrapped.compile(
-    optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-)
+# an embedding's sparse rows with Adam across replicas are refused (Keras' row-by-row update): SGD momentum
+optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if kind == "masked" else keras.optimizers.Adam(0.01)
+wrapped.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 losses = []
 for step in range(NUM_STEPS):
-    x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn")
+    x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn", kind=kind)
     losses.append(wrapped.train_on_batch(x, y))
 evaluated = wrapped.evaluate(x, y, batch_size=len(x), verbose=0)  # the last step's shard
 weights = wrapped.unwrap().get_weights()
