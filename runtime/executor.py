@@ -1158,7 +1158,12 @@ class _Micro:
 
 def _embeddings(stage: Stage) -> list[int]:
     """Positions in ``stage.trainable_variables`` of the embeddings' tables: their gradients come as sparse rows."""
-    tables = {id(op.embeddings) for op in stage.operations if isinstance(op, keras.layers.Embedding)}
+    tables = {
+        id(layer.embeddings)
+        for op in stage.operations
+        for layer in (op._flatten_layers() if hasattr(op, "_flatten_layers") else [op])  # inside a layer too
+        if isinstance(layer, keras.layers.Embedding)
+    }
     return [i for i, v in enumerate(stage.trainable_variables) if id(v) in tables]
 
 

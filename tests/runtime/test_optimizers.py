@@ -56,25 +56,48 @@ def test_stateful_optimizer_matches_keras(name, virtual_devices) -> None:
     assert int(wrapped.optimizer.iterations) == int(reference.optimizer.iterations) >= 1
 
 
-def _embedding_model() -> keras.Model:
+class TokenEmbedding(keras.layers.Layer):
+    """An Embedding inside a layer of the user's (as examples/transformer_pipeline.py has it)."""
+
+    def __init__(self, vocabulary: int, width: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.vocabulary, self.width = vocabulary, width
+        self.tokens = keras.layers.Embedding(vocabulary, width, name="tokens")
+
+    def call(self, ids):
+        return self.tokens(ids)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "vocabulary": self.vocabulary, "width": self.width}
+
+
+def _embedding_model(nested: bool = False) -> keras.Model:
     tokens = keras.Input((6,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(20, 4, name="embed")(tokens)
+    x = (TokenEmbedding(20, 4, name="embed") if nested else keras.layers.Embedding(20, 4, name="embed"))(tokens)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
     return keras.Model(tokens, keras.layers.Dense(3, name="head")(x))
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "num_microbatches", "schedule"),
-    [("adam", 1, "gpipe"), ("sgd_momentum_nesterov", 2, "gpipe"), ("adam", 2, "gpipe"), ("adam", 4, "1f1b")],
+    ("optimizer", "num_microbatches", "schedule", "nested"),
+    [
+        ("adam", 1, "gpipe", False),
+        ("sgd_momentum_nesterov", 2, "gpipe", False),
+        ("adam", 2, "gpipe", False),
+        ("adam", 4, "1f1b", False),
+        ("adam", 2, "gpipe", True),  # the Embedding inside a layer of the user's
+    ],
 )
-def test_embedding_sparse_gradient_matches_keras(optimizer, num_microbatches, schedule, virtual_devices) -> None:
+def test_embedding_sparse_gradient_matches_keras(
+    optimizer, num_microbatches, schedule, nested, virtual_devices
+) -> None:
     """An embedding's gradient is sparse (a row per token, rows repeating): Keras' Adam squares each row
     before repeated rows are summed. The runtime hands the sparse rows on as the original's batch gives
     them: at M = 1 as they are, at M > 1 every micro-batch's rows kept apart through the loop and joined
     (it made them dense and summed them: the embedding was 0.0145 away after one step). SGD, linear in
     the gradient, sums them."""
     keras.utils.set_random_seed(0)
-    model = _embedding_model()
+    model = _embedding_model(nested)
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())
     pins = {"embed": virtual_devices[0], "head": virtual_devices[1]}
