@@ -813,11 +813,11 @@ class _TrainStep:
         self.keeps_sparse = executor.num_microbatches == 1 and executor.options.num_replicas == 1
         # M > 1 on one replica, an optimizer that updates row by row: an embedding's sparse rows are kept
         # apart through the loop (``rows`` of the carry) and handed over together, as the original's batch
-        # gives them; ``sparse`` records, per (stage, variable), whether the traced backward gave rows
+        # gives them; ``sparse`` holds the (stage, variable) pairs whose traced backward gave rows
         self.sparse_rows_apart = (
             not sparse_rows_summable and executor.num_microbatches > 1 and executor.options.num_replicas == 1
         )
-        self.sparse: dict[tuple[int, int], bool] = {}
+        self.sparse: set[tuple[int, int]] = set()
         self.scale_loss = scale_loss
         self.loss_function = executor.loss_function(loss_fn, scale_loss)
         self.parts = _Microbatches(executor, inputs)
@@ -1030,7 +1030,7 @@ class _TrainStep:
                         values.write(m, tf.cast(g.values, values.dtype)),
                         indices.write(m, tf.cast(g.indices, tf.int32)),
                     )
-                    self.sparse[(s, i)] = True
+                    self.sparse.add((s, i))
                     continue
                 if not self.sparse_rows_summable:
                     parts = self.executor.num_microbatches * self.executor.options.num_replicas
@@ -1059,12 +1059,11 @@ class _TrainStep:
         batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
         sums = [list(grads) for grads in carry["gradients"]]
-        for (s, i), written in self.sparse.items():  # every micro-batch's sparse rows, as one batch's
-            if written:
-                values, indices = carry["rows"][s][i]
-                variable = executor.stages[s].trainable_variables[i]
-                with tf.device(executor.stages[s].device):
-                    sums[s][i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(variable))
+        for s, i in self.sparse:  # every micro-batch's sparse rows, as one batch's
+            values, indices = carry["rows"][s][i]
+            variable = executor.stages[s].trainable_variables[i]
+            with tf.device(executor.stages[s].device):
+                sums[s][i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(variable))
         last = executor.stages[-1].device
         loss = carry["loss"]
         layer_loss = carry["layer_loss"] if any(self.layer_losses) else None

@@ -275,7 +275,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
             executor = self._state.executor
             # the loss is a mean over rows, or over valid steps where the outputs carry a mask (one mask)
-            mask = next((get_keras_mask(t) for t in keras.tree.flatten(y_pred) if get_keras_mask(t) is not None), None)
+            mask = next((m for m in map(get_keras_mask, keras.tree.flatten(y_pred)) if m is not None), None)
             loss = executor.mean_over_replicas(
                 loss, batch if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
             )

@@ -30,6 +30,32 @@ def _launch(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=env)
 
 
+def _reference(kind: str = "mlp") -> keras.Model:
+    """The original model with worker 0's initial weights, compiled as the workers compile theirs."""
+    keras.utils.set_random_seed(100)  # worker 0's seed
+    reference = build(kind)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if kind == "masked" else keras.optimizers.Adam(0.01)
+    reference.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return reference
+
+
+def _assert_workers_match(out: Path, expected: list, losses: list, evaluated: float | None = None) -> None:
+    """Every worker's saved weights and per-step losses (and evaluate's loss) equal the reference's; the
+    workers' weights bitwise equal to each other."""
+    workers = [np.load(out / f"worker-{rank}.npz") for rank in range(2)]
+    for saved in workers:
+        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
+        assert len(saved.files) == len(expected) + 2
+        for actual, value in zip(weights, expected, strict=True):
+            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
+        if evaluated is not None:
+            np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
+    for key in workers[0].files:
+        if key not in ("losses", "evaluated"):
+            np.testing.assert_array_equal(workers[0][key], workers[1][key])
+
+
 @pytest.mark.parametrize(
     ("schedule", "num_microbatches", "recompute", "flags"),
     [
@@ -48,25 +74,10 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(
     computes for K = 1)."""
     result = _launch(tmp_path, schedule, str(num_microbatches), recompute, *flags)
     assert result.returncode == 0, result.stdout[-3000:]
-    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
-    keras.utils.set_random_seed(100)  # worker 0's seed
-    reference = build()
-    reference.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    reference = _reference()
     losses = [reference.train_on_batch(*batch(step)) for step in range(NUM_STEPS)]
     evaluated = reference.evaluate(*batch(NUM_STEPS - 1), verbose=0)  # evaluate: the global batch's loss too
-    expected = reference.get_weights()
-    for saved in workers:
-        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
-        assert len(saved.files) == len(expected) + 2
-        for actual, value in zip(weights, expected, strict=True):
-            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
-        np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
-    for key in workers[0].files:
-        if key not in ("losses", "evaluated"):
-            np.testing.assert_array_equal(workers[0][key], workers[1][key])
+    _assert_workers_match(tmp_path, reference.get_weights(), losses, evaluated)
     assert (tmp_path / "logs" / "worker-1.log").read_text().count("worker 1 of 2 done") == 1
 
 
@@ -77,27 +88,19 @@ def test_two_workers_with_batch_normalization_train_as_the_microbatched_original
     micro-batches, its moving statistics moved once (``_reference_loss``), 3 Adam steps."""
     result = _launch(tmp_path, "gpipe", "2", "never", "--bn")
     assert result.returncode == 0, result.stdout[-3000:]
-    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
-    keras.utils.set_random_seed(100)
-    reference = build("bn")
-    reference.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    reference = _reference("bn")
     rows = GLOBAL_BATCH // 2 * 2
+    losses = []
     for step in range(NUM_STEPS):
         x, y = (part[:rows] for part in batch(step))
         with tf.GradientTape() as tape:
             loss = _reference_loss(reference, x, y, 4, sizes=[rows // 4] * 4 if rows % 4 == 0 else [4, 3, 4, 3])
         grads = tape.gradient(loss, reference.trainable_weights)
         reference.optimizer.apply_gradients(zip(grads, reference.trainable_weights, strict=True))
-        for saved in workers:
-            np.testing.assert_allclose(saved["losses"][step], float(loss), rtol=1e-5)
+        losses.append(float(loss))
     expected = reference.get_weights()
-    for saved in workers:
-        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
-        assert len(saved.files) == len(expected) + 2 == 12  # moving mean and variance included
-        for actual, value in zip(weights, expected, strict=True):
-            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
+    assert len(expected) == 10  # moving mean and variance included
+    _assert_workers_match(tmp_path, expected, losses)
 
 
 def test_two_workers_with_a_masked_output_train_as_one_model_on_the_whole_batch(tmp_path) -> None:
@@ -107,23 +110,10 @@ def test_two_workers_with_a_masked_output_train_as_one_model_on_the_whole_batch(
     with momentum, 3 steps, against the original on the whole batch."""
     result = _launch(tmp_path, "gpipe", "2", "never", "--masked")
     assert result.returncode == 0, result.stdout[-3000:]
-    workers = [np.load(tmp_path / f"worker-{rank}.npz") for rank in range(2)]
-    keras.utils.set_random_seed(100)
-    reference = build("masked")
-    reference.compile(
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    reference = _reference("masked")
     losses = [reference.train_on_batch(*batch(step, "masked")) for step in range(NUM_STEPS)]
     evaluated = reference.evaluate(*batch(NUM_STEPS - 1, "masked"), verbose=0)
-    expected = reference.get_weights()
-    for saved in workers:
-        weights = [saved[f"arr_{i}"] for i in range(len(expected))]
-        assert len(saved.files) == len(expected) + 2
-        for actual, value in zip(weights, expected, strict=True):
-            np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
-        np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
+    _assert_workers_match(tmp_path, reference.get_weights(), losses, evaluated)
 
 
 def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:
