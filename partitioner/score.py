@@ -88,11 +88,25 @@ def score_assignment(
 
 def shorter_step(plan: Plan, than: Plan) -> bool:
     """True iff ``plan`` has a shorter simulated step than ``than``, then a smaller bottleneck, then fewer bytes."""
-    for a, b in (
+    return _first_smaller(
         (plan.step_time_s, than.step_time_s),
         (plan.bottleneck_s, than.bottleneck_s),
         (plan.transfer_bytes, than.transfer_bytes),
-    ):
+    )
+
+
+def smaller_bottleneck(plan: Plan, than: Plan) -> bool:
+    """True iff ``plan`` has a smaller bottleneck than ``than``, then a shorter simulated step, then fewer bytes."""
+    return _first_smaller(
+        (plan.bottleneck_s, than.bottleneck_s),
+        (plan.step_time_s, than.step_time_s),
+        (plan.transfer_bytes, than.transfer_bytes),
+    )
+
+
+def _first_smaller(*pairs: tuple[float, float]) -> bool:
+    """True iff the first pair whose values differ by more than one part in 1e9 has the smaller first value."""
+    for a, b in pairs:
         if a < b * (1 - 1e-9):
             return True
         if a > b * (1 + 1e-9):

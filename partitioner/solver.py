@@ -36,7 +36,7 @@ from partitioner.order import (
 )
 from partitioner.plan import Plan
 from partitioner.refine import refine_step
-from partitioner.score import score_assignment, shorter_step, with_step_bound
+from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
 from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
@@ -121,7 +121,8 @@ def solve(
         ``SolverOptions.shortest_step`` (the default) and on chains (the exact DP minimises the step),
         the step, against ``step_lower_bound_s`` (``CostModel.step_lower_bound_s``, or the exact GPipe
         search's proof); on a DAG with ``shortest_step=False``, the bottleneck, against the proven
-        ``lower_bound_s``. ``Plan.gap`` and ``Plan.objective`` say which.
+        ``lower_bound_s`` (with ``device_order="search"``, a bound over every pipeline order, not only
+        the plan's own). ``Plan.gap`` and ``Plan.objective`` say which.
 
     Raises:
         InfeasiblePlanError: no placement fits; the message says what does not fit and by how much.
@@ -334,14 +335,21 @@ def _search_orders(
     started: float,
     time_limit_s: float,
 ) -> Plan:
-    """The shortest simulated step over a few candidate pipeline orders (:func:`_candidate_orders`),
-    each solved in its turn with an equal share of the time left; ties go to the earlier order.
+    """The best plan over a few candidate pipeline orders (:func:`_candidate_orders`), each solved in its
+    turn with an equal share of the time left: the shortest simulated step, or with
+    ``options.shortest_step`` off the least bottleneck (what is then minimised); ties go to the earlier order.
+
+    Each order's CP-SAT bound holds for the plans of that order only: with ``shortest_step`` off, the plan
+    returned is judged by :func:`_verdict_over_orders`. (The step's verdict, made after, uses a bound that
+    holds in every order.)
 
     Raises the first order's error when no order gives a plan.
     """
     deadline = started + float(time_limit_s)
     candidates = _candidate_orders(costs, pins)
+    better = shorter_step if options.shortest_step else smaller_bottleneck
     best: Plan | None = None
+    bounds: list[float | None] = []  # each order's bound on its plans' bottleneck; None: unknown
     first_error: PartitionerError | None = None
     for i, (order, start) in enumerate(candidates):
         now = time.perf_counter()
@@ -360,16 +368,43 @@ def _search_orders(
             )
         except SolverTimeoutError:
             first_error = first_error or _timeout_error(costs, time_limit_s, pins)  # the whole call's limit
+            bounds.append(None)
             continue
-        except InfeasiblePlanError as err:
+        except InfeasiblePlanError as err:  # no plan in this order fits the search's budget
             first_error = first_error or err
             continue
-        if best is None or shorter_step(plan, best):
+        bounds.append(plan.lower_bound_s)
+        if best is None or better(plan, best):
             best = plan
     if best is None:
         assert first_error is not None
         raise first_error
-    return dataclasses.replace(best, solve_time_s=time.perf_counter() - started)
+    best = dataclasses.replace(best, solve_time_s=time.perf_counter() - started)
+    if options.shortest_step:
+        return best
+    every_order = len(costs.devices) <= EVERY_ORDER_UP_TO  # _candidate_orders then lists every distinct order
+    return _verdict_over_orders(best, bounds, costs, every_order=every_order)
+
+
+def _verdict_over_orders(best: Plan, bounds: Sequence[float | None], costs: CostModel, *, every_order: bool) -> Plan:
+    """``best``'s least bottleneck judged over every pipeline order, not only its own.
+
+    Its ``lower_bound_s`` becomes the least of the orders' bounds where every distinct order was solved to
+    a bound (an order that fits nothing bounds nothing), else ``costs.lower_bound_s()``, which holds in any
+    order. It stays "optimal" only if its own order proved it and no other order's bound is below its
+    bottleneck (its own bound, rounded down by CP-SAT's time unit, is what its own proof already covers).
+    """
+    if every_order and all(bound is not None for bound in bounds):
+        known = [bound for bound in bounds if bound is not None]
+        others = list(known)
+        if best.lower_bound_s in others:  # best is one of the orders' plans
+            others.remove(best.lower_bound_s)
+        bound, beaten = min(known), any(best.bottleneck_s > b * (1 + 1e-9) for b in others)
+    else:
+        bound = costs.lower_bound_s()
+        beaten = best.bottleneck_s > bound * (1 + 1e-9)
+    status = "feasible" if best.status == "optimal" and beaten else best.status
+    return dataclasses.replace(best, lower_bound_s=bound, status=status)
 
 
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
