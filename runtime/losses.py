@@ -21,13 +21,16 @@ changed: the only module that reaches into it (Keras 3.15).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
 from keras.src.backend import compute_output_spec, get_keras_mask  # what Keras' own trainer calls
 
 from partitioner.errors import InputError
+
+if TYPE_CHECKING:
+    from runtime.stages import Stage
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 REDUCTIONS = (*MEAN_REDUCTIONS, "sum", "mean_with_sample_weight")
@@ -136,3 +139,9 @@ def _weighted(compile_loss: Any, factors: list[tf.Tensor]) -> Any:
         yield
     finally:
         compile_loss._flat_losses, compile_loss._metrics = entries, metrics
+
+
+def weight_penalty(stage: Stage) -> tf.Tensor | None:
+    """The sum of the stage's weight regularizers' penalties (``kernel_regularizer`` ...), or None."""
+    terms = [t for op in stage.operations for t in getattr(op, "_get_regularization_losses", list)()]
+    return tf.cast(tf.add_n(terms), tf.float32) if terms else None

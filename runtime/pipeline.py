@@ -217,7 +217,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     @property
     def xla_stages(self) -> tuple[bool, ...]:
         """Per stage, whether its functions are compiled with XLA: with ``jit_compile=True`` every stage but
-        those holding a recurrent layer (``runtime.executor.xla_blockers``: XLA cannot hand an LSTM's loop
+        those holding a recurrent layer (``runtime.program.xla_blockers``: XLA cannot hand an LSTM's loop
         state to the backward), which run uncompiled, as plain Keras runs such a layer."""
         return tuple(program.jit_compile for program in self._state.executor.programs)
 

@@ -20,7 +20,7 @@ one process and between processes, with an NCCL path on GPUs:
 
 What is summed is each replica's local mean times its count (rows, or valid steps with an output
 mask), with the count itself, so the sum divided by the summed count is the mean over the global
-batch, exact for uneven shards (``_TrainStep.finish`` in ``runtime.executor``).
+batch, exact for uneven shards (``TrainStep.finish`` in ``runtime.train_step``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""A batch as micro-batches, and where a loop's iterations leave one tensor per micro-batch.
+
+A batch of B rows is split into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows,
+so that every micro-batch has one static shape and each stage function is traced once; ``valid`` marks a
+micro-batch's own rows (the loss and batch normalization's statistics leave the repeats out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+
+def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The batch's row count B, as a value Grappler cannot fold into a constant.
+
+    With a batch of static size, every micro-batch's row mask, row count and share of the loss would
+    fold into constants, and TensorFlow's function optimizer would then specialise (copy and optimise
+    anew) a stage function for every call site that takes one: a first-step cost growing with M.
+    """
+    return tf.raw_ops.PlaceholderWithDefault(input=tf.shape(inputs[0])[0], shape=[])
+
+
+class Microbatches:
+    """A batch as M micro-batches of ceil(B / M) rows, stacked: each leaf [B, ...] of a structure becomes
+    [M, ceil(B/M), ...], the rows past B repeating real rows, so that every micro-batch has one static
+    shape (each stage function is traced once). The batch's own rows of micro-batch m are its first
+    ``rows(m)``; ``valid`` [M, ceil(B/M)] marks them."""
+
+    def __init__(self, num_microbatches: int, inputs: Sequence[tf.Tensor]) -> None:
+        self.num = num = num_microbatches
+        self.batch = batch = batch_size(inputs)
+        self.size = (batch + num - 1) // num
+        static = tf.convert_to_tensor(inputs[0]).shape[0] if inputs else None  # B, where static
+        self.static_size = None if static is None else -(-static // num)  # ceil(B / M): the traced shape
+        self.index = tf.range(self.size * num) % batch
+        self.batch_rows = tf.cast(batch, tf.float32)
+        self.valid = tf.reshape(tf.range(self.size * num) < batch, [num, self.size])
+        self.valid.set_shape([num, self.static_size])
+        self.inputs = self.stack(list(inputs))
+
+    def stack(self, structure: Any) -> Any:
+        """Each leaf [B, ...] -> [M, ceil(B/M), ...] (None stays None)."""
+        if structure is None:
+            return None
+
+        def one(t: Any) -> tf.Tensor:
+            t = tf.convert_to_tensor(t)
+            shape = tf.concat([[self.num, self.size], tf.shape(t)[1:]], 0)
+            stacked = tf.reshape(tf.gather(t, self.index), shape)
+            stacked.set_shape([self.num, self.static_size, *t.shape[1:]])
+            return stacked
+
+        return keras.tree.map_structure(one, structure)
+
+    def rows(self, m: Any) -> tf.Tensor:
+        """How many of micro-batch m's rows are the batch's own (the rest repeat them)."""
+        return tf.clip_by_value(self.batch - m * self.size, 0, self.size)
+
+    def share(self, m: Any) -> tf.Tensor:
+        """Micro-batch m's share of the batch's rows (float32)."""
+        return tf.cast(self.rows(m), tf.float32) / self.batch_rows
+
+
+def collector(spec: tf.TensorSpec, num_microbatches: int) -> Any:
+    """Where the iterations leave one tensor each: a TensorArray in the loop; unlooped (M = 1), None
+    (``collect`` then keeps the tensor itself)."""
+    if num_microbatches == 1:
+        return None
+    return tf.TensorArray(spec.dtype, size=num_microbatches, element_shape=spec.shape)
+
+
+def take(stacked: Any, m: Any) -> Any:
+    """Micro-batch m (a Python int or a scalar tensor) of a stacked structure (None stays None)."""
+    return None if stacked is None else keras.tree.map_structure(lambda t: t[m], stacked)
+
+
+def collect(collector: Any, m: Any, value: tf.Tensor) -> Any:
+    """Leaves micro-batch m's ``value`` in a collector (``collector``); returns the collector to carry on."""
+    return collector.write(m, value) if isinstance(collector, tf.TensorArray) else value
+
+
+def whole(collector: Any) -> tf.Tensor:
+    """A collector's tensors one after the other along the rows: [M * rows, ...]."""
+    if not isinstance(collector, tf.TensorArray):
+        return collector
+    stacked = collector.stack()
+    whole = tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))
+    rows = stacked.shape[0] * stacked.shape[1] if stacked.shape[1] is not None else None
+    whole.set_shape([rows, *stacked.shape[2:]])
+    return whole
+
+
+def unstacked(collector: Any, num: int) -> list[tf.Tensor]:
+    """A collector's tensors, one per micro-batch."""
+    return tf.unstack(collector.stack(), num=num) if isinstance(collector, tf.TensorArray) else [collector]

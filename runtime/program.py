@@ -1,0 +1,357 @@
+"""A stage's program: its functions (training forward, inference forward, recomputing forward, the
+sum of its weight gradients), each traced once for the micro-batch's shape and compiled on its device.
+
+Each function runs the stage's nodes in order (``StageProgram._run``) on the stage's boundary tensors;
+``split`` takes its results apart (returns, layer loss, deferred batch-norm statistics, seed states).
+The schedule's loop (``runtime.executor``) and the train step (``runtime.train_step``) call them; this
+module does not know the order they are called in. Each function sits behind a ``Boundary``: a call
+TensorFlow does not inline into the step (but at M = 1), optionally compiled with XLA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import keras
+import tensorflow as tf
+
+from partitioner.errors import InputError
+from runtime.batchnorm import is_plain_batch_norm, normalize, update_moving_statistics
+from runtime.stages import Stage
+
+if TYPE_CHECKING:
+    from runtime.executor import ExecutionOptions
+
+
+def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> None:
+    if "training" in getattr(operation, "_call_context_args", {}):
+        kwargs["training"] = training
+
+
+def _seed_generators(operations: Sequence[Any]) -> list[Any]:
+    """Every seed generator (of dropout and other random layers) of the operations, each once."""
+    found: dict[int, Any] = {}
+    for operation in operations:
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+        for layer in layers:
+            for generator in getattr(layer, "_seed_generators", []):
+                found.setdefault(id(generator.state), generator)
+    return list(found.values())
+
+
+def xla_blockers(stage: Stage) -> list[str]:
+    """The layers of a stage that keep it from being compiled with XLA: recurrent layers (LSTM, GRU, any
+    ``keras.layers.RNN``, inside ``Bidirectional`` too), whose while loop's TensorList intermediates, which
+    the recorded forward hands to the backward, cannot leave an XLA cluster (TensorFlow's
+    UnimplementedError). ``compile(jit_compile=True)`` leaves such a stage uncompiled and compiles the rest."""
+    found = []
+    for operation in stage.operations:
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
+        if any(isinstance(layer, keras.layers.RNN) for layer in layers):
+            found.append(operation.name)
+    return found
+
+
+class Boundary:
+    """A function the step calls and TensorFlow never inlines into it: a ``tf.function`` whose own body
+    is one call of ``body``, traced as a function of its own.
+
+    TensorFlow's graph passes visit every call site of the step's graph and turn the callee's
+    definition into a graph there, before they read ``_noinline`` (Grappler's function optimizer,
+    twice, and the inlining pass before it): with a callee of one call node that work is small at
+    each call site, and ``body`` is optimised once, where the boundary function is instantiated on its
+    device. Calls go to the traced concrete function of the arguments' shapes and dtypes (kept here,
+    so a call does not recompute the arguments' tracing types; ``concrete`` also takes specs, to trace
+    before a loop is built); ``reduce_retracing`` gives one more trace, for any batch size, at the
+    first call with another micro-batch size (a remainder batch). With ``jit_compile`` the boundary
+    function, the inner call inlined, is one XLA cluster on the device it is called on.
+
+    With ``inline`` (one micro-batch: no loop, one call per step) TensorFlow may inline the function
+    into the step, as plain Keras' step is one graph: the call boundaries cost a one-device
+    transformer step about a fifth more than plain Keras, inlined 4% (measured side by side,
+    benchmarks/runtime). The call runs under a name scope of the function's name, so the nodes of an
+    inlined body still say which stage and kind they belong to (``runtime.placement``).
+    """
+
+    def __init__(self, body: Any, name: str, jit_compile: bool = False, inline: bool = False) -> None:
+        body.__name__ = f"{name}_body"
+        inner = tf.function(body, reduce_retracing=True, autograph=False)
+
+        def call(*args: Any) -> Any:
+            return inner(*args)
+
+        call.__name__ = name
+        self.function = tf.function(
+            call,
+            reduce_retracing=True,
+            autograph=False,
+            jit_compile=jit_compile,
+            experimental_attributes={} if inline else {"_noinline": True},
+        )
+        self.name = name
+        self._concrete: dict[Any, Any] = {}
+
+    def concrete(self, *args: Any) -> Any:
+        """The traced function for arguments of these shapes and dtypes (tensors or ``tf.TensorSpec``s)."""
+        key = tuple(
+            (tuple(x.shape), x.dtype) if tf.is_tensor(x) or isinstance(x, tf.TypeSpec) else ("py", repr(x))
+            for x in tf.nest.flatten(args)
+        )
+        concrete = self._concrete.get(key)
+        if concrete is None:
+            concrete = self._concrete[key] = self.function.get_concrete_function(*args)
+        return concrete
+
+    def __call__(self, *args: Any) -> Any:
+        concrete = self.concrete(*args)
+        with tf.name_scope(self.name):  # the call's name, and an inlined body's nodes', say what it is
+            return concrete(*args)
+
+
+class StageProgram:
+    """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
+
+    def __init__(self, stage: Stage, returns: Sequence[Any], options: ExecutionOptions) -> None:
+        self.stage = stage
+        self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
+        # XLA per stage, where XLA can compile the stage's recorded forward (``xla_blockers``)
+        self.jit_compile = options.jit_compile and not xla_blockers(stage)
+        self.batch_norm = options.batch_norm
+        self.seed_generators = _seed_generators(stage.operations)
+        self.seed_variables = [g.state.value for g in self.seed_generators]  # TensorFlow's variables
+        # the seed states a recomputing forward draws from, one per generator: set to the first
+        # forward's, they leave the generators' own states to the forwards of later micro-batches.
+        # Made from a copy of the state's value: given the variable itself, keras.Variable wraps it,
+        # and the recompute would rewind the state the forwards draw from
+        self.shadow_seeds = []
+        if options.recomputes(stage.index):
+            with tf.device(stage.device):
+                self.shadow_seeds = [
+                    keras.Variable(g.state.value.read_value(), trainable=False, name=f"{g.name}_recompute")
+                    for g in self.seed_generators
+                ]
+        self.normalized: set[int] = set()  # ids of the batch normalizations the training forward normalizes itself
+        self.non_trainable = [
+            v.value
+            for v in {id(v): v for op in stage.operations for v in op.non_trainable_weights}.values()
+            if v.dtype != "string"
+        ]
+        self.num_microbatches = options.num_microbatches
+        # the parts a step's batch is split into: micro-batches, times replicas (runtime.replicas)
+        self.num_parts = options.num_microbatches * options.num_replicas
+        self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
+        # layers whose activity regularizer the stage applies itself, to the micro-batch's own rows
+        self.regularized = any(getattr(op, "activity_regularizer", None) is not None for op in stage.operations)
+        # only a stage with batch normalization or an activity regularizer takes the micro-batch's row
+        # mask (statistics and regularizers skip the repeated rows); a regularized one also the batch size
+        self.takes_mask = self.regularized or any(
+            isinstance(op, keras.layers.BatchNormalization) for op in stage.operations
+        )
+        # per function kind: True iff it returns the stage's layer loss (after the returns)
+        self.returns_layer_loss: dict[str, bool] = {}
+        # per function kind: the layer whose add_loss cannot be split over micro-batches (M > 1), or None
+        self.unsplittable: dict[str, str | None] = {}
+        self._functions: dict[str, Any] = {}
+
+    def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor, batch: tf.Tensor) -> list[tf.Tensor]:
+        """The stage function's arguments for one micro-batch: its inputs, its row mask if it takes one,
+        and the batch's row count (float32) if it applies activity regularizers."""
+        return [*values, *([valid] if self.takes_mask else []), *([batch] if self.regularized else [])]
+
+    def _run(
+        self, kind: str, flat: Sequence[tf.Tensor], training: bool, stats: list[Any]
+    ) -> tuple[list[tf.Tensor], tf.Tensor | None]:
+        """The stage's nodes in order, on the function's arguments ``flat``; returns the stage's returns
+        and its layer loss (or None). In training, batch normalizations (``runtime.batchnorm``) use the
+        valid rows' statistics and append (layer, [mean, variance, count]) to ``stats`` instead of
+        moving their own."""
+        count = len(self.stage.inputs)
+        valid = flat[count] if self.takes_mask else None
+        batch = flat[count + 1] if self.regularized else None
+        own_rows = tf.reduce_sum(tf.cast(valid, tf.int32)) if self.regularized else None  # repeats come last
+        values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
+        terms: list[tf.Tensor] = []
+        self.unsplittable[kind] = None
+        for node in self.stage.nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            operation = node.operation
+            _call_context(operation, kwargs, training)
+            regularizer = getattr(operation, "activity_regularizer", None)
+            if training and is_plain_batch_norm(operation, args, kwargs):
+                outputs, moments = normalize(operation, args[0], valid)
+                stats.append((operation, moments))
+                self.normalized.add(id(operation))
+            elif regularizer is not None:  # applied below, to the micro-batch's own rows only
+                operation.activity_regularizer = None
+                try:
+                    outputs = operation(*args, **kwargs)
+                finally:
+                    operation.activity_regularizer = regularizer
+            else:
+                outputs = operation(*args, **kwargs)
+            terms += self._layer_losses(kind, operation, outputs, regularizer, own_rows, batch)
+            for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
+                values[id(symbolic)] = value
+        self.returns_layer_loss[kind] = bool(terms)
+        return [values[id(t)] for t in self.returns], (tf.add_n(terms) if terms else None)
+
+    def _layer_losses(
+        self, kind: str, operation: Any, outputs: Any, regularizer: Any, rows: Any, batch: Any
+    ) -> list[tf.Tensor]:
+        """The losses one call added (``add_loss``, activity regularizers), as this micro-batch's part of
+        the batch's: Keras divides an activity regularizer's value by the batch size, so the stage
+        applies it to the micro-batch's own rows and divides by the whole batch's row count (exact for
+        regularizers that sum over rows, as Keras' L1 and L2 do). Any other added loss is taken whole at
+        M = 1; with M > 1 the stage cannot know whether it is a mean or a sum over the batch, and marks
+        itself ``unsplittable`` (training and evaluation then refuse)."""
+        terms: list[tf.Tensor] = []
+        if isinstance(operation, keras.layers.Layer):
+            added = [x for layer in operation._flatten_layers(include_self=True) for x in layer._get_own_losses()]
+            operation._clear_losses()  # the tensors belong to this function's graph: leave none behind
+            if added and self.num_parts > 1:
+                self.unsplittable[kind] = operation.name
+            elif added:
+                terms += [tf.reduce_sum(tf.cast(x, tf.float32)) for x in added]
+        if regularizer is not None:
+            for output in keras.tree.flatten(outputs):
+                if not tf.is_tensor(output):
+                    continue
+                if output.shape.rank == 0:  # no rows to split: Keras takes it whole
+                    if self.num_parts > 1:
+                        self.unsplittable[kind] = operation.name
+                    else:
+                        terms.append(tf.cast(regularizer(output), tf.float32))
+                    continue
+                terms.append(tf.cast(regularizer(output[:rows]), tf.float32) / batch)
+        return terms
+
+    def split(
+        self, results: Sequence[tf.Tensor], kind: str = "forward"
+    ) -> tuple[list[tf.Tensor], tf.Tensor | None, list[list[tf.Tensor]], list[tf.Tensor]]:
+        """A stage function's results -> (returns, layer loss or None, [mean, variance, count] per
+        deferred batch-norm call, seeds); the last two only for the training forward."""
+        count = len(self.returns)
+        layer_loss = results[count] if self.returns_layer_loss.get(kind) else None
+        start = count + int(layer_loss is not None)
+        num_stats = 3 * len(self.deferred_layers) if kind == "forward" else 0
+        stats = list(results[start : start + num_stats])
+        return (
+            list(results[:count]),
+            layer_loss,
+            [stats[i : i + 3] for i in range(0, num_stats, 3)],
+            list(results[start + num_stats :]) if kind == "forward" else [],
+        )
+
+    def _compile(self, name: str, body: Any) -> Any:
+        """One tf.function per stage and kind, named ``stage<s>_<kind>`` (its executed graphs carry the name).
+
+        It is traced for the micro-batch's static shape (Grappler then folds the shape arithmetic of
+        the forward and of its gradient, as in the plain Keras step), and once more, for any batch
+        size, at the first micro-batch of another size (a remainder batch): ``reduce_retracing``.
+        """
+        if name not in self._functions:
+            self._functions[name] = Boundary(
+                body, f"stage{self.stage.index}_{name}", self.jit_compile, inline=self.num_microbatches == 1
+            )
+        return self._functions[name]
+
+    def forward(self, training: bool) -> Any:
+        """f(*arguments) -> [returns..., layer loss if any]; when training, + batch-norm statistics + the
+        seed states it began with (``split`` takes them apart)."""
+        kind = "forward" if training else "inference"
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            stats: list[Any] = []
+            if not training:
+                outputs, layer_loss = self._run(kind, flat, False, stats)
+                return outputs + ([layer_loss] if layer_loss is not None else [])
+            seeds = [v.read_value() for v in self.seed_variables]
+            outputs, layer_loss = self._run(kind, flat, True, stats)
+            if self.batch_norm == "per_microbatch":
+                for layer, moments in stats:
+                    update_moving_statistics(layer, [moments])
+                stats = []
+            self.deferred_layers = [layer for layer, _ in stats]
+            outputs += [layer_loss] if layer_loss is not None else []
+            return outputs + [t for _, moments in stats for t in moments] + seeds
+
+        return self._compile(kind, body)
+
+    def accumulate(self) -> Any:
+        """f(totals, gradients) -> [total + gradient]: a micro-batch's weight gradients added to the
+        stage's sums in one call (one op in the step's graph instead of one per weight)."""
+
+        def body(totals: list[tf.Tensor], gradients: list[tf.Tensor]) -> list[tf.Tensor]:
+            return [t + g for t, g in zip(totals, gradients)]
+
+        return self._compile("accumulate", body)
+
+    def restored(self) -> list[tf.Variable]:
+        """The non-trainable variables a recomputing forward may change and must put back: all but the
+        seed states (it draws from ``shadow_seeds``) and the statistics of the batch normalizations the
+        training forward normalizes itself (``runtime.batchnorm``: they are moved after the step)."""
+        kept = {
+            id(w.value)
+            for op in self.stage.operations
+            for layer in (op._flatten_layers() if hasattr(op, "_flatten_layers") else [op])
+            if id(layer) in self.normalized
+            for w in layer.non_trainable_weights
+        }
+        seeds = {id(v) for v in self.seed_variables}
+        return [v for v in self.non_trainable if id(v) not in kept and id(v) not in seeds]
+
+    @contextlib.contextmanager
+    def _drawing_from_shadows(self) -> Any:
+        """While tracing, the stage's random layers draw from ``shadow_seeds`` instead of their own states."""
+        own = [g.state for g in self.seed_generators]
+        try:
+            for generator, shadow in zip(self.seed_generators, self.shadow_seeds):
+                generator.state = shadow
+            yield
+        finally:
+            for generator, state in zip(self.seed_generators, own):
+                generator.state = state
+
+    def recompute(self) -> Any:
+        """f(*arguments, *seeds) -> [returns..., layer loss if any]: the training forward again, leaving no trace.
+
+        The random layers draw from ``shadow_seeds``, set to the seed states the first forward began
+        with: the recomputed forward draws the same masks and leaves the layers' own states to the
+        forwards of later micro-batches, which may run meanwhile. The non-trainable variables it may
+        change (``restored``: none for dropout and the batch normalizations the runtime normalizes
+        itself) are put back afterwards, so it updates nothing twice; a stage with such variables
+        runs no forward while its recompute runs (``Executor.windows``).
+        """
+        num_arguments = len(self.stage.inputs) + int(self.takes_mask) + int(self.regularized)
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            state = self.restored()
+            saved = [tf.identity(v.read_value()) for v in state]
+            with tf.control_dependencies(saved):
+                seeds = zip(self.shadow_seeds, flat[num_arguments:])
+                seeded = [shadow.value.assign(seed, read_value=False) for shadow, seed in seeds]
+            with tf.control_dependencies(seeded), self._drawing_from_shadows():
+                outputs, layer_loss = self._run("recompute", flat[:num_arguments], True, [])
+            outputs += [layer_loss] if layer_loss is not None else []
+            with tf.control_dependencies(outputs):
+                restores = [v.assign(s) for v, s in zip(state, saved)]
+            with tf.control_dependencies(restores):
+                return [tf.identity(o) for o in outputs]
+
+        return self._compile("recompute", body)
+
+
+def check_splittable(program: StageProgram, kind: str) -> None:
+    """Refuses a stage whose layers add a loss that micro-batches or replicas cannot split (M x D > 1)."""
+    name = program.unsplittable.get(kind)
+    if name is not None:
+        raise InputError(
+            f"Layer '{name}' adds a loss (add_loss, or an activity regularizer of a layer inside it or of a "
+            f"scalar output) that cannot be split over {program.num_parts} parts of the batch "
+            f"({program.num_microbatches} micro-batches x {program.num_parts // program.num_microbatches} "
+            "replica(s)): the runtime cannot tell whether it is a mean or a sum over the batch's rows. Use "
+            "num_microbatches=1 on one replica, or give the layer an activity_regularizer on a batched "
+            "output (split exactly) instead."
+        )
