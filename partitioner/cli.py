@@ -596,6 +596,8 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
     out.print(ran.table())
     for line in ran.off_device:
         out.print(f"[red]off its device:[/] {escape(line)}")
+    for line in ran.unread:
+        out.print(f"[yellow]not read:[/] {escape(line)}")
     again = [str(s) for s, flag in enumerate(wrapped.options.recompute) if flag]
     out.print(
         f"{wrapped.options.schedule} schedule, M = {wrapped.num_microbatches}"
@@ -604,6 +606,8 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
         + (
             "every variable and every stage's forward, backward and optimizer op is on its planned device"
             if report.ok and ran.ok
+            else f"[bold yellow]nothing read is off its device, but {len(ran.unread)} function calls were not read[/]"
+            if not report.misplaced and not ran.off_device
             else "[bold red]placement differs from the plan[/]"
         )
     )

@@ -25,6 +25,10 @@ _PARTITION = re.compile(r"(?P<graph>.+)_partition_[^.]*device:[^.]+\.\d+\.main\.
 
 _SOURCES = {"ReadVariableOp", "VarHandleOp", "Const", "HostConst", "_Arg", "_DeviceArg", "Placeholder"}
 _FROM_ELSEWHERE = {"_Recv", "_HostRecv", "PartitionedCall", "StatefulPartitionedCall"}
+# nodes that hand on their input unchanged: the written value's producer is behind them
+_PASS_THROUGH = {"Identity", "IdentityN", "Snapshot", "StopGradient"}
+# a written value whose producer is one of these was not computed on the write's device ("": not in the dump)
+_NOT_COMPUTED_HERE = {"_Recv", "_HostRecv", "_Arg", "_DeviceArg", "Placeholder", ""}
 
 _state = {"enabled": False, "probed": False}
 
@@ -67,6 +71,25 @@ class VariableWrite:
     write: ExecutedNode  # an Assign*VariableOp, ResourceApply* or ResourceScatter* node
     variable: str  # the node that supplies the variable's handle, e.g. the argument 'unknown_2'
     feeders: tuple[ExecutedNode, ...]  # every node between the write and its sources, sources included
+    # the nodes that compute the value written, pass-through nodes (Identity...) skipped: the write itself
+    # for a fused Resource*Apply* kernel; a name not in the partition is missing (never happens in a dump)
+    values: tuple[ExecutedNode, ...] = ()
+
+    @property
+    def computed_here(self) -> bool:
+        """True iff the value written was computed on the write's device (so on the variable's).
+
+        Each node that computes the value (``values``) must be in the write's partition and compute
+        it there: not a ``_Recv`` (computed on another device) nor a function argument (computed by
+        the caller). A fused ``Resource*Apply*`` kernel computes its update itself, on the variable's
+        device. It is not enough that some feeder is local: a scatter whose indices are computed here
+        but whose rows are received writes a value computed elsewhere.
+
+        Example:
+            >>> [w.computed_here for w in executed.variable_writes(nodes)]     # doctest: +SKIP
+            [True, True, False]
+        """
+        return bool(self.values) and all(v.op not in _NOT_COMPUTED_HERE for v in self.values)
 
 
 def enable_collection() -> None:
@@ -103,6 +126,9 @@ def collect_executed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple
 
     Call it on a fresh function (for Keras: a newly compiled model, or after
     ``model.make_train_function(force=True)``): a function placed before the call is not listed.
+    Nor is a function whose dump file name would pass 255 characters (TensorFlow logs "Failed to dump
+    graph": a nested body specialised for a call site in a call site gets such a name), nor the body
+    of an XLA-compiled function: a call node whose ``calls`` names no listed graph was not read.
 
     Args:
         fn: what to run, e.g. ``model.train_on_batch``.
@@ -145,7 +171,9 @@ def variable_writes(nodes: Iterable[ExecutedNode]) -> list[VariableWrite]:
     computed on another device) or a nested function call (the value was computed in another
     graph; look that up by name). Sources are included. So a write whose feeders are only a
     ``_Recv`` had its update arithmetic done on another device, and arithmetic ops (``Mul``,
-    ``Sub``, ``Sqrt``, ``RealDiv``...) among the feeders ran on the write's device.
+    ``Sub``, ``Sqrt``, ``RealDiv``...) among the feeders ran on the write's device. Whether the
+    value written was computed there is ``VariableWrite.computed_here``: it looks at the node that
+    produces the value (``values``), not at any feeder.
 
     Limits: it follows data edges only, so it finds what computes the value, not what merely runs
     before; it names the variable by the node that supplies its handle (inside a function, an
@@ -182,8 +210,40 @@ def variable_writes(nodes: Iterable[ExecutedNode]) -> list[VariableWrite]:
             feeders[feeder.name] = feeder
             if feeder.op not in _SOURCES and feeder.op not in _FROM_ELSEWHERE:
                 stack.extend(feeder.inputs)
-        writes.append(VariableWrite(node, node.inputs[0], tuple(feeders.values())))
+        value = node.inputs[_value_input(node.op) :][:1]
+        values = (node,) if _is_fused_update(node.op) else _producers(value, partition)
+        writes.append(VariableWrite(node, node.inputs[0], tuple(feeders.values()), values))
     return writes
+
+
+def _is_fused_update(op: str) -> bool:
+    return op.startswith("Resource") and "Apply" in op
+
+
+def _value_input(op: str) -> int:
+    """The position of the value a write writes: 2 for ResourceScatter* (variable, indices, updates), else 1."""
+    return 2 if op.startswith("ResourceScatter") else 1
+
+
+def _producers(names: Iterable[str], partition: dict[str, ExecutedNode]) -> tuple[ExecutedNode, ...]:
+    """The nodes that compute ``names``' values, pass-through nodes skipped (an IdentityN: every input,
+    as an input name carries no output port here); a name not in the partition gives a node of op "",
+    so that the value does not count as computed here."""
+    found: dict[str, ExecutedNode] = {}
+    stack, seen = list(names), set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = partition.get(name)
+        if node is None:
+            found[name] = ExecutedNode("", name, "", "")
+        elif node.op in _PASS_THROUGH:
+            stack.extend(node.inputs)
+        else:
+            found[name] = node
+    return tuple(found.values())
 
 
 def _is_write(op: str) -> bool:

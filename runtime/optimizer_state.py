@@ -157,3 +157,25 @@ def _device(variable: Any) -> str:
     if not isinstance(device, str):
         device = getattr(getattr(variable, "_value", None), "device", "")
     return device or ""
+
+
+def slots(optimizer: Any, variables: Iterable[Any]) -> list[tuple[Any, Any]]:
+    """(slot, variable) for every optimizer variable that belongs to one of ``variables``.
+
+    Keras names a slot after its variable (``_prefix``: "dense_kernel_" + "momentum"); a slot whose
+    name starts with several variables' prefixes goes to the longest. The optimizer's own counters
+    (iteration, learning rate) match no variable and are left out. A loss-scaling wrapper's slots
+    are its inner optimizer's.
+
+    Example:
+        >>> [(s.path, v.path) for s, v in slots(model.optimizer, model.trainable_variables)][:1]  # doctest: +SKIP
+        [('adam/dense_kernel_momentum', 'dense/kernel')]
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    prefixes = sorted(((_prefix(v), v) for v in variables), key=lambda pair: -len(pair[0]))
+    found = []
+    for slot in inner.variables:
+        variable = next((v for prefix, v in prefixes if slot.name.startswith(prefix)), None)
+        if variable is not None:
+            found.append((slot, variable))
+    return found

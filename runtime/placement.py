@@ -21,11 +21,12 @@ class PlacementReport:
     planned: dict[str, str]  # node -> device the plan names
     variable_devices: dict[str, list[str]]  # node -> devices of its variables, as TensorFlow reports them
     op_devices: dict[str, int]  # device -> number of ops placed there in the traced forward pass
-    misplaced: list[str] = field(default_factory=list)  # "node: variable on X, plan says Y"
+    misplaced: list[str] = field(default_factory=list)  # "node: variable on X, plan says Y", misplaced slots
 
     @property
     def ok(self) -> bool:
-        """True iff every variable lives on the device its plan names."""
+        """True iff every variable lives on the device its plan names, and every optimizer slot (once the
+        optimizer is built) on its variable's device."""
         return not self.misplaced
 
     def table(self) -> Table:
@@ -42,7 +43,8 @@ class PlacementReport:
 
 
 def placement_report(model: Any) -> PlacementReport:
-    """Reads the devices of ``model``'s variables and of the ops of its traced forward pass.
+    """Reads the devices of ``model``'s variables (and, once compiled, its optimizer's slots) and of the
+    ops of its traced forward pass.
 
     Args:
         model: a PipelinedModel.
@@ -66,6 +68,8 @@ def placement_report(model: Any) -> PlacementReport:
             if device != planned[node]:
                 misplaced.append(f"{node}: variable '{variable.path}' on {device}, the plan says {planned[node]}")
 
+    misplaced += misplaced_slots(model)
+
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.staged.inputs]
     import keras
 
@@ -83,9 +87,15 @@ _PLUMBING = {
     # the loop over micro-batches: frames and their edges (also control edges into a stage's function)
     "Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond", "ControlTrigger",
 }  # fmt: skip
-_STAGE_GRAPH = re.compile(r"stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute)_")
-# a node of a stage function inlined into the step (one micro-batch): its name carries the call's name scope
-_INLINED = re.compile(r"(?:^|/)stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute|backward)(?:_\d+)?/")
+# the functions the runtime names (runtime.executor): a stage's, or the micro-batch loss's
+_FUNCTION = re.compile(
+    r"(?:stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute|accumulate)|(?P<loss>microbatch_loss))_"
+)
+# a node of such a function inlined into the step (one micro-batch): its name carries the call's name scope
+_INLINED = re.compile(
+    r"(?:^|/)(?:stage(?P<stage>\d+)_(?P<kind>forward|inference|recompute|backward|accumulate)|(?P<loss>microbatch_loss))"
+    r"(?:_\d+)?/"
+)
 
 
 @dataclass(frozen=True)
@@ -104,38 +114,86 @@ class Share:
 class ExecutedPlacement:
     """Where one training step's work ran, per stage, read from the graphs TensorFlow executed.
 
-    ``forward[s]`` counts the compute nodes of stage s's forward functions and the calls of them,
-    ``backward[s]`` those of its generated backward functions and of its recomputing forward (with XLA
-    a stage function's body is one compiled cluster: only its calls are listed), ``optimizer[s]`` the optimizer's
-    variable writes on stage s's device whose value was computed there (the moments, bias correction
-    and update arithmetic found by walking back from the write, ``runtime.executed.variable_writes``)
-    rather than received from another device. ``off_device`` lists what ran elsewhere.
+    Which part of the step a node belongs to, by the function it is in (or, inlined at M = 1, by its
+    name scope), and the functions that function was called from (a nested function a stage calls
+    belongs to that stage, read through):
+
+        stage s's forward functions                            forward[s]   on stage s's device
+        its generated backward, its recomputing forward and
+        its gradient sums (``stage<s>_accumulate``)             backward[s]  on stage s's device
+        the micro-batch loss (``microbatch_loss``)             loss         on the last stage's device
+        the optimizer's writes (its name scope)                optimizer    see below
+        anything else of the step: micro-batch slicing and
+        stacking, the loop, the loss and metric sums           outside      any device, not judged
+
+    ``optimizer[s]`` counts the optimizer's variable writes on stage s's device whose value was
+    computed there (``runtime.executed.VariableWrite.computed_here``: the node that produces the value
+    ran there, not merely some feeder); a write on a device no stage uses is off its device. The
+    optimizer's slots (Adam's moments, momentum) must sit on their variable's device
+    (``misplaced_slots``). A function call whose body TensorFlow did not list (an XLA-compiled
+    function runs as one cluster and lists no body) is *unread*: counted in ``unread_calls`` of its
+    stage, and ``ok`` is then False, since what ran inside was not seen. ``off_device`` lists what
+    ran elsewhere, ``unread`` what could not be read.
     """
 
     stages: tuple[str, ...]  # stage devices in pipeline order
     forward: tuple[Share, ...]
     backward: tuple[Share, ...]
     optimizer: tuple[Share, ...]
-    off_device: tuple[str, ...]  # "stage s <kind>: <op> '<node>' on <device>"
+    off_device: tuple[str, ...]  # "stage s <kind>: <op> '<node>' on <device>", "optimizer: ...", "loss: ..."
+    loss: Share = Share(0, 0)  # the micro-batch loss function's ops on the last stage's device
+    unread_calls: tuple[int, ...] = ()  # per stage: calls of functions whose body was not listed (XLA)
+    unread: tuple[str, ...] = ()  # "stage s <kind>: call '<node>' of '<function>' on <device>: its body is not listed"
+    outside: dict[str, int] = field(default_factory=dict)  # device -> compute ops outside every function above
 
     @property
     def ok(self) -> bool:
-        """True iff every counted op ran on its stage's device."""
-        shares = (*self.forward, *self.backward, *self.optimizer)
-        return not self.off_device and all(s.on_device == s.total for s in shares)
+        """True iff every op was read and ran on its planned device: nothing off its device, no unread call."""
+        shares = (*self.forward, *self.backward, *self.optimizer, self.loss)
+        return not self.off_device and not self.unread and all(s.on_device == s.total for s in shares)
 
     def table(self) -> Table:
-        """Per stage: forward, backward and optimizer ops on the planned device, as counts and shares."""
+        """Per stage: forward, backward and optimizer ops on the planned device, as counts and shares, the
+        calls not read, and the step's other ops on that device; a row per other device with such ops."""
         table = Table(title="Executed placement (one training step)", box=box.SIMPLE_HEAD, title_justify="left")
-        for header in ("stage", "device", "forward ops there", "backward ops there", "optimizer updates there"):
+        headers = ("stage", "device", "forward ops there", "backward ops there", "optimizer updates there")
+        for header in (*headers, "loss ops there", "calls not read", "other step ops there"):
             table.add_column(header, justify="left" if header in ("stage", "device") else "right")
+        last = len(self.stages) - 1
         for s, device in enumerate(self.stages):
             cells = [
-                f"{x.on_device}/{x.total} ({x.fraction:.0%})"
-                for x in (self.forward[s], self.backward[s], self.optimizer[s])
+                f"{x.on_device}/{x.total}" + (f" ({x.fraction:.0%})" if x.total else "")
+                for x in (self.forward[s], self.backward[s], self.optimizer[s], self.loss)
             ]
-            table.add_row(str(s), device, *cells)
+            cells[3] = cells[3] if s == last else "-"
+            unread = self.unread_calls[s] if self.unread_calls else 0
+            table.add_row(str(s), device, *cells, str(unread), str(self.outside.get(device, 0)))
+        for device in sorted(set(self.outside) - set(self.stages)):
+            table.add_row("-", device, "-", "-", "-", "-", "-", str(self.outside[device]))
         return table
+
+
+def misplaced_slots(model: Any) -> list[str]:
+    """The optimizer slots (Adam's moments, momentum) not on their variable's device, one line each.
+
+    Empty when the optimizer is not built yet (no slots). Slots are matched to variables by Keras'
+    naming rule (``runtime.optimizer_state.slots``).
+
+    Example:
+        >>> misplaced_slots(wrapped)              # doctest: +SKIP
+        ["optimizer slot 'adam/dense_3_kernel_momentum' on /device:CPU:3, its variable 'dense_3/kernel' on ..."]
+    """
+    from runtime.optimizer_state import slots
+
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return []
+    lines = []
+    for slot, variable in slots(optimizer, model.trainable_variables):
+        slot_device, device = canonical(slot.value.device), canonical(variable.value.device)
+        if slot_device != device:
+            lines.append(f"optimizer slot '{slot.path}' on {slot_device}, its variable '{variable.path}' on {device}")
+    return lines
 
 
 def synthetic_batch(
@@ -218,40 +276,122 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
     stages = tuple(canonical(d) for d in model.plan.stages)
     model.retrace()  # new stage functions: TensorFlow places (and so lists) a function once
     _, nodes = collect_executed(model.train_on_batch, x, y, sample_weight=sample_weight)
-    num = len(stages)
+    owner = _owners(nodes)
+    read = {node.graph for node in nodes}
+    last = len(stages) - 1
     forward, backward = [[0, 0] for _ in stages], [[0, 0] for _ in stages]
+    loss, unread_calls = [0, 0], [0 for _ in stages]
+    outside: Counter[str] = Counter()
     off: list[str] = []
+    unread: list[str] = []
+    scope = f"{model.optimizer.name}/"
     for node in nodes:
-        # a stage function's own nodes, or a call of one (the only trace of an XLA-compiled stage function,
-        # which XLA compiles and runs as one cluster on the call's device)
-        function = node.calls or node.graph
-        match = _STAGE_GRAPH.search(function) or _INLINED.search(node.name)
-        if match is None or node.op in _PLUMBING:
+        device = canonical(node.device)
+        part = _part_of_name(node.name) or owner.get(node.graph)
+        if node.calls and node.calls not in read:  # its body was not listed: XLA-compiled, or placed before
+            part = _part_of_function(node.calls) or part
+            call = f"call '{node.name}' of '{node.calls}' on {device}"
+            if part is None:  # a function the step itself calls: counted with no stage
+                unread.append(f"step: {call}: its body is not listed")
+                continue
+            s = last if part[0] is None else part[0]
+            unread_calls[s] += 1
+            unread.append(f"stage {s} {part[1]}: {call}: its body is not listed")
+            if device != stages[s]:
+                off.append(f"stage {s} {part[1]}: {call}")
             continue
-        s = int(match["stage"])
-        kind = "backward" if "__backward_" in function or match["kind"] in ("recompute", "backward") else "forward"
-        counts = (backward if kind == "backward" else forward)[s]
+        if node.op in _PLUMBING or node.calls:  # a call whose body is listed: its body's nodes are counted
+            continue
+        if part is None:
+            if not node.name.startswith(scope):  # the optimizer's arithmetic is judged by its writes
+                outside[device] += 1
+            continue
+        s, kind = part
+        if s is None:
+            counts, s, expected = loss, last, stages[last]
+        else:
+            counts, expected = (backward if kind == "backward" else forward)[s], stages[s]
         counts[1] += 1
-        if canonical(node.device) == stages[s]:
+        if device == expected:
             counts[0] += 1
         else:
-            off.append(f"stage {s} {kind}: {node.op} '{node.name}' on {canonical(node.device)}")
+            off.append(f"{'loss' if kind == 'loss' else f'stage {s} {kind}'}: {node.op} '{node.name}' on {device}")
     optimizer = [[0, 0] for _ in stages]
-    scope = f"{model.optimizer.name}/"
     for write in variable_writes(nodes):
         device = canonical(write.write.device)
-        if not write.write.name.startswith(scope) or device not in stages:
+        if not write.write.name.startswith(scope):
+            continue
+        if device not in stages:
+            off.append(f"optimizer: '{write.write.name}' writes a variable on {device}, a device no stage uses")
             continue
         counts = optimizer[stages.index(device)]
         counts[1] += 1
-        if any(f.op not in _PLUMBING for f in write.feeders):
+        if write.computed_here:
             counts[0] += 1
         else:
             off.append(f"optimizer: '{write.write.name}' on {device} writes a value computed on another device")
+    off += misplaced_slots(model)
     return ExecutedPlacement(
         stages,
-        tuple(Share(*c) for c in forward[:num]),
-        tuple(Share(*c) for c in backward[:num]),
-        tuple(Share(*c) for c in optimizer[:num]),
+        tuple(Share(*c) for c in forward),
+        tuple(Share(*c) for c in backward),
+        tuple(Share(*c) for c in optimizer),
         tuple(off),
+        Share(*loss),
+        tuple(unread_calls),
+        tuple(unread),
+        dict(outside),
     )
+
+
+# (stage, kind) of a node: stage None for the micro-batch loss; kind "forward", "backward" or "loss"
+Part = tuple[int | None, str]
+
+
+def _part_of_function(function: str) -> Part | None:
+    """The part of the step a function is, by the name the runtime gave it (specialised copies carry
+    their call site's name after '_specialized_for_': only the function's own name counts)."""
+    own = function.split("_specialized_for_")[0]
+    match = _FUNCTION.search(own)
+    if match is None:
+        return None
+    if match["loss"]:
+        return None, "loss"
+    backward = "__backward_" in own or match["kind"] in ("recompute", "accumulate")
+    return int(match["stage"]), "backward" if backward else "forward"
+
+
+def _part_of_name(name: str) -> Part | None:
+    """The part of the step a node inlined into the step is, by its name scope (M = 1)."""
+    match = _INLINED.search(name)
+    if match is None:
+        return None
+    if match["loss"]:
+        return None, "loss"
+    return int(match["stage"]), "backward" if match["kind"] in ("recompute", "backward", "accumulate") else "forward"
+
+
+def _owners(nodes: list[Any]) -> dict[str, Part]:
+    """Per listed function, the part of the step it belongs to: by its own name, else by the call that
+    runs it (a nested function a stage function calls belongs to that stage; its generated backward,
+    called from the stage's backward, to the stage's backward)."""
+    callers: dict[str, list[Any]] = {}
+    for node in nodes:
+        if node.calls:
+            callers.setdefault(node.calls, []).append(node)
+    owners: dict[str, Part | None] = {}
+
+    def owner(graph: str, seen: frozenset[str]) -> Part | None:
+        if graph in owners:
+            return owners[graph]
+        part = _part_of_function(graph)
+        for call in callers.get(graph, []) if part is None else []:
+            if call.graph not in seen:
+                part = _part_of_name(call.name) or owner(call.graph, seen | {graph})
+            if part is not None:
+                break
+        owners[graph] = part
+        return part
+
+    found = {graph: owner(graph, frozenset({graph})) for graph in {node.graph for node in nodes}}
+    return {graph: part for graph, part in found.items() if part is not None}

@@ -356,7 +356,8 @@ def test_cli_model_that_fails_to_build_is_one_line(argv, model_module, capsys, v
 
 
 def _executed_rows(out: str) -> list[list[str]]:
-    """The rows of the 'Executed placement' table: stage, device, then forward/backward/optimizer shares."""
+    """The rows of the 'Executed placement' table: stage, device, then forward/backward/optimizer shares
+    (cells 2 to 7), the loss's share ('-' but on the last stage), calls not read, the step's other ops."""
     table = out[out.index("Executed placement (one training step)") :]
     return [line.split() for line in table.splitlines() if line.split()[:1] in (["0"], ["1"])]
 
@@ -367,7 +368,8 @@ def test_cli_placement_runs_a_step_and_reports_where_ops_ran(model_module, capsy
     out = capsys.readouterr().out
     assert "gpipe schedule, M = 2: every variable and every stage's forward, backward and optimizer op" in out
     rows = _executed_rows(out)
-    assert rows and all(row[-1] == "(100%)" and not row[2].startswith("0/") for row in rows)
+    assert rows and all(row[7] == "(100%)" and not row[2].startswith("0/") for row in rows)
+    assert all(row[-2] == "0" for row in rows)  # every call's body read
 
 
 @pytest.mark.parametrize("spelling", ["tensorflow", "cluster file"])
@@ -394,7 +396,8 @@ def test_cli_placement_of_a_plan_with_recompute(spelling, model_module, tmp_path
     assert "1f1b schedule, M = 2, stages 0 recompute their forward: every variable" in out
     rows = _executed_rows(out)
     assert [row[1] for row in rows] == virtual_devices[:2]
-    assert all(cell == "(100%)" for row in rows for cell in row[3::2])
+    assert all(cell == "(100%)" for row in rows for cell in row[3:8:2])
+    assert rows[-1][8:10] == [rows[-1][8].split("/")[0] + "/" + rows[-1][8].split("/")[0], "(100%)"]  # the loss
     assert all(not row[2].startswith("0/") and not row[4].startswith("0/") for row in rows)
 
 

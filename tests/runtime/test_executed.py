@@ -196,3 +196,32 @@ except InputError as err:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
     assert "NOT ENABLED: TensorFlow's graph dumps are off" in run.stdout, run.stderr[-2000:]
     assert "TOO LATE: enable_collection() ran after TensorFlow had placed its first function" in run.stdout
+
+
+def test_variable_writes_judges_the_value_written_not_any_feeder(virtual_devices) -> None:
+    """A scatter whose indices are computed on the variable's device but whose rows come from another
+    device writes a value computed elsewhere: a local feeder (the indices' ArgMax) does not make it local."""
+    first, second = virtual_devices[:2]
+    with tf.device(second):
+        table = tf.Variable(tf.zeros([4, 3]))
+        counter = tf.Variable(0.0)
+
+    @tf.function
+    def step(rows, scores):
+        with tf.device(first):
+            received = rows * 2.0  # computed on the first device
+        with tf.device(second):
+            indices = tf.argmax(scores, axis=1, output_type=tf.int32)  # computed here
+            table.scatter_add(tf.IndexedSlices(received, indices))
+            counter.assign_add(tf.reduce_sum(scores))  # computed here
+        return indices
+
+    rows = tf.random.stateless_normal((2, 3), seed=(1, 2))
+    scores = tf.random.stateless_normal((2, 4), seed=(3, 4))
+    _, nodes = executed.collect_executed(step, rows, scores)
+    writes = {w.write.op: w for w in executed.variable_writes(nodes) if w.write.device == second}
+    scatter, add = writes["ResourceScatterAdd"], writes["AssignAddVariableOp"]
+    assert "ArgMax" in {f.op for f in scatter.feeders}  # a local feeder, which the old rule took as enough
+    assert [v.op for v in scatter.values] == ["_Recv"]
+    assert not scatter.computed_here
+    assert add.computed_here and add.values[0].op == "Sum"
