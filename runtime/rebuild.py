@@ -3,13 +3,15 @@
 The original model is walked with the profiler's own walk (``profiles.walk``), so node names match
 the plan's. Every leaf operation (layer or Keras op such as ``x * 2.0``) is cloned from its config
 and called on the symbolic inputs, both under ``tf.device(device)`` (which creates its variables
-there), and given the original's weights. Nested models are flattened; a shared layer is cloned
-once and called at every call site. Masks need no special care: Keras records a mask a layer reads
-as an argument of its call, computed by an op node (``NotEqual`` for ``Embedding(mask_zero=True)``),
-so it is an ordinary tensor of the flat graph and crosses stages like any other. A masked model
-output goes through a ``MaskCarrier`` that takes its mask as an argument, so the mask is a tensor
-of the flat graph too, and the last stage returns it for the loss. The result is a flat functional
-model plus a map from each cloned operation to its device.
+there), and given the original's weights; the layers of a keras-hub backbone whose blocks do not
+rebuild from their own config are taken from the backbone rebuilt whole (``runtime.backbones``).
+Nested models are flattened; a shared layer is cloned once and called at every call site. Masks need
+no special care: Keras records a mask a layer reads as an argument of its call, computed by an op
+node (``NotEqual`` for ``Embedding(mask_zero=True)``), so it is an ordinary tensor of the flat graph
+and crosses stages like any other. A masked model output goes through a ``MaskCarrier`` that takes
+its mask as an argument, so the mask is a tensor of the flat graph too, and the last stage returns
+it for the loss. The result is a flat functional model plus a map from each cloned operation to its
+device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from partitioner.errors import PlanError, ProfileError
 from profiles.walk import LayerCall, flatten_calls, functional_graph
+from runtime.backbones import backbone_layers
 
 
 @dataclass
@@ -76,6 +79,10 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     calls, sources = flatten_calls(functional)
     check_plan_matches([c.name for c in calls], assignment)
     names = _clone_names(calls)
+    first_device: dict[int, str] = {}  # id(operation) -> the device of its first call, where its clone lives
+    for call in calls:
+        first_device.setdefault(id(call.operation), assignment[call.name])
+    taken = backbone_layers(model, first_device)  # layers of keras-hub backbones rebuilt whole, already placed
 
     produced: list[list[Any]] = []  # per call: its new symbolic outputs, flattened
     clones: dict[int, Any] = {}  # id(original operation) -> clone
@@ -102,8 +109,12 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         operation = call.operation
         clone = clones.get(id(operation))
         if clone is None:
-            with tf.device(device):
-                clone = clone_operation(operation, names[id(operation)])
+            clone = taken.get(id(operation))
+            if clone is None:
+                with tf.device(device):
+                    clone = clone_operation(operation, names[id(operation)])
+            else:
+                clone.name = names[id(operation)]  # the same name unless flattening made two names meet
             clones[id(operation)] = clone
             device_of[id(clone)] = device
             node_of[id(clone)] = call.name
@@ -310,8 +321,8 @@ def clone_operation(operation: Any, name: str) -> Any:
         advice = (
             f"the layer is {library}'s own, whose get_config does not give back its arguments (keras-hub 0.32's "
             "Llama, Qwen3, GPT-NeoX and ViT blocks; keras.models.clone_model fails on them too): this runtime "
-            "cannot wrap such a model yet; train it unwrapped, or with a version of the library whose layers "
-            "rebuild from their config."
+            "wraps such a layer only inside a keras-hub Backbone, which it rebuilds from the backbone's own config; "
+            "wrap the backbone (or a task holding it), or train it unwrapped."
             if library in ("keras_hub", "keras_nlp", "keras_cv")
             else "Expected every layer to be rebuildable from its config, as keras.models.clone_model needs; "
             "implement get_config() (returning every __init__ argument) in the layer's class."
