@@ -36,6 +36,7 @@ from partitioner.exact import exact_chain
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
 from partitioner.schedule import Action, Schedule
+from partitioner.score import score_assignment
 from partitioner.simulate import Simulation, Span, simulate
 from partitioner.solver import SolverOptions, solve
 from partitioner.validate import validate_plan
@@ -67,6 +68,7 @@ __all__ = [
     "plan_for_batch",
     "rescale_graph",
     "save_graph",
+    "score_assignment",
     "simulate",
     "solve",
     "validate_graph",

@@ -78,19 +78,12 @@ import networkx as nx
 import numpy as np
 
 from partitioner.baselines import BASELINES, check_stage_count, split_with
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, reorder
 from partitioner.cost import CostModel, in_flight, mode_cost
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
-from partitioner.order import (
-    candidate_orders,
-    check_device_order,
-    every_order_searched,
-    fastest_on_heaviest,
-    reorder,
-    signature,
-)
+from partitioner.order import candidate_orders, check_device_order, every_order_searched, fastest_on_heaviest, signature
 from partitioner.plan import Plan
 from partitioner.score import score_assignment, shorter_step, with_step_bound
 from partitioner.simulate import chain_step

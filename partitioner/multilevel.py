@@ -17,12 +17,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from partitioner.cluster import reorder
 from partitioner.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
 from partitioner.cost import CostModel
 from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import PartitionerError
 from partitioner.graph import colocation_groups
-from partitioner.order import reorder
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
 from partitioner.starts import Candidate, best_of, best_start, fill_start

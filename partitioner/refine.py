@@ -27,9 +27,10 @@ import random
 import time
 from collections.abc import Iterator, Mapping
 
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel, Evaluation
 from partitioner.graph import colocation_groups
-from partitioner.order import device_classes, reorder
+from partitioner.order import device_classes
 from partitioner.schedule import Schedule
 from partitioner.simulate import simulate_assignment
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from partitioner.baselines import check_stage_count
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, reorder
 from partitioner.cost import CostModel
 from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
@@ -31,7 +31,6 @@ from partitioner.order import (
     check_device_order,
     fast_island,
     fastest_on_heaviest,
-    reorder,
     signature,
 )
 from partitioner.plan import Plan

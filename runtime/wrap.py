@@ -77,7 +77,7 @@ def plan_and_wrap(
             ``batch_size`` up to 64 and keeps the M of the shortest predicted step
             (``partitioner.choose``). A local device's fixed cost per forward or backward
             (``Device.action_overhead_s``) is 0 unless the Cluster you pass gives one, and without
-            it more micro-batches always look faster: give it (e.g. ``Cluster.local(2,
+            it more micro-batches always look faster: give it (e.g. ``profiles.local.local_cluster(2,
             action_overhead_s=7e-4)`` on CPU, docs/cost-model.md) when you let the planner choose.
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the

@@ -274,7 +274,8 @@ def hetero_orders(graph: nx.DiGraph, cluster: pt.Cluster, base: pt.Plan | None) 
     metis: the best baseline's stages, the one with the most FLOPs on the fastest device and so on
     down (Metis' rule, :func:`partitioner.order.fastest_on_heaviest`); fastest_first: devices by speed.
     """
-    from partitioner.order import by_speed, fastest_on_heaviest, reorder
+    from partitioner.cluster import reorder
+    from partitioner.order import by_speed, fastest_on_heaviest
 
     orders = {"search": cluster, "given": cluster, "fastest_first": reorder(cluster, by_speed(cluster))}
     if base is not None:
@@ -509,7 +510,8 @@ def every_chain_placement(graph: nx.DiGraph, cluster: pt.Cluster, count_only: bo
     import itertools
     import math
 
-    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+    from partitioner.cluster import reorder
+    from partitioner.order import _devices, _label_sequences, device_classes
 
     classes = device_classes(cluster)
     order = pt.CostModel(graph, pt.Cluster.uniform(1, memory=1)).order
@@ -695,7 +697,8 @@ def every_dag_placement(graph: nx.DiGraph, cluster: pt.Cluster) -> list[tuple[pt
     pipeline order, the idle devices after it; the assignments on it)."""
     import itertools
 
-    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+    from partitioner.cluster import reorder
+    from partitioner.order import _devices, _label_sequences, device_classes
 
     classes = device_classes(cluster)
     groups = []

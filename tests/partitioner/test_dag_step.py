@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.graph import colocation_groups
-from partitioner.order import reorder
 from partitioner.refine import _step_bound, refine_step
 from partitioner.simulate import simulate_assignment
 

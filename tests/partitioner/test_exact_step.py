@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import partitioner as pt
 from partitioner.baselines import BASELINES, split_with
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.exact import (
     STEP_TOLERANCE,
@@ -37,7 +38,7 @@ from partitioner.exact import (
     _tables,
 )
 from partitioner.graph import load_graph
-from partitioner.order import fastest_on_heaviest, reorder
+from partitioner.order import fastest_on_heaviest
 from partitioner.simulate import simulate_assignment
 from partitioner.synthetic import random_chain
 
