@@ -6,7 +6,7 @@ What it shows, step by step:
   3. the profiler: every layer call's FLOPs, bytes and measured forward + backward time;
   4. the planner (``partitioner.solve``) on the local devices, whose FLOP/s it measures with a
      matmul, printed with the placement, per-device, transfer and prediction tables, beside the
-     splits other tools would make (``partitioner.baselines``);
+     splits other tools would make (``partitioner.search.baselines``);
   5. the runtime (``runtime.wrap``): the model rebuilt on the planned devices and trained a few
      steps with GPipe micro-batches;
   6. the measured step time against the planner's predicted ``plan.step_time_s`` (the GPipe step
@@ -40,8 +40,8 @@ import numpy as np
 from rich.console import Console
 
 import partitioner as pt
-from partitioner.report import render
-from partitioner.timeline import text_timeline
+from partitioner.show.report import render
+from partitioner.show.timeline import text_timeline
 from partitioner.units import format_flops, format_seconds
 from profiles import profile_model
 from profiles.local import local_cluster

@@ -16,7 +16,13 @@ import partitioner as pt
 from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.errors import ClusterError, InputError
-from partitioner.order import by_speed, candidate_orders, device_classes, every_order_searched, fastest_on_heaviest
+from partitioner.search.order import (
+    by_speed,
+    candidate_orders,
+    device_classes,
+    every_order_searched,
+    fastest_on_heaviest,
+)
 
 
 def one_fast_three_slow(fast_first: bool) -> pt.Cluster:

@@ -12,9 +12,9 @@ from graphs import chain, random_dag
 import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
-from partitioner.exact import STEP_TOLERANCE
 from partitioner.plan import PLAN_SCHEMA_VERSION, Plan
 from partitioner.score import score_assignment
+from partitioner.search.threshold_search import STEP_TOLERANCE
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 

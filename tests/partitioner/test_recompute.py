@@ -13,12 +13,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner.coarsen import Coarsening, chain_quotient
 from partitioner.cost import CostModel, ModeCost, forward_share, mode_cost, training_flops
 from partitioner.errors import GraphError, InfeasiblePlanError, InputError, PlanError
 from partitioner.graph import graph_from_dict, graph_to_dict
 from partitioner.plan import PLAN_SCHEMA_VERSION, Plan
 from partitioner.score import score_assignment
+from partitioner.search.coarsen import Coarsening, chain_quotient
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -431,7 +431,7 @@ def test_score_assignment_records_recompute_and_checks_status():
 
 
 def test_solver_timeout_suggests_recompute_when_a_split_fits_with_it():
-    from partitioner import solver
+    from partitioner.search import solve as solver
 
     graph = chain([3e9] * 4, param_bytes=[0] * 4, activation_bytes=[100_000] * 4, edge_bytes=[1000] * 3)
     devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 10**6])]

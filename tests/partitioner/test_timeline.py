@@ -8,7 +8,7 @@ from graphs import KIB, chain
 import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import InputError
-from partitioner.timeline import save_timeline, text_timeline
+from partitioner.show.timeline import save_timeline, text_timeline
 
 
 def two_stage_simulation(schedule: str = "gpipe") -> pt.Simulation:
