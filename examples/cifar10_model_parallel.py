@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.panel import Panel
 
-from partitioner.report import device_table, summary_table
+from partitioner.show.report import device_table, summary_table
 from runtime import make_virtual_devices, placement_report, plan_and_wrap
 
 NUM_DEVICES = 3

@@ -29,7 +29,7 @@ from rich.console import Console
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from partitioner.report import device_table, summary_table
+from partitioner.show.report import device_table, summary_table
 from runtime import make_virtual_devices, placement_report, plan_and_wrap
 
 NUM_DEVICES = 4

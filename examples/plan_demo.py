@@ -6,7 +6,7 @@ What it shows, step by step:
   3. the profiler: every layer call's FLOPs, bytes and measured forward + backward time;
   4. the planner (``partitioner.solve``) on the local devices, whose FLOP/s it measures with a
      matmul, printed with the placement, per-device, transfer and prediction tables, beside the
-     splits other tools would make (``partitioner.baselines``);
+     splits other tools would make (``partitioner.search.baselines``);
   5. the runtime (``runtime.wrap``): the model rebuilt on the planned devices and trained a few
      steps with GPipe micro-batches;
   6. the measured step time against the planner's predicted ``plan.step_time_s`` (the GPipe step
@@ -40,10 +40,11 @@ import numpy as np
 from rich.console import Console
 
 import partitioner as pt
-from partitioner.report import render
-from partitioner.timeline import text_timeline
+from partitioner.show.report import render
+from partitioner.show.timeline import text_timeline
 from partitioner.units import format_flops, format_seconds
 from profiles import profile_model
+from profiles.local import local_cluster
 from runtime import make_virtual_devices, placement_report, wrap
 
 NUM_DEVICES = 4
@@ -97,7 +98,7 @@ console.print(
 
 # 4. Plan on the local devices (their FLOP/s measured with a matmul), and score the baselines too.
 console.rule("[bold]4. Plan")
-cluster = pt.Cluster.local(NUM_DEVICES, memory=MEMORY)
+cluster = local_cluster(NUM_DEVICES, memory=MEMORY)
 for device in cluster.devices:
     console.print(f"  {device.name}: {format_flops(device.flops_per_s)}FLOP/s measured, {MEMORY}", highlight=False)
 plan = pt.solve(graph, cluster, num_microbatches=NUM_MICROBATCHES, time_limit_s=10)
@@ -143,7 +144,7 @@ measured_plain = median_step_time(reference, "plain Keras model, one device, who
 # 6. Measured against predicted, and where things really are.
 console.rule("[bold]6. Measured against predicted")
 # The same placement scored from the profiler's measured layer times instead of FLOPs.
-by_time = pt.Plan.from_assignment(
+by_time = pt.score_assignment(
     plan.assignment, pt.CostModel(graph, cluster, num_microbatches=NUM_MICROBATCHES, cost="time"), method="by time"
 )
 rows = [

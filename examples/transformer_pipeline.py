@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from rich.console import Console
 
-from partitioner.report import device_table, summary_table
+from partitioner.show.report import device_table, summary_table
 from runtime import make_virtual_devices, placement_report, plan_and_wrap
 
 NUM_DEVICES = 4

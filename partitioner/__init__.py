@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioner import baselines
-from partitioner.choose import plan_for_batch
 from partitioner.cluster import Cluster, Device
 from partitioner.cost import CostModel
 from partitioner.errors import (
@@ -32,12 +30,16 @@ from partitioner.errors import (
     ScheduleError,
     SolverTimeoutError,
 )
-from partitioner.exact import exact_chain
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
 from partitioner.schedule import Action, Schedule
+from partitioner.score import score_assignment
+from partitioner.search import baselines
+from partitioner.search.chain import exact_chain
+from partitioner.search.choose import plan_for_batch
+from partitioner.search.options import SolverOptions
+from partitioner.search.solve import solve
 from partitioner.simulate import Simulation, Span, simulate
-from partitioner.solver import SolverOptions, solve
 from partitioner.validate import validate_plan
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "plan_for_batch",
     "rescale_graph",
     "save_graph",
+    "score_assignment",
     "simulate",
     "solve",
     "validate_graph",

@@ -29,8 +29,6 @@ import networkx as nx
 from rich.console import Console
 from rich.markup import escape
 
-from partitioner import baselines as baseline_methods
-from partitioner.choose import AUTO, Choice, choose
 from partitioner.cluster import (
     DEFAULT_BANDWIDTH,
     DEFAULT_FLOPS_PER_S,
@@ -41,13 +39,16 @@ from partitioner.cluster import (
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import load_graph, micro_batch_size, rescale_graph, save_graph
-from partitioner.order import DEVICE_ORDERS
 from partitioner.plan import Plan
-from partitioner.report import render
 from partitioner.schedule import SCHEDULES
+from partitioner.search import baselines as baseline_methods
+from partitioner.search.choose import AUTO, Choice, choose
+from partitioner.search.options import SolverOptions
+from partitioner.search.order import DEVICE_ORDERS
+from partitioner.search.solve import solve
+from partitioner.show.report import render
+from partitioner.show.timeline import save_timeline, text_timeline
 from partitioner.simulate import simulate
-from partitioner.solver import SolverOptions, solve
-from partitioner.timeline import save_timeline, text_timeline
 from partitioner.validate import validate_plan
 
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}

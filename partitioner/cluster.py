@@ -392,33 +392,6 @@ class Cluster:
         ]
         return cls(devices, bandwidth=bandwidth, name=name or f"{num_devices}x uniform")
 
-    @classmethod
-    def local(
-        cls,
-        num_devices: int | None = None,
-        *,
-        memory: int | float | str | None = None,
-        flops_per_s: float | str | None = None,
-        bandwidth: Any = None,
-        action_overhead_s: float = 0.0,
-    ) -> Cluster:
-        """The devices TensorFlow sees here: logical GPUs if any, else logical CPU devices.
-
-        Imports TensorFlow. Memory comes from a virtual device's memory limit, else ``memory``,
-        else (CPU) the machine's RAM split evenly; FLOP/s are measured with a matmul unless given;
-        ``action_overhead_s`` (each device's fixed seconds per forward or backward of a stage) is 0
-        unless given.
-        """
-        from profiles.local import local_cluster  # lazy: TensorFlow side
-
-        return local_cluster(
-            num_devices,
-            memory=memory,
-            flops_per_s=flops_per_s,
-            bandwidth=bandwidth,
-            action_overhead_s=action_overhead_s,
-        )
-
     def to_dict(self) -> dict[str, Any]:
         """Returns the explicit JSON-ready form (every device, the full bandwidth matrix)."""
         k = self.num_devices
@@ -540,6 +513,40 @@ class Cluster:
         except json.JSONDecodeError as err:
             raise ClusterError(f"{label} is not valid JSON ({err.msg} at line {err.lineno}).") from err
         return cls.from_dict(data, source=label)
+
+
+def reorder(cluster: Cluster, order: Sequence[int] | Sequence[str]) -> Cluster:
+    """The same devices and links, listed in ``order`` (device indices, or names).
+
+    Raises:
+        ClusterError: unless ``order`` names every device of the cluster exactly once.
+
+    Example:
+        >>> reorder(Cluster.uniform(3, memory="1GiB"), [2, 0, 1]).names
+        ['/GPU:2', '/GPU:0', '/GPU:1']
+    """
+    index = [cluster.index(k) if isinstance(k, str) else k for k in order]
+    if sorted(index) != list(range(cluster.num_devices)):
+        raise ClusterError(
+            f"A device order must list each of the cluster's {cluster.num_devices} devices once. "
+            f"Received: {list(order)}; the cluster has {cluster.names}."
+        )
+    if index == list(range(cluster.num_devices)):
+        return cluster
+    rows = [[cluster.bandwidth(a, b) for b in index] for a in index]
+    return Cluster([cluster.devices[k] for k in index], bandwidth=rows, name=cluster.name)
+
+
+def same_devices(cluster: Cluster, names: Sequence[str]) -> Cluster:
+    """``cluster`` listed in the order of ``names`` (a plan's ``devices``) when it has exactly those devices.
+
+    What the validator and the simulator use, so that a plan made in a searched order is checked
+    against the cluster the user has. Returns ``cluster`` itself when the devices differ (the caller
+    reports that).
+    """
+    if sorted(names) != sorted(cluster.names) or len(set(names)) != len(names):
+        return cluster
+    return reorder(cluster, list(names))
 
 
 def _profile_devices(

@@ -11,16 +11,12 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from partitioner.cost import bubble_fraction, relative_gap
 from partitioner.errors import PlanError
 from partitioner.schedule import SCHEDULES
-
-if TYPE_CHECKING:
-    from partitioner.cost import CostModel
 
 # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
 # 3: structure (older files load without it: their names must match the model's)
@@ -72,39 +68,6 @@ class Plan:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
         recompute = tuple(self.recompute) if self.recompute else (False,) * self.num_stages
         object.__setattr__(self, "recompute", recompute)
-
-    @classmethod
-    def from_assignment(
-        cls,
-        assignment: Mapping[str, str],
-        costs: CostModel,
-        *,
-        method: str,
-        status: str = "heuristic",
-        lower_bound_s: float | None = None,
-        solve_time_s: float = 0.0,
-        recompute: Sequence[bool] | None = None,
-    ) -> Plan:
-        """Scores ``assignment`` with ``costs``: the same as ``partitioner.score.score_assignment``.
-
-        Kept for callers that build plans this way; the record itself runs no cost model or simulation.
-
-        Example:
-            >>> costs = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")       # doctest: +SKIP
-            >>> Plan.from_assignment(assignment, costs, method="manual").schedule           # doctest: +SKIP
-            '1f1b'
-        """
-        from partitioner.score import score_assignment  # the scorer imports this module
-
-        return score_assignment(
-            assignment,
-            costs,
-            method=method,
-            status=status,
-            lower_bound_s=lower_bound_s,
-            solve_time_s=solve_time_s,
-            recompute=recompute,
-        )
 
     # ----- derived views -------------------------------------------------------------------------
 

@@ -41,10 +41,9 @@ from typing import TYPE_CHECKING
 import networkx as nx
 import numpy as np
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, same_devices
 from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError, PlanError
-from partitioner.order import same_devices
 from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
 
 if TYPE_CHECKING:

@@ -6,11 +6,10 @@ import dataclasses
 
 import networkx as nx
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, same_devices
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.graph import colocation_groups, structure, topological_order
-from partitioner.order import same_devices
 from partitioner.plan import Plan
 from partitioner.units import format_bytes
 

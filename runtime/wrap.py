@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partitioner.choose import AUTO, candidate_schedules, choose
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
 from partitioner.cost import check_recompute
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError
 from partitioner.plan import Plan
-from partitioner.solver import solve
+from partitioner.search.choose import AUTO, candidate_schedules, choose
+from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
 from profiles.shapes import InputShapes
 from runtime.devices import canonical, resolve_devices
@@ -75,9 +75,9 @@ def plan_and_wrap(
         batch_size: the global batch size fit() will see.
         num_microbatches: M, micro-batches per step, or "auto": the planner tries the divisors of
             ``batch_size`` up to 64 and keeps the M of the shortest predicted step
-            (``partitioner.choose``). A local device's fixed cost per forward or backward
+            (``partitioner.search.choose``). A local device's fixed cost per forward or backward
             (``Device.action_overhead_s``) is 0 unless the Cluster you pass gives one, and without
-            it more micro-batches always look faster: give it (e.g. ``Cluster.local(2,
+            it more micro-batches always look faster: give it (e.g. ``profiles.local.local_cluster(2,
             action_overhead_s=7e-4)`` on CPU, docs/cost-model.md) when you let the planner choose.
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the

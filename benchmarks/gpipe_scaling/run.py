@@ -180,7 +180,7 @@ def tpu_cluster(num_devices: int) -> Any:
 
 def simulate_model(name: str, graph: nx.DiGraph, time_limit_s: float) -> dict[str, Any]:
     import partitioner as pt
-    from partitioner.timeline import save_timeline
+    from partitioner.show.timeline import save_timeline
 
     graphs = {m: per_microbatch(graph, m) for m in MICROBATCHES}
     # The reference, throughput at (K = 2, M = 1), comes from the plan the planner makes for that

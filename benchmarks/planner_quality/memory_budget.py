@@ -1,7 +1,7 @@
 """1F1B plans of the chain DP on bundled graphs and clusters: what the per-stage memory budget changes.
 
 Deterministic (no time limit): VGG16 (a chain) by ``pt.exact_chain``, the DAGs by the DP on runs of
-their topological order (``partitioner.multilevel.coarse_chain_plan``, ``solve``'s chain start on a
+their topological order (``partitioner.search.multilevel.coarse_chain_plan``, ``solve``'s chain start on a
 DAG), each plan validated on the graph itself. Prints one JSON line per case and writes them to the
 file given. To compare two versions of the planner, run it from each checkout:
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.graph import is_chain, load_graph
-from partitioner.multilevel import coarse_chain_plan
+from partitioner.search.multilevel import coarse_chain_plan
 
 HERE = Path(__file__).resolve().parent
 GRAPHS = ("GPT2-48", "BERT-48", "GPT2-12", "BERT-12", "VGG16")

@@ -272,9 +272,10 @@ def hetero_orders(graph: nx.DiGraph, cluster: pt.Cluster, base: pt.Plan | None) 
     """The cluster listed in each order solve plans in with device_order="given" (search: the listed one).
 
     metis: the best baseline's stages, the one with the most FLOPs on the fastest device and so on
-    down (Metis' rule, :func:`partitioner.order.fastest_on_heaviest`); fastest_first: devices by speed.
+    down (Metis' rule, :func:`partitioner.search.order.fastest_on_heaviest`); fastest_first: devices by speed.
     """
-    from partitioner.order import by_speed, fastest_on_heaviest, reorder
+    from partitioner.cluster import reorder
+    from partitioner.search.order import by_speed, fastest_on_heaviest
 
     orders = {"search": cluster, "given": cluster, "fastest_first": reorder(cluster, by_speed(cluster))}
     if base is not None:
@@ -346,9 +347,9 @@ def hetero_tables(results: dict[str, Any]) -> str:
         '(* = does not fit in memory). Columns: `search` = `pt.solve` (device_order="search", the default); '
         '`given` = `pt.solve(..., options=SolverOptions(device_order="given"))` on the listed order (slow '
         "devices first); `metis` = solve in the order that puts the best baseline's heaviest stage (FLOPs) on the "
-        "fastest device and so on down (Metis' rule, `partitioner.order.fastest_on_heaviest`), with "
+        "fastest device and so on down (Metis' rule, `partitioner.search.order.fastest_on_heaviest`), with "
         'device_order="given"; `fastest first` = solve with device_order="given" on the devices sorted '
-        "fastest first (`partitioner.order.by_speed`); `best baseline` = the fastest of uniform, by_params and "
+        "fastest first (`partitioner.search.order.by_speed`); `best baseline` = the fastest of uniform, by_params and "
         "by_time that fits, on the listed order and all devices. Ratios are the column's step over search's "
         "(above 1: search is faster).",
         "",
@@ -389,7 +390,7 @@ def hetero_tables(results: dict[str, Any]) -> str:
 
 def run_choose(name: str, cluster_name: str, time_limit_s: float) -> dict[str, Any]:
     """Fixed M = 8 GPipe (``pt.solve``) against ``pt.plan_for_batch`` choosing both, with the same time limit."""
-    from partitioner.choose import choose
+    from partitioner.search.choose import choose
 
     graph, _ = load_graph(name, reprofile=False)
     cluster = pt.Cluster.from_json(cluster_name)
@@ -504,12 +505,13 @@ def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster,
 
 def every_chain_placement(graph: nx.DiGraph, cluster: pt.Cluster, count_only: bool = False) -> list[Any]:
     """Every legal plan of a chain: each contiguous split into 1..K blocks on distinct devices in any
-    order, up to swapping interchangeable devices (partitioner.order.device_classes: such swaps change
+    order, up to swapping interchangeable devices (partitioner.search.order.device_classes: such swaps change
     no cost). Each item is (device order, assignment); with ``count_only`` the items are placeholders."""
     import itertools
     import math
 
-    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+    from partitioner.cluster import reorder
+    from partitioner.search.order import _devices, _label_sequences, device_classes
 
     classes = device_classes(cluster)
     order = pt.CostModel(graph, pt.Cluster.uniform(1, memory=1)).order
@@ -691,11 +693,12 @@ def monotone_labelings(graph: nx.DiGraph, num_stages: int) -> list[dict[str, int
 def every_dag_placement(graph: nx.DiGraph, cluster: pt.Cluster) -> list[tuple[pt.Cluster, list[dict[str, str]]]]:
     """Every legal plan of a DAG, grouped by pipeline: for 1..K stages, each labeling of
     :func:`monotone_labelings` on each sequence of that many distinct devices in any order, up to swapping
-    interchangeable devices (partitioner.order.device_classes). Each item is (the cluster listed in the
+    interchangeable devices (partitioner.search.order.device_classes). Each item is (the cluster listed in the
     pipeline order, the idle devices after it; the assignments on it)."""
     import itertools
 
-    from partitioner.order import _devices, _label_sequences, device_classes, reorder
+    from partitioner.cluster import reorder
+    from partitioner.search.order import _devices, _label_sequences, device_classes
 
     classes = device_classes(cluster)
     groups = []

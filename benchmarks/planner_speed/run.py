@@ -29,7 +29,7 @@ from typing import Any
 
 import partitioner as pt
 from partitioner.cost import CostModel, relative_gap
-from partitioner.solver import AUTO_COARSEN_DAG
+from partitioner.search.solve import AUTO_COARSEN_DAG
 from partitioner.synthetic import random_chain, random_dag
 
 HERE = Path(__file__).resolve().parent

@@ -250,7 +250,7 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
         plan = pt.baselines.by_time(graph, cluster, num_microbatches=num_microbatches, cost="time")
         simulated = plan.step_time_s  # the GPipe schedule simulated with the measured layer times
         by_flops = pt.CostModel(graph, cluster, num_microbatches=num_microbatches)  # the same split, from FLOPs
-        predicted = pt.Plan.from_assignment(plan.assignment, by_flops, method="by_time").fill_drain_step_s
+        predicted = pt.score_assignment(plan.assignment, by_flops, method="by_time").fill_drain_step_s
         runner = wrap(model, plan, validate=False)
     compile_for(runner, "mlp")
     times = []

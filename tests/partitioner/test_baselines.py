@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner.baselines import split_balanced, split_even
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups
+from partitioner.search.baselines import split_balanced, split_even
 
 
 def _cluster(num_devices: int) -> pt.Cluster:

@@ -1,11 +1,17 @@
-"""partitioner.choose: the planner picks M and the schedule for a global batch; a user may fix either."""
+"""partitioner.search.choose: the planner picks M and the schedule for a global batch; a user may fix either."""
 
 from __future__ import annotations
 
 import pytest
 
 import partitioner as pt
-from partitioner.choose import MAX_MICROBATCHES, SOLVED_DAG_CANDIDATES, candidate_microbatches, choose, plan_for_batch
+from partitioner.search.choose import (
+    MAX_MICROBATCHES,
+    SOLVED_DAG_CANDIDATES,
+    candidate_microbatches,
+    choose,
+    plan_for_batch,
+)
 from partitioner.synthetic import random_dag
 
 MiB = 2**20

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner import coarsen, multilevel
-from partitioner import solver as solver_module
 from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
+from partitioner.search import coarsen, multilevel
+from partitioner.search import solve as solver_module
 
 G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
 # The coarsened search in the cluster's order (test_order holds the search over orders).

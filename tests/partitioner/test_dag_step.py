@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.graph import colocation_groups
-from partitioner.order import reorder
-from partitioner.refine import _step_bound, refine_step
+from partitioner.search.refine import _step_bound, refine_step
 from partitioner.simulate import simulate_assignment
 
 STEP_TOLERANCE = 1.001  # 300 examples held to 1 + 1e-6 (pytest run with max_examples=300); 1.001 leaves room
@@ -103,7 +103,7 @@ def test_solve_dag_step_matches_brute_force(problem):
 def test_solve_puts_the_largest_device_mid_pipeline_where_only_that_fits(schedule):
     """A case hypothesis found above: the only plans that fit hold the shared layer's two calls on the
     largest of three devices in the middle of the pipeline, an order none of the four heuristic
-    orders is; on three devices the search tries every order (solver.EVERY_ORDER_UP_TO)."""
+    orders is; on three devices the search tries every order (partitioner.search.solve.EVERY_ORDER_UP_TO)."""
     graph = nx.DiGraph()
     for name, flops, params, kept, group in [
         ("v0", 70e9, 51200, 4096, "shared_0"),

@@ -2,7 +2,7 @@
 
 Brute force: every contiguous split of the chain into 1..K blocks, on distinct devices in every order
 (permutations of every subset), each that fits memory simulated by partitioner.simulate. GPipe's step
-is what the planner's formula computes (partitioner.exact._split_step), so the plan must be within the
+is what the planner's formula computes (partitioner.search.threshold_search._split_step), so the plan must be within the
 threshold search's tolerance, STEP_TOLERANCE. For 1F1B the step of a split is exact too (the schedule
 replayed on the stage figures), but no search over splits is proven: a local search from several starts
 finds the plan, so it can stop at a split a few moves from the best. The test holds it to 1.01 of the best,
@@ -22,22 +22,21 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner.baselines import BASELINES, split_with
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
-from partitioner.exact import (
+from partitioner.graph import load_graph
+from partitioner.search.baselines import BASELINES, split_with
+from partitioner.search.bottleneck_dp import _dynamic_program, _least_bytes_split, _tables
+from partitioner.search.local_search import _local_search
+from partitioner.search.order import fastest_on_heaviest
+from partitioner.search.threshold_search import (
     STEP_TOLERANCE,
-    _dynamic_program,
     _figures,
     _Found,
     _least_bottleneck,
-    _least_bytes_split,
-    _local_search,
     _split_step,
     _step_program,
-    _tables,
 )
-from partitioner.graph import load_graph
-from partitioner.order import fastest_on_heaviest, reorder
 from partitioner.simulate import simulate_assignment
 from partitioner.synthetic import random_chain
 

@@ -1,7 +1,7 @@
 """The planners' memory budgets against the memory ``CostModel.evaluate`` charges each stage.
 
 Under 1F1B stage s of K holds min(K - s, M) micro-batches. The chain DP budgets each block exactly that
-(partitioner.exact, "Memory"), so on chains it finds the same optimum as brute force over every split
+(partitioner.search.bottleneck_dp, "Memory"), so on chains it finds the same optimum as brute force over every split
 scored by ``CostModel.evaluate``, also where memory is tight enough that budgeting every stage for the
 fullest one, min(number of devices, M), misses it. CP-SAT budgets the device at position k of D for
 min(D - k, M) (``CostModel.device_in_flight``): never less than its stage holds, tighter than the fullest.
@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import partitioner as pt
 from partitioner.cost import CostModel, in_flight
-from partitioner.exact import _dynamic_program, _least_bottleneck, _step_program, _tables
+from partitioner.search.bottleneck_dp import _dynamic_program, _tables
+from partitioner.search.threshold_search import _least_bottleneck, _step_program
 
 
 def fullest_budget_bottleneck(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int, **kwargs: object):
@@ -189,7 +190,7 @@ def test_infeasible_1f1b_message_states_the_per_stage_rule():
 @given(problem=tight_1f1b_chains())
 def test_banded_programs_1f1b_tight_memory_keep_every_split_that_fits(problem):
     """The step search's banded programs prune cut positions the later devices cannot complete
-    (exact._viable_ends) with the most room a stage can have, the last stage's budget: they keep every
+    (threshold_search._viable_ends) with the most room a stage can have, the last stage's budget: they keep every
     split that fits its own stages' budgets, so the least bottleneck is the whole table's, and the step
     program at that limit finds a split (the threshold search's first incumbent)."""
     graph, cluster, m, recompute = problem

@@ -13,15 +13,15 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.errors import ClusterError, InputError
-from partitioner.order import (
+from partitioner.search.order import (
     by_speed,
     candidate_orders,
     device_classes,
     every_order_searched,
     fastest_on_heaviest,
-    reorder,
 )
 
 

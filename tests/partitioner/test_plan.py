@@ -12,8 +12,9 @@ from graphs import chain, random_dag
 import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
-from partitioner.exact import STEP_TOLERANCE
 from partitioner.plan import PLAN_SCHEMA_VERSION, Plan
+from partitioner.score import score_assignment
+from partitioner.search.threshold_search import STEP_TOLERANCE
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -23,7 +24,7 @@ def _abc_plan(*, lower_bound_s: float | None = None, memory: str = "1GiB") -> Pl
     graph = chain([2e9, 4e9, 6e9], param_bytes=[100, 200, 300], activation_bytes=[10, 20, 30], edge_bytes=[10**6, 2e6])
     cluster = pt.Cluster.uniform(3, memory=memory, flops_per_s=1e9, bandwidth=1e6)
     costs = CostModel(graph, cluster, num_microbatches=4)
-    return Plan.from_assignment({"l0": G0, "l1": G0, "l2": G2}, costs, method="manual", lower_bound_s=lower_bound_s)
+    return score_assignment({"l0": G0, "l1": G0, "l2": G2}, costs, method="manual", lower_bound_s=lower_bound_s)
 
 
 PLAN_NAMES = ["solve", "solve_cp_sat", "solve_dag", "exact_chain", *sorted(pt.baselines.BASELINES)]
@@ -158,11 +159,11 @@ def test_plan_from_json_malformed_fields(plans, key, value):
         Plan.from_json(json.dumps(data))
 
 
-def test_plan_from_assignment_bad_status():
+def test_score_assignment_bad_status():
     graph = chain([1e9])
     costs = CostModel(graph, pt.Cluster.uniform(1, memory="1GiB"))
     with pytest.raises(PlanError, match=r"status must be one of"):
-        Plan.from_assignment({"l0": G0}, costs, method="manual", status="perfect")
+        score_assignment({"l0": G0}, costs, method="manual", status="perfect")
 
 
 # ----- derived views -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def test_purity_import_partitioner_loads_no_tensorflow_or_keras():
     report = _modules_after(_PROBE)
     modules = set(report["modules"])
     assert report["status"] == "optimal"  # the probe imported and ran the planner, CP-SAT included
-    assert {"partitioner", "partitioner.solver", "networkx", "ortools"} <= modules
+    assert {"partitioner", "partitioner.search.solve", "networkx", "ortools"} <= modules
     loaded = sorted(m for m in modules if m.split(".")[0] in {"tensorflow", "keras", "tf_keras", "jax", "torch"})
     assert loaded == []
 

@@ -13,11 +13,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import partitioner as pt
-from partitioner.coarsen import Coarsening, chain_quotient
 from partitioner.cost import CostModel, ModeCost, forward_share, mode_cost, training_flops
 from partitioner.errors import GraphError, InfeasiblePlanError, InputError, PlanError
 from partitioner.graph import graph_from_dict, graph_to_dict
 from partitioner.plan import PLAN_SCHEMA_VERSION, Plan
+from partitioner.score import score_assignment
+from partitioner.search.coarsen import Coarsening, chain_quotient
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -114,7 +115,7 @@ def test_costmodel_auto_recomputes_exactly_the_stages_that_do_not_fit():
 def test_simulated_recomputed_stage_by_hand(schedule):
     graph, cluster = _abcd(), pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e9, bandwidth=1e30)
     costs = CostModel(graph, cluster, num_microbatches=4, schedule=schedule, recompute="always")
-    plan = Plan.from_assignment(SPLIT, costs, method="manual")
+    plan = score_assignment(SPLIT, costs, method="manual")
     assert plan.recompute == (True, True, False)
     sim = pt.simulate(plan, graph, cluster)
     durations = {(a.resource, a.kind) for a in sim.timeline if a.kind in ("forward", "backward")}
@@ -141,8 +142,8 @@ def test_simulated_recomputed_stage_by_hand(schedule):
 
 def test_plan_step_time_is_the_recomputed_simulation():
     graph, cluster = _abcd(), _slow_cluster()
-    always = Plan.from_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4, recompute="always"), method="m")
-    never = Plan.from_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4), method="m")
+    always = score_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4, recompute="always"), method="m")
+    never = score_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4), method="m")
     assert always.step_time_s == pytest.approx(pt.simulate(always, graph, cluster).step_time_s)
     assert always.step_time_s > never.step_time_s
     assert always.bottleneck_s == pytest.approx(never.bottleneck_s + 3.0)  # G1's forward again
@@ -154,7 +155,7 @@ def test_plan_step_time_is_the_recomputed_simulation():
 
 def test_plan_recompute_json_round_trip():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4, recompute="always")
-    plan = Plan.from_assignment(SPLIT, costs, method="manual")
+    plan = score_assignment(SPLIT, costs, method="manual")
     data = plan.to_dict()
     assert data["schema_version"] == PLAN_SCHEMA_VERSION == 3
     assert data["recompute"] == (True, True, False)
@@ -163,7 +164,7 @@ def test_plan_recompute_json_round_trip():
 
 
 def test_plan_json_of_schema_version_1_loads_without_recompute():
-    plan = Plan.from_assignment(SPLIT, CostModel(_abcd(), _slow_cluster(), num_microbatches=4), method="manual")
+    plan = score_assignment(SPLIT, CostModel(_abcd(), _slow_cluster(), num_microbatches=4), method="manual")
     data = plan.to_dict()
     data["schema_version"] = 1
     del data["recompute"]  # what version 1 wrote
@@ -175,7 +176,7 @@ def test_plan_json_of_schema_version_1_loads_without_recompute():
 
 @pytest.mark.parametrize("recompute", [[True, False], [False, False, True], [1, 0, 0]])
 def test_plan_json_with_bad_recompute_is_corrupt(recompute):
-    data = Plan.from_assignment(SPLIT, CostModel(_abcd(), _slow_cluster()), method="manual").to_dict()
+    data = score_assignment(SPLIT, CostModel(_abcd(), _slow_cluster()), method="manual").to_dict()
     data["recompute"] = recompute
     with pytest.raises(PlanError, match=r"is corrupt: recompute"):
         Plan.from_json(json.dumps(data))
@@ -185,10 +186,10 @@ def test_validate_plan_checks_recompute_and_memory_in_its_mode():
     graph = _abcd()
     devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=100_000), pt.Device(G2, memory=10**6)]
     cluster = pt.Cluster(devices, bandwidth=1e6)
-    kept = Plan.from_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4), method="manual")
+    kept = score_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4), method="manual")
     with pytest.raises(PlanError, match=r"Device /GPU:1 needs .* or recompute='auto'"):
         pt.validate_plan(kept, graph, cluster)
-    recomputed = Plan.from_assignment(
+    recomputed = score_assignment(
         SPLIT, CostModel(graph, cluster, num_microbatches=4, recompute="auto"), method="manual"
     )
     assert recomputed.recompute == (False, True, False)
@@ -368,7 +369,7 @@ def test_frozen_layer_forward_and_backward_in_the_simulator():
     graph = chain([2e9, 3e9], param_bytes=[1000, 1000])
     graph.nodes["l0"]["trainable_param_bytes"] = 0
     cluster = _slow_cluster(2)
-    plan = Plan.from_assignment({"l0": G0, "l1": G1}, CostModel(graph, cluster), method="manual")
+    plan = score_assignment({"l0": G0, "l1": G1}, CostModel(graph, cluster), method="manual")
     sim = pt.simulate(plan, graph, cluster)
     assert [a.duration_s for a in sim.actions_on(G0)] == pytest.approx([1.0, 1.0])  # half forward, half backward
     assert [a.duration_s for a in sim.actions_on(G1)] == pytest.approx([1.0, 2.0])  # a third forward
@@ -421,19 +422,16 @@ def test_plan_module_imports_neither_the_simulator_nor_the_scorer():
     assert imported >= {"partitioner.errors"}  # the check reads real imports
 
 
-def test_score_assignment_is_plan_from_assignment():
-    from partitioner.score import score_assignment
-
+def test_score_assignment_records_recompute_and_checks_status():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4, recompute="always")
     plan = score_assignment(SPLIT, costs, method="manual")
-    assert plan == dataclasses.replace(Plan.from_assignment(SPLIT, costs, method="manual"), solve_time_s=0.0)
     assert plan.recompute == (True, True, False)
     with pytest.raises(PlanError, match=r"status must be one of"):
         score_assignment(SPLIT, costs, method="manual", status="perfect")
 
 
 def test_solver_timeout_suggests_recompute_when_a_split_fits_with_it():
-    from partitioner import solver
+    from partitioner.search import solve as solver
 
     graph = chain([3e9] * 4, param_bytes=[0] * 4, activation_bytes=[100_000] * 4, edge_bytes=[1000] * 3)
     devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 10**6])]

@@ -250,7 +250,7 @@ def _pipeline(num_stages: int, num_microbatches: int, *, schedule: str = "gpipe"
     )
     cluster = pt.Cluster.uniform(num_stages, memory="1GiB", flops_per_s=1e12, bandwidth=1e9)
     costs = CostModel(graph, cluster, num_microbatches=num_microbatches, schedule=schedule)
-    plan = pt.Plan.from_assignment({f"l{i}": f"/GPU:{i}" for i in range(num_stages)}, costs, method="manual")
+    plan = pt.score_assignment({f"l{i}": f"/GPU:{i}" for i in range(num_stages)}, costs, method="manual")
     return plan, graph, cluster
 
 
@@ -333,7 +333,7 @@ def test_1f1b_fits_where_gpipe_does_not():
         plan = pt.solve(graph, cluster, num_microbatches=8, schedule="1f1b", time_limit_s=10, options=options)
         assert plan.schedule == "1f1b" and plan.fits_memory
         pt.validate_plan(plan, graph, cluster)
-        gpipe = pt.Plan.from_assignment(plan.assignment, CostModel(graph, cluster, num_microbatches=8), method="same")
+        gpipe = pt.score_assignment(plan.assignment, CostModel(graph, cluster, num_microbatches=8), method="same")
         assert all(plan.memory_bytes[d] <= gpipe.memory_bytes[d] for d in plan.devices)
         assert not gpipe.fits_memory
         with pytest.raises(

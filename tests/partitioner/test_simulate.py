@@ -28,7 +28,7 @@ def uniform_pipeline(num_stages: int, num_microbatches: int, *, edge_bytes: int 
         edge_bytes=[edge_bytes] * (num_stages - 1),
     )
     cluster = pt.Cluster.uniform(num_stages, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=bandwidth)
-    plan = pt.Plan.from_assignment(
+    plan = pt.score_assignment(
         {f"l{i}": f"/GPU:{i}" for i in range(num_stages)},
         CostModel(graph, cluster, num_microbatches=num_microbatches),
         method="manual",

@@ -20,7 +20,6 @@ from graphs import (
 from hypothesis import HealthCheck, event, given, settings
 
 import partitioner as pt
-from partitioner import solver as solver_module
 from partitioner.errors import (
     ClusterError,
     InfeasiblePlanError,
@@ -29,6 +28,7 @@ from partitioner.errors import (
     SolverTimeoutError,
 )
 from partitioner.graph import colocation_groups, load_graph
+from partitioner.search import solve as solver_module
 
 G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
 

@@ -22,7 +22,7 @@ from test_dag_step import every_plan
 
 import partitioner as pt
 from partitioner.cost import CostModel, path_step_bound, pipeline_path_bound
-from partitioner.exact import STEP_TOLERANCE
+from partitioner.search.threshold_search import STEP_TOLERANCE
 from partitioner.simulate import simulate_assignment
 
 SLACK = 1 + 1e-9  # floating-point rounding between the bound's sums and the simulator's

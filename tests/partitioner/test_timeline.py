@@ -8,14 +8,14 @@ from graphs import KIB, chain
 import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import InputError
-from partitioner.timeline import save_timeline, text_timeline
+from partitioner.show.timeline import save_timeline, text_timeline
 
 
 def two_stage_simulation(schedule: str = "gpipe") -> pt.Simulation:
     """Two layers of 1 s forward + 2 s backward, one per device, and a 1 s transfer each way, M = 2."""
     graph = chain([3e12, 3e12], param_bytes=[KIB, KIB], edge_bytes=[10**9])
     cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12, bandwidth=1e9)
-    plan = pt.Plan.from_assignment(
+    plan = pt.score_assignment(
         {"l0": "/GPU:0", "l1": "/GPU:1"}, CostModel(graph, cluster, num_microbatches=2), method="manual"
     )
     return pt.simulate(plan, graph, cluster, schedule=schedule)

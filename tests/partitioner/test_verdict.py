@@ -17,9 +17,9 @@ from graphs import brute_force, dag_problems
 from hypothesis import HealthCheck, given, settings
 
 import partitioner as pt
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.graph import load_graph, topological_order
-from partitioner.order import reorder
 
 DATA = Path(__file__).parent / "data"
 RESOLUTION = 1e-4  # CP-SAT's time unit, as in test_solver

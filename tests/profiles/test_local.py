@@ -8,7 +8,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from partitioner.cluster import DEFAULT_BANDWIDTH, Cluster  # noqa: E402
+from partitioner.cluster import DEFAULT_BANDWIDTH  # noqa: E402
 from partitioner.errors import ClusterError, InputError  # noqa: E402
 from profiles import local  # noqa: E402
 from profiles.local import local_cluster, measure_flops_per_s  # noqa: E402
@@ -44,10 +44,6 @@ def test_local_cluster_overrides(virtual_devices):
 def test_local_cluster_rejects_bad_num_devices(virtual_devices, num_devices, message):
     with pytest.raises(ClusterError, match=message):
         local_cluster(num_devices, flops_per_s=1e9)
-
-
-def test_cluster_local_delegates_to_profiles(virtual_devices):
-    assert Cluster.local(3, memory="2GiB", flops_per_s=1e9).names == virtual_devices[:3]
 
 
 def _fake_gpus(monkeypatch, limits):

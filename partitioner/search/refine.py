@@ -1,6 +1,6 @@
 """Shortens a legal placement's simulated step by local moves: the step-aware pass after CP-SAT.
 
-CP-SAT minimises the bottleneck stage (partitioner.cpsat); users pay the step, which also pays the
+CP-SAT minimises the bottleneck stage (partitioner.search.cpsat); users pay the step, which also pays the
 fill and drain of the pipeline and the transfers on its links (partitioner.simulate). Starting from a
 legal plan, this hill-climbs on the simulated step itself, trying in turn
 
@@ -27,10 +27,11 @@ import random
 import time
 from collections.abc import Iterator, Mapping
 
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel, Evaluation
 from partitioner.graph import colocation_groups
-from partitioner.order import device_classes, reorder
 from partitioner.schedule import Schedule
+from partitioner.search.order import device_classes
 from partitioner.simulate import simulate_assignment
 
 # Work bounds: at most MAX_SIMULATIONS plans simulated, and MAX_WORK node visits (each plan scored, or

@@ -40,15 +40,15 @@ from typing import Any
 
 import networkx as nx
 
-from partitioner import baselines
 from partitioner.cluster import Cluster
 from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import check_batch, colocation_groups, is_chain, rescale_graph
 from partitioner.plan import Plan
 from partitioner.schedule import SCHEDULES, check_schedule_name
+from partitioner.search import baselines
+from partitioner.search.solve import solve
 from partitioner.simulate import simulate_assignment
-from partitioner.solver import solve
 
 MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries (the runtime calls each stage 2 x M times a step)
 SOLVED_DAG_CANDIDATES = 3  # candidates CP-SAT solves on a DAG: those of the shortest screened steps

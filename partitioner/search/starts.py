@@ -1,6 +1,6 @@
 """Legal start solutions for the solvers: the baselines that fit, the exact chain DP, a greedy memory fill.
 
-They serve as CP-SAT's hint (partitioner.cpsat.add_hint), as the multilevel driver's first plan, as rivals
+They serve as CP-SAT's hint (partitioner.search.cpsat.add_hint), as the multilevel driver's first plan, as rivals
 of the solver's plan on the simulated step, and as the quick check behind "a plan fits with recompute".
 """
 
@@ -11,11 +11,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from partitioner import baselines
 from partitioner.cost import CostModel
 from partitioner.errors import PartitionerError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.plan import Plan
+from partitioner.search import baselines
+from partitioner.search.chain import exact_chain_for
 
 
 class Candidate(NamedTuple):
@@ -57,7 +58,6 @@ def legal_baselines(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
 
 def exact_chain_start(costs: CostModel, pins: Mapping[str, str]) -> list[Plan]:
     """The exact DP's plan (it fits) when the graph is a chain without shared layers and the plan keeps the pins."""
-    from partitioner.exact import exact_chain_for
 
     if not is_chain(costs.graph) or colocation_groups(costs.graph):
         return []

@@ -2,8 +2,8 @@
 
 Multilevel partitioning after Karypis and Kumar, "A fast and high quality multilevel scheme for
 partitioning irregular graphs" (SIAM J. Sci. Comput. 1998), used by ``solve`` above a size
-(``SolverOptions.coarsen``): the runs of partitioner.coarsen.segments are placed whole (by the exact
-chain DP on chains, by the CP-SAT model of partitioner.cpsat otherwise), then the nodes near the stage
+(``SolverOptions.coarsen``): the runs of partitioner.search.coarsen.segments are placed whole (by the exact
+chain DP on chains, by the CP-SAT model of partitioner.search.cpsat otherwise), then the nodes near the stage
 boundaries are placed again one by one with the rest held in place, for as long as that improves the
 plan. Such a plan is not proven optimal: its lower bound is the cost model's (total work over total
 speed, or the costliest node), since a bound proven on units does not hold for the nodes.
@@ -17,18 +17,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from partitioner.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
+from partitioner.cluster import reorder
 from partitioner.cost import CostModel
-from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import PartitionerError
 from partitioner.graph import colocation_groups
-from partitioner.order import reorder
 from partitioner.plan import Plan
 from partitioner.score import score_assignment
-from partitioner.starts import Candidate, best_of, best_start, fill_start
+from partitioner.search.chain import exact_chain_for
+from partitioner.search.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
+from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
+from partitioner.search.starts import Candidate, best_of, best_start, fill_start
 
 if TYPE_CHECKING:
-    from partitioner.solver import SolverOptions
+    from partitioner.search.options import SolverOptions
 
 # Runs per device in the coarse model: CP-SAT (a sketch for the refinement) and the chain DP (exact).
 COARSE_UNITS_PER_DEVICE = 16
@@ -123,7 +124,6 @@ def _place_units(
 
 def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | None:
     """The exact DP on the chain of ``units``; the placement found, or None when none fits."""
-    from partitioner.exact import exact_chain_for
 
     try:
         # the order is chosen outside (solve's search); the plan refines CP-SAT's, which minimises the bottleneck
@@ -138,7 +138,6 @@ def _place_chain_units(costs: CostModel, units: Coarsening) -> dict[str, str] | 
 def coarse_chain_plan(costs: CostModel, pins: Mapping[str, str]) -> Plan | None:
     """The chain DP's plan (order and devices searched) on runs of the topological order, scored on the
     graph itself in the order it chose; None when it does not fit, splits a shared layer or moves a pin."""
-    from partitioner.exact import exact_chain_for
 
     num_units = min(len(costs.order), COARSE_UNITS_PER_DEVICE_DP * len(costs.devices), 400)
     units = segments(costs, num_units)

@@ -1,8 +1,8 @@
-"""Plans a layer graph on a cluster: the front door ``solve``, its options, and the search over device orders.
+"""Plans a layer graph on a cluster: the front door ``solve`` and its search over device orders.
 
-``solve`` dispatches: chains without pins or shared layers go to the exact DP (partitioner.exact); other
-graphs to the CP-SAT model (partitioner.cpsat), solved whole or, above a size, in two levels
-(partitioner.multilevel); both start from the legal plans of partitioner.starts. With
+``solve`` dispatches: chains without pins or shared layers go to the exact DP (partitioner.search.chain); other
+graphs to the CP-SAT model (partitioner.search.cpsat), solved whole or, above a size, in two levels
+(partitioner.search.multilevel); both start from the legal plans of partitioner.search.starts. With
 ``device_order="search"`` it solves a few candidate pipeline orders and keeps the shortest simulated step.
 """
 
@@ -13,31 +13,31 @@ import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import networkx as nx
 
-from partitioner.baselines import check_stage_count
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, reorder
 from partitioner.cost import CostModel
-from partitioner.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
-from partitioner.multilevel import coarse_chain_plan, solve_coarsened
-from partitioner.order import (
+from partitioner.plan import Plan
+from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
+from partitioner.search.baselines import check_stage_count
+from partitioner.search.chain import exact_chain_for
+from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
+from partitioner.search.multilevel import coarse_chain_plan, solve_coarsened
+from partitioner.search.options import SolverOptions
+from partitioner.search.order import (
     by_speed,
     candidate_orders,
     check_device_order,
     fast_island,
     fastest_on_heaviest,
-    reorder,
     signature,
 )
-from partitioner.plan import Plan
-from partitioner.refine import refine_step
-from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
-from partitioner.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
+from partitioner.search.refine import refine_step
+from partitioner.search.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
 # below them the fine model is solved (or the chain DP runs) in a few seconds.
@@ -53,34 +53,6 @@ MULTI_START_NODES = 64
 
 # On clusters of up to this many devices the order search tries every distinct pipeline order (3! = 6 at most).
 EVERY_ORDER_UP_TO = 3
-
-
-@dataclass(frozen=True)
-class SolverOptions:
-    """Knobs of the CP-SAT search that most users leave alone."""
-
-    num_workers: int = 8  # parallel search workers (with deterministic=False); 0 = CP-SAT's default here
-    seed: int = 0  # random seed, for reproducible runs
-    # True: one CP-SAT worker that stops on a deterministic time budget (CP-SAT's own count of work,
-    # partitioner.cpsat.DETERMINISTIC_TIME_PER_S per second of the limit), so the same input gives the same
-    # plan; the wall-clock limit still holds and, on a machine so loaded that it ends the search first, runs
-    # can differ. Parallel workers never repeat (whichever finds a solution first wins), and CP-SAT's
-    # deterministic interleaved search spends its whole budget even on tiny models. False: num_workers in
-    # parallel, more search per second.
-    deterministic: bool = True
-    # "search": the planner chooses which device runs which stage (partitioner.order; Plan.devices is the
-    # order chosen); "given": stages follow the cluster's order, for pipelines wired by hand.
-    device_order: str = "search"
-    hint: bool = True  # start from the best baseline (or the exact DP on chains) that fits
-    exact_chains: bool = True  # solve chains without pins by the exact DP (partitioner.exact) instead
-    log: bool = False  # print CP-SAT's search log
-    time_resolution: int = 1_000_000  # integer steps for the slowest device running the whole graph
-    byte_resolution: int = 10_000  # integer steps for all transfers the graph could make
-    relative_gap: float = 0.0  # stop once (bottleneck - bound) / bottleneck is below this
-    coarsen: bool | None = None  # place runs of nodes, then refine near boundaries; None = above AUTO_COARSEN_*
-    # Return the legal baseline instead when its simulated step is shorter than the solver's plan's
-    # (the solver minimises the bottleneck; the step also pays fill, drain and transfers, see docs/cost-model.md).
-    shortest_step: bool = True
 
 
 def solve(
@@ -159,7 +131,6 @@ def solve(
     if coarsen is None:
         coarsen = size > (AUTO_COARSEN_CHAIN if chain else AUTO_COARSEN_DAG)
     if chain and not coarsen:
-        from partitioner.exact import exact_chain_for
 
         try:
             plan = exact_chain_for(costs, device_order=options.device_order)  # judged on the step already
@@ -206,9 +177,9 @@ def solve(
 def _refined(
     plan: Plan, costs: CostModel, pins: Mapping[str, str], options: SolverOptions, called: float, *, deadline: float
 ) -> Plan:
-    """``plan``, or the plan of shorter simulated step that local moves find (partitioner.refine) from it
+    """``plan``, or the plan of shorter simulated step that local moves find (partitioner.search.refine) from it
     and, with ``device_order="search"``, no pins and at most MULTI_START_NODES nodes, from the best legal
-    baselines in other device orders (every arrangement of partitioner.order.candidate_orders, the
+    baselines in other device orders (every arrangement of partitioner.search.order.candidate_orders, the
     REFINED_STARTS - 1 shortest steps).
 
     The search minimised the bottleneck; the moves judge the step. ``plan``'s lower bound, a bound on
@@ -261,7 +232,7 @@ def _island_plan(
     options: SolverOptions,
     schedule: str,
 ) -> Plan | None:
-    """The plan on the devices of ``island`` alone (partitioner.order.fast_island), scored on the whole
+    """The plan on the devices of ``island`` alone (partitioner.search.order.fast_island), scored on the whole
     cluster (the other devices idle, listed after them), or None when nothing fits there.
 
     More devices than one node's must never give a longer step than that node alone: a step objective
@@ -410,7 +381,7 @@ def _verdict_over_orders(best: Plan, bounds: Sequence[float | None], costs: Cost
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
     """Pipeline orders for CP-SAT, each with a legal plan in that order to start from, or None.
 
-    In this order, orders alike in every cost (partitioner.order.signature) once: the cluster's own; the order (and
+    In this order, orders alike in every cost (order.signature) once: the cluster's own; the order (and
     devices used) of the exact chain DP on the graph read as a chain of runs of its topological order
     (the bytes crossing each cut on the edges), whose plan is the start; the devices fastest first;
     and Metis' heaviest stage on the fastest device, for the stages of the best legal baseline (where

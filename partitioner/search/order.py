@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 
 from partitioner.cluster import Cluster, Device
-from partitioner.errors import ClusterError, InputError
+from partitioner.errors import InputError
 
 DEVICE_ORDERS = ("search", "given")
 MAX_ORDERS = 24  # candidate orders at most: every class arrangement up to this many, else contiguous runs
@@ -243,40 +243,6 @@ def fastest_on_heaviest(cluster: Cluster, stage_work: Sequence[float]) -> tuple[
     heaviest = sorted(range(len(stage_work)), key=lambda s: (-stage_work[s], s))
     device_of = {s: fastest[rank] for rank, s in enumerate(heaviest)}
     return tuple(device_of[s] for s in range(len(stage_work))) + fastest[len(stage_work) :]
-
-
-def reorder(cluster: Cluster, order: Sequence[int] | Sequence[str]) -> Cluster:
-    """The same devices and links, listed in ``order`` (device indices, or names).
-
-    Raises:
-        ClusterError: unless ``order`` names every device of the cluster exactly once.
-
-    Example:
-        >>> reorder(Cluster.uniform(3, memory="1GiB"), [2, 0, 1]).names
-        ['/GPU:2', '/GPU:0', '/GPU:1']
-    """
-    index = [cluster.index(k) if isinstance(k, str) else k for k in order]
-    if sorted(index) != list(range(cluster.num_devices)):
-        raise ClusterError(
-            f"A device order must list each of the cluster's {cluster.num_devices} devices once. "
-            f"Received: {list(order)}; the cluster has {cluster.names}."
-        )
-    if index == list(range(cluster.num_devices)):
-        return cluster
-    rows = [[cluster.bandwidth(a, b) for b in index] for a in index]
-    return Cluster([cluster.devices[k] for k in index], bandwidth=rows, name=cluster.name)
-
-
-def same_devices(cluster: Cluster, names: Sequence[str]) -> Cluster:
-    """``cluster`` listed in the order of ``names`` (a plan's ``devices``) when it has exactly those devices.
-
-    What the validator and the simulator use, so that a plan made in a searched order is checked
-    against the cluster the user has. Returns ``cluster`` itself when the devices differ (the caller
-    reports that).
-    """
-    if sorted(names) != sorted(cluster.names) or len(set(names)) != len(names):
-        return cluster
-    return reorder(cluster, list(names))
 
 
 def fast_island(cluster: Cluster) -> tuple[int, ...] | None:

@@ -3,7 +3,7 @@
 The formulation is the pipeline-partitioning MIP of Tarnawski et al., "Efficient algorithms for
 device placement of DNN graph operators" (NeurIPS 2020), restricted to stages in a fixed device
 order, with the contiguity of stages expressed by "prefix" variables so that CP-SAT propagates
-the order of every edge directly. It places *units* (see partitioner.coarsen): one node each for
+the order of every edge directly. It places *units* (see partitioner.search.coarsen): one node each for
 the layer graph itself, runs of nodes on a coarsened graph. Unit U may take the devices of its
 domain lo(U)..hi(U) (all devices, or its pinned one); outside it x is 0 and y is 0 below, 1 above:
 
@@ -39,11 +39,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partitioner.coarsen import Coarsening, UnitCosts, identity, unit_costs
 from partitioner.cost import CostModel
+from partitioner.search.coarsen import Coarsening, UnitCosts, identity, unit_costs
 
 if TYPE_CHECKING:
-    from partitioner.solver import SolverOptions
+    from partitioner.search.options import SolverOptions
 
 # TensorFlow loads its runtime with RTLD_GLOBAL. Imported before OR-Tools, its abseil and protobuf
 # symbols win over OR-Tools' own and CP-SAT crashes in Solve (google/or-tools#3230; here with
