@@ -306,16 +306,17 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
             if not node.name.startswith(scope):  # the optimizer's arithmetic is judged by its writes
                 outside[device] += 1
             continue
-        s, kind = part
-        if s is None:
-            counts, s, expected = loss, last, stages[last]
+        owner_stage, kind = part
+        if owner_stage is None:  # the micro-batch loss: the last stage's
+            counts, expected = loss, stages[last]
         else:
-            counts, expected = (backward if kind == "backward" else forward)[s], stages[s]
+            counts, expected = (backward if kind == "backward" else forward)[owner_stage], stages[owner_stage]
         counts[1] += 1
         if device == expected:
             counts[0] += 1
         else:
-            off.append(f"{'loss' if kind == 'loss' else f'stage {s} {kind}'}: {node.op} '{node.name}' on {device}")
+            where = "loss" if kind == "loss" else f"stage {owner_stage} {kind}"
+            off.append(f"{where}: {node.op} '{node.name}' on {device}")
     optimizer = [[0, 0] for _ in stages]
     for write in variable_writes(nodes):
         device = canonical(write.write.device)

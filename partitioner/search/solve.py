@@ -131,7 +131,6 @@ def solve(
     if coarsen is None:
         coarsen = size > (AUTO_COARSEN_CHAIN if chain else AUTO_COARSEN_DAG)
     if chain and not coarsen:
-
         try:
             plan = exact_chain_for(costs, device_order=options.device_order)  # judged on the step already
         except InfeasiblePlanError as err:
