@@ -172,8 +172,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         Returns:
             (the batch's loss, the gradients of ``self.executor.trainable_variables``, in that order).
             Useful to inspect gradients or to accumulate them by hand; ``fit`` does the same and then
-            applies them. Every gradient is dense (an embedding's sparse rows summed); ``fit`` hands
-            the optimizer an embedding's rows as they are, as Keras does.
+            applies them. Every gradient is dense (an embedding's sparse rows summed), or None for a
+            variable the loss does not reach, as a tape gives it; ``fit`` hands the optimizer an
+            embedding's rows as they are, as Keras does.
 
         Example:
             >>> loss, grads = wrapped.loss_and_gradients(x, y)                        # doctest: +SKIP
@@ -181,7 +182,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         loss, _, gradients = self._state.executor.train(
             self._flat_inputs(x), y, sample_weight, self._micro_loss, _unscaled
         )
-        return loss, [tf.convert_to_tensor(g) for g in gradients]  # an embedding's sparse rows, summed
+        return loss, [None if g is None else tf.convert_to_tensor(g) for g in gradients]  # sparse rows summed
 
     # ----- Keras steps -----------------------------------------------------------------------------
 

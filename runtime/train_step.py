@@ -73,6 +73,9 @@ class TrainStep:
             not sparse_rows_summable and executor.num_microbatches > 1 and executor.options.num_replicas == 1
         )
         self.sparse: set[tuple[int, int]] = set()
+        # the (stage, variable) pairs some micro-batch's backward gave a gradient: the others get None, as
+        # from Keras' tape, and the optimizer leaves them alone (no weight decay, no step counted for them)
+        self.reached: set[tuple[int, int]] = set()
         self.scale_loss = scale_loss
         self.loss_function = executor.loss_function(loss_fn, scale_loss)
         self.parts = Microbatches(executor.num_microbatches, inputs)
@@ -275,6 +278,7 @@ class TrainStep:
         for i, g in enumerate(gradients):
             if g is None:
                 continue
+            self.reached.add((s, i))
             if isinstance(g, tf.IndexedSlices):
                 if self.keeps_sparse:  # the only micro-batch: nothing to sum
                     new[i] = g
@@ -313,7 +317,10 @@ class TrainStep:
         replicas'); then the weights' regularization (once per step, with its gradients) and the deferred
         batch-norm updates; returns what ``Executor.train`` does."""
         executor = self.executor
-        sums = [list(grads) for grads in carry["gradients"]]
+        sums = [
+            [g if (s, i) in self.reached else None for i, g in enumerate(grads)]
+            for s, grads in enumerate(carry["gradients"])
+        ]
         for s, i in self.sparse:  # every micro-batch's sparse rows, as one batch's
             values, indices = carry["rows"][s][i]
             variable = executor.stages[s].trainable_variables[i]
@@ -357,7 +364,7 @@ class TrainStep:
                     losses.append(penalties)
                 for layer, stats in layers:
                     update_moving_statistics(layer, stats)
-                gradients += [tf.zeros_like(v) if g is None else g for v, g in zip(stage.trainable_variables, grads)]
+                gradients += grads  # None where nothing reaches the variable: the optimizer skips it, as Keras
         with tf.device(last):
             loss = tf.add_n(losses)
             outputs = executor.model_outputs(carry["outputs"])

@@ -62,7 +62,11 @@ def test_a_stopped_worker_takes_its_sigterm_when_another_fails(tmp_path) -> None
 
 def test_restarts_every_worker_then_returns_the_failure(tmp_path) -> None:
     counter = tmp_path / "starts"
-    program = f"import sys; f = open({str(counter)!r}, 'a'); f.write('x'); f.close(); sys.exit(3)"
+    # each worker fails only once both workers of its attempt have written (an odd count waits for the other): a
+    # worker that failed at once could have the other stopped before it wrote (CI, on a loaded machine)
+    program = f"import sys, time; f = open({str(counter)!r}, 'a'); f.write('x'); f.close(); end = time.time() + 20\n"
+    program += f"while open({str(counter)!r}).read().count('x') % 2 and time.time() < end: time.sleep(0.01)\n"
+    program += "sys.exit(3)"
     result = _run(["--workers", "2", "--max-restarts", "2", "--", PY, "-c", program])
     assert result.returncode == 3
     assert counter.read_text() == "x" * 6  # 2 workers, 3 attempts
