@@ -154,6 +154,8 @@ class StageProgram:
         # per function kind: the layer whose add_loss cannot be split over micro-batches (M > 1), or None
         self.unsplittable: dict[str, str | None] = {}
         self._functions: dict[str, Any] = {}
+        # id(an embedding's table) -> how each of its lookups in the training forward is made (``_lookups``)
+        self.lookups: dict[int, list[str]] = {}
 
     def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor, batch: tf.Tensor) -> list[tf.Tensor]:
         """The stage function's arguments for one micro-batch: its inputs, its row mask if it takes one,
@@ -174,26 +176,28 @@ class StageProgram:
         values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
         terms: list[tf.Tensor] = []
         self.unsplittable[kind] = None
-        for node in self.stage.nodes:
-            args, kwargs = node.arguments.fill_in(values)
-            operation = node.operation
-            _call_context(operation, kwargs, training)
-            regularizer = getattr(operation, "activity_regularizer", None)
-            if training and is_plain_batch_norm(operation, args, kwargs):
-                outputs, moments = normalize(operation, args[0], valid)
-                stats.append((operation, moments))
-                self.normalized.add(id(operation))
-            elif regularizer is not None:  # applied below, to the micro-batch's own rows only
-                operation.activity_regularizer = None
-                try:
+        recording = _lookups(self.lookups, flat[:count]) if kind == "forward" else contextlib.nullcontext()
+        with recording:
+            for node in self.stage.nodes:
+                args, kwargs = node.arguments.fill_in(values)
+                operation = node.operation
+                _call_context(operation, kwargs, training)
+                regularizer = getattr(operation, "activity_regularizer", None)
+                if training and is_plain_batch_norm(operation, args, kwargs):
+                    outputs, moments = normalize(operation, args[0], valid)
+                    stats.append((operation, moments))
+                    self.normalized.add(id(operation))
+                elif regularizer is not None:  # applied below, to the micro-batch's own rows only
+                    operation.activity_regularizer = None
+                    try:
+                        outputs = operation(*args, **kwargs)
+                    finally:
+                        operation.activity_regularizer = regularizer
+                else:
                     outputs = operation(*args, **kwargs)
-                finally:
-                    operation.activity_regularizer = regularizer
-            else:
-                outputs = operation(*args, **kwargs)
-            terms += self._layer_losses(kind, operation, outputs, regularizer, own_rows, batch)
-            for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
-                values[id(symbolic)] = value
+                terms += self._layer_losses(kind, operation, outputs, regularizer, own_rows, batch)
+                for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
+                    values[id(symbolic)] = value
         self.returns_layer_loss[kind] = bool(terms)
         return [values[id(t)] for t in self.returns], (tf.add_n(terms) if terms else None)
 
@@ -355,3 +359,54 @@ def check_splittable(program: StageProgram, kind: str) -> None:
             "num_microbatches=1 on one replica, or give the layer an activity_regularizer on a batched "
             "output (split exactly) instead."
         )
+
+
+@contextlib.contextmanager
+def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor]) -> Any:
+    """While a stage's training forward is traced, records how each ``keras.layers.Embedding`` call (inside
+    other layers too) looks its rows up, in ``found[id(table)]``: "batched" (ids computed from the
+    micro-batch, a row of ids per sample: the micro-batches' sparse rows, one after the other, are the
+    batch's), "shared" (ids computed from no argument's values and not one row per sample, as a position
+    embedding's ``arange``: every micro-batch looks up the same rows, which the batch's gradient has
+    once, summed) or "unclear" (neither: the runtime cannot tell how the batch's rows would come).
+
+    ``Embedding.call`` is replaced on the class while the trace runs (Keras 3.15 calls ``self.call``
+    from ``Layer.__call__``; subclasses that look rows up call it through ``super()``): no public hook
+    sees a lookup inside a layer of the user's.
+    """
+    rows = next((t.shape[0] for t in arguments if t.shape.rank), None)
+    original = keras.layers.Embedding.call
+
+    def call(layer: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ids = tf.convert_to_tensor(inputs)
+        per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
+        computed = _computed_from(ids, arguments)
+        how = "batched" if per_sample and computed else "shared" if not (per_sample or computed) else "unclear"
+        found.setdefault(id(layer.embeddings), []).append(how)
+        return original(layer, inputs, *args, **kwargs)
+
+    if rows is None:  # a trace for another micro-batch size: the first one's record stands
+        yield
+        return
+    found.clear()
+    keras.layers.Embedding.call = call
+    try:
+        yield
+    finally:
+        keras.layers.Embedding.call = original
+
+
+def _computed_from(tensor: tf.Tensor, arguments: Sequence[tf.Tensor]) -> bool:
+    """True iff ``tensor``'s value is computed from one of ``arguments``' values (not only their shapes)."""
+    targets = {a.ref() for a in arguments}
+    seen: set[Any] = set()
+    pending = [tensor]
+    while pending:
+        t = pending.pop()
+        if t.ref() in targets:
+            return True
+        if t.ref() in seen or t.op.type in ("Shape", "ShapeN", "Size", "Rank"):
+            continue
+        seen.add(t.ref())
+        pending.extend(t.op.inputs)
+    return False

@@ -325,7 +325,7 @@ class TrainStep:
             values, indices = carry["rows"][s][i]
             variable = executor.stages[s].trainable_variables[i]
             with tf.device(executor.stages[s].device):
-                sums[s][i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(variable))
+                sums[s][i] = _batch_rows(variable, values, indices, executor.programs[s].lookups.get(id(variable), []))
         last = executor.stages[-1].device
         loss = carry["loss"]
         layer_loss = carry["layer_loss"] if any(self.layer_losses) else None
@@ -438,6 +438,26 @@ def _embeddings(stage: Stage) -> list[int]:
         if isinstance(layer, keras.layers.Embedding)
     }
     return [i for i, v in enumerate(stage.trainable_variables) if id(v) in tables]
+
+
+def _batch_rows(variable: Any, values: tf.TensorArray, indices: tf.TensorArray, lookups: Sequence[str]) -> Any:
+    """The sparse rows of ``variable``'s gradient as the original's batch gives them, from each micro-batch's
+    rows: one after the other where every lookup takes a row of ids per sample ("batched"); summed where
+    every lookup takes the same ids whatever the sample (a position embedding: the batch's gradient has
+    each of its rows once, summed over the samples); else refused (``runtime.program._lookups``)."""
+    kinds = set(lookups)
+    if kinds <= {"batched"}:
+        return tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(variable))
+    if kinds == {"shared"}:
+        return tf.IndexedSlices(tf.reduce_sum(values.stack(), axis=0), indices.read(0), tf.shape(variable))
+    raise InputError(
+        f"'{variable.path}' is looked up by {len(lookups)} embedding call(s) of kinds {sorted(kinds)}: ids given "
+        "per sample (batched), ids shared by every sample (shared, as positions), or ids the runtime cannot place "
+        "in either (unclear). Its optimizer updates each sparse row on its own (Adam, RMSprop, Adagrad, clipping), "
+        "so the micro-batches' rows must be joined as the original's batch gives them, which is known only when "
+        "every lookup of the table is batched, or every one shared. Expected num_microbatches=1, an optimizer "
+        "that updates from the sum (SGD, with momentum), or one kind of lookup per table."
+    )
 
 
 def _row_arrays(variable: Any, num: int) -> tuple[tf.TensorArray, tf.TensorArray]:

@@ -272,13 +272,9 @@ def test_keras_hub_model_whose_blocks_cannot_rebuild_trains_like_the_original(na
     _assert_step_matches(wrapped, reference, tape, ref_loss, x, y)
 
 
-_SPARSE_ROWS_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="runtime/executor.py keeps an embedding's sparse rows apart per micro-batch for Adam; ViT's position "
-    "embedding looks up batch-independent ids, so each row comes M times (the original sums them over the batch "
-    "first) and Adam squares each part: position_embedding/embeddings off by ~7e-3",
-)
-ADAM_CASES = [pytest.param(name, marks=[_SPARSE_ROWS_BUG] if name == "vit_classifier" else []) for name in REBUILT]
+# ViT's position embedding looks up the same ids for every sample: its rows are summed over the micro-batches
+# (runtime.train_step._batch_rows), as the original's batch gives them (before: off by ~7e-3 under Adam)
+ADAM_CASES = list(REBUILT)
 
 
 @pytest.mark.slow  # 15-25 s each on 2 cores
