@@ -537,6 +537,18 @@ def reorder(cluster: Cluster, order: Sequence[int] | Sequence[str]) -> Cluster:
     return Cluster([cluster.devices[k] for k in index], bandwidth=rows, name=cluster.name)
 
 
+def subset(cluster: Cluster, names: Sequence[str], name: str | None = None) -> Cluster:
+    """The devices of ``cluster`` named in ``names``, in that order, with their links (one replica's devices).
+
+    Example:
+        >>> subset(Cluster.uniform(4, memory="1GiB"), ["/GPU:2", "/GPU:3"]).names
+        ['/GPU:2', '/GPU:3']
+    """
+    index = [cluster.index(k) for k in names]
+    rows = [[cluster.bandwidth(a, b) for b in index] for a in index]
+    return Cluster([cluster.devices[k] for k in index], bandwidth=rows, name=name or cluster.name)
+
+
 def same_devices(cluster: Cluster, names: Sequence[str]) -> Cluster:
     """``cluster`` listed in the order of ``names`` (a plan's ``devices``) when it has exactly those devices.
 

@@ -836,6 +836,31 @@ def _cuts_needed(prefix: np.ndarray, capacity: float) -> int:
     return runs
 
 
+def allreduce_s(num_bytes: float, cluster: Cluster, group: Sequence[str]) -> float:
+    """Seconds of the ``R`` action: a ring all-reduce (SUM) of ``num_bytes`` over the devices of ``group``
+    (the same stage of every replica), 0 for a group of one.
+
+    Each of the D devices sends 2 (D - 1) / D x ``num_bytes`` to the next one of the ring (``group``'s
+    order, the last to the first: a reduce-scatter and an all-gather), all at once, so the ring's slowest
+    link sets the time; plus the slowest device's fixed cost of one action (``action_overhead_s``). The
+    all-reduce of NCCL and of TensorFlow's collectives on GPUs is a ring; the latency per hop (microseconds)
+    is left out.
+
+    Example:
+        >>> cluster = Cluster.uniform(4, memory="16GiB", bandwidth=1e9)
+        >>> allreduce_s(3e9, cluster, cluster.names[:2])  # 2 x 1/2 x 3 GB at 1 GB/s
+        3.0
+        >>> allreduce_s(3e9, cluster, cluster.names[:1])
+        0.0
+    """
+    if len(group) < 2 or num_bytes <= 0:
+        return 0.0
+    index = [cluster.index(name) for name in group]
+    slowest = min(cluster.bandwidth(a, b) for a, b in zip(index, index[1:] + index[:1]))
+    overhead = max(cluster.devices[i].action_overhead_s for i in index)
+    return 2 * (len(group) - 1) / len(group) * num_bytes / slowest + overhead
+
+
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """Idle share of a GPipe step: (K - 1) / (M + K - 1)."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from partitioner.cost import bubble_fraction, relative_gap
@@ -20,7 +20,8 @@ from partitioner.schedule import SCHEDULES
 
 # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
 # 3: structure (older files load without it: their names must match the model's)
-PLAN_SCHEMA_VERSION = 3
+# 4: replica_devices and reduce_times, data x pipeline (older files load as one replica)
+PLAN_SCHEMA_VERSION = 4
 STATUSES = ("optimal", "feasible", "heuristic")
 
 
@@ -63,6 +64,12 @@ class Plan:
     # it reads (partitioner.graph.structure), so that wrap can map the plan onto the same architecture
     # built again under other names; empty where the graph had no digests
     structure: tuple[str, ...] = ()
+    # data x pipeline (partitioner.search.replicas): the devices of each of D copies of this pipeline, stage
+    # k of replica r on replica_devices[r][k]; replica 0's are ``devices``. Empty: one replica
+    replica_devices: tuple[tuple[str, ...], ...] = ()
+    # per device of ``devices``: seconds of the ``R`` action of its stage (its weight gradients all-reduced
+    # with the same stage of the other replicas, after its last backward); ``step_time_s`` includes them
+    reduce_times: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
@@ -76,6 +83,11 @@ class Plan:
         """The used devices in pipeline order: stage k runs on ``stages[k]``."""
         used = set(self.assignment.values())
         return tuple(d for d in self.devices if d in used)
+
+    @property
+    def num_replicas(self) -> int:
+        """D: the copies of this pipeline whose stages sum their gradients (1 without replicas)."""
+        return max(1, len(self.replica_devices))
 
     @property
     def num_stages(self) -> int:
@@ -147,7 +159,16 @@ class Plan:
             )
         names = {f.name for f in fields(cls)}
         # Fields added after schema version 1 shipped: older files lack them and take the default.
-        optional = ("model_name", "fill_drain_step_s", "schedule", "recompute", "step_lower_bound_s", "structure")
+        optional = (
+            "model_name",
+            "fill_drain_step_s",
+            "schedule",
+            "recompute",
+            "step_lower_bound_s",
+            "structure",
+            "replica_devices",
+            "reduce_times",
+        )
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
         if missing:
@@ -158,6 +179,8 @@ class Plan:
             for key in ("recompute", "structure"):
                 if key in values:
                     values[key] = tuple(values[key])
+            if "replica_devices" in values:
+                values["replica_devices"] = tuple(tuple(group) for group in values["replica_devices"])
             plan = cls(**values)
         except (TypeError, AttributeError) as err:
             raise PlanError(f"{source} is corrupt: {err}.") from err
@@ -166,6 +189,15 @@ class Plan:
         if plan.structure and len(plan.structure) != len(plan.assignment):
             raise PlanError(
                 f"{source} is corrupt: structure has {len(plan.structure)} entries for {len(plan.assignment)} nodes."
+            )
+        if plan.replica_devices and (
+            plan.replica_devices[0] != plan.devices
+            or any(len(group) != len(plan.devices) for group in plan.replica_devices)
+            or len({d for group in plan.replica_devices for d in group}) != len(plan.devices) * plan.num_replicas
+        ):
+            raise PlanError(
+                f"{source} is corrupt: replica_devices must list, per replica, as many distinct devices as "
+                f"devices ({len(plan.devices)}), replica 0's being devices."
             )
         if plan.schedule not in SCHEDULES:
             raise PlanError(f"{source} is corrupt: schedule {plan.schedule!r} is not one of {SCHEDULES}.")
