@@ -35,6 +35,7 @@ from partitioner.cluster import (
     DEFAULT_MEMORY_HEADROOM,
     Cluster,
     bundled_clusters,
+    subset,
 )
 from partitioner.cost import RECOMPUTE
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
@@ -45,8 +46,9 @@ from partitioner.search import baselines as baseline_methods
 from partitioner.search.choose import AUTO, Choice, choose
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import DEVICE_ORDERS
+from partitioner.search.replicas import plan_replicas
 from partitioner.search.solve import solve
-from partitioner.show.report import render
+from partitioner.show.report import render, replica_note, replica_table
 from partitioner.show.timeline import save_timeline, text_timeline
 from partitioner.simulate import simulate
 from partitioner.validate import validate_plan
@@ -117,6 +119,14 @@ def _parser() -> argparse.ArgumentParser:
         default="gpipe",
         help="pipeline schedule to plan for (activation memory), simulate and draw; auto: the planner picks the "
         "one of the shorter step (default: gpipe)",
+    )
+    plan.add_argument(
+        "--replicas",
+        type=_microbatches,
+        metavar="D",
+        help="data x pipeline: D copies of the pipeline, each on N // D devices, their gradients all-reduced after "
+        "each step; auto: the planner tries every D that divides the batch (D = N is pure data parallelism, 1 a "
+        "pure pipeline) and prints each one's predicted step (default: one pipeline on every device)",
     )
     plan.add_argument(
         "--device-order",
@@ -461,6 +471,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         "recompute": args.recompute,
     }
     chosen = ""
+    if args.replicas is not None:
+        return _plan_replicas(args, err, cluster, graph, options)
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
         try:
@@ -518,6 +530,49 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         out.print(text_timeline(simulation, width=max(40, min(out.width - 30, 120))), highlight=False, markup=False)
     elif simulation is not None:
         out.print(f"timeline written to {args.timeline}", highlight=False, markup=False)
+    if args.out:
+        out.print(f"plan written to {args.out}", highlight=False, markup=False)
+    return 0
+
+
+def _plan_replicas(
+    args: argparse.Namespace, err: Console, cluster: Cluster, graph: nx.DiGraph, options: dict[str, Any]
+) -> int:
+    """``partitioner plan --replicas``: every D x K tried, the chosen one, and replica 0's placement."""
+    if args.timeline:
+        raise InputError("--timeline draws one pipeline; plan without --replicas to draw it.")
+    microbatches = graph.graph["num_microbatches"] if args.micro_batches is None else args.micro_batches
+    with err.status(f"planning replicas of {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
+        try:
+            choice = plan_replicas(
+                graph,
+                cluster,
+                batch_size=args.batch_size or graph.graph.get("batch_size"),
+                replicas=args.replicas,
+                num_microbatches=microbatches,
+                schedule=args.schedule,
+                time_limit_s=args.time_limit,
+                options=SolverOptions(device_order=args.device_order),
+                **options,
+            )
+        except InfeasiblePlanError as error:
+            raise cluster.headroom_note(error) from None
+    plan = choice.plan
+    validate_plan(plan, choice.graph, subset(cluster, plan.devices))
+    if args.out:
+        Path(args.out).write_text(plan.to_json())
+    if args.json:
+        print(plan.to_json())
+        return 0
+    out = _stdout()
+    name = graph.graph.get("model_name", args.model)
+    out.print(
+        f"[bold]{escape(str(name))}[/]: {graph.number_of_nodes()} layers on {escape(cluster.name)} "
+        f"({cluster.num_devices} devices), global batch {choice.graph.graph.get('batch_size', 0) * plan.num_replicas}"
+    )
+    out.print(replica_table(choice))
+    out.print(replica_note(choice), highlight=False, markup=False)
+    out.print(render(plan, choice.graph, [], placement=not args.summary))
     if args.out:
         out.print(f"plan written to {args.out}", highlight=False, markup=False)
     return 0

@@ -149,6 +149,11 @@ def plan_replicas(
     bounds: list[float | None] = []
     for d, layout in layouts:
         groups = _groups(cluster, d, layout)
+        if isinstance(num_microbatches, int) and batch_size // d < num_microbatches:
+            reason = f"{batch_size // d} samples per replica cannot make {num_microbatches} micro-batches"
+            tried.append(ReplicaCandidate(d, len(groups[0]), layout, None, reason))
+            bounds.append(math.inf)  # outside the search: M is fixed
+            continue
         try:
             chosen = choose(
                 graph,

@@ -12,6 +12,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from partitioner.plan import Plan
+from partitioner.search.replicas import ReplicaCandidate, ReplicaChoice
 from partitioner.units import format_bytes, format_flops, format_seconds
 
 
@@ -219,6 +220,64 @@ def comparison_table(plans: Iterable[Plan]) -> Table:
             "yes" if plan.fits_memory else "[red]no[/]",
         )
     return table
+
+
+def replica_table(choice: ReplicaChoice) -> Table:
+    """Every D x K the replica search tried: its step, the longest all-reduce, M, schedule, memory, or why none."""
+    table = Table(title="Replicas x stages", box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("D x K", "layout", "M", "schedule", "step time", "all-reduce", "max memory", "note"):
+        table.add_column(header, justify="left" if header in ("D x K", "layout", "note") else "right")
+    for candidate in choice.candidates:
+        plan = candidate.plan
+        label = f"{candidate.num_replicas} x {candidate.devices_per_replica}"
+        if plan is None:
+            table.add_row(label, candidate.layout, "", "", "", "", "", f"[red]no plan[/]: {escape(candidate.reason)}")
+            continue
+        chosen = plan.replica_devices == choice.plan.replica_devices and plan.assignment == choice.plan.assignment
+        table.add_row(
+            f"[bold]{label}[/]" if chosen else label,
+            candidate.layout,
+            str(plan.num_microbatches),
+            plan.schedule,
+            format_seconds(plan.step_time_s),
+            format_seconds(max(plan.reduce_times.values(), default=0.0)),
+            format_bytes(max(plan.memory_bytes.values())),
+            _kind(candidate) + (", chosen" if chosen else ""),
+        )
+    return table
+
+
+def _kind(candidate: ReplicaCandidate) -> str:
+    if candidate.num_replicas == 1:
+        return "pipeline"
+    return "data parallel" if candidate.plan is not None and candidate.plan.num_stages == 1 else "hybrid"
+
+
+def replica_note(choice: ReplicaChoice) -> str:
+    """Why the chosen D x K: its step beside pure data parallelism's and a pure pipeline's."""
+    plan = choice.plan
+    lines = [
+        f"Chosen: {plan.num_replicas} replica(s) of {plan.num_stages} stage(s), the shortest predicted step "
+        f"({format_seconds(plan.step_time_s)}, status {plan.status}); replicas on "
+        + "; ".join(", ".join(group) for group in (plan.replica_devices or (plan.devices,)))
+        + "."
+    ]
+    kinds = (
+        ("Pure data parallel (one device per replica)", [c for c in choice.candidates if c.devices_per_replica == 1]),
+        ("One pipeline (D = 1)", [c for c in choice.candidates if c.num_replicas == 1]),
+    )
+    for what, tried in kinds:
+        fitting = [c.plan for c in tried if c.plan is not None]
+        if fitting:
+            lines.append(f"{what}: {format_seconds(min(p.step_time_s for p in fitting))}.")
+        elif tried:
+            lines.append(f"{what}: no plan ({tried[0].reason}).")
+        else:
+            lines.append(f"{what}: not tried (the number of replicas was fixed, or does not divide the batch).")
+    lines.append(
+        "Each stage's all-reduce runs after its last backward (not overlapped), a ring paced by its slowest link."
+    )
+    return "\n".join(lines)
 
 
 def render(plan: Plan, graph: nx.DiGraph, baselines: Iterable[Plan] = (), *, placement: bool = True) -> Group:

@@ -493,3 +493,28 @@ def test_cli_placement_table_keeps_layer_names_whole(width, long_named_profile, 
     else:
         assert "type" not in header.split()  # the widest optional column goes first
         assert "left out to fit the terminal's width: " in placement
+
+
+def test_cli_plan_replicas_shows_data_pipeline_and_hybrid(batched_profile_file, capsys) -> None:
+    """--replicas auto: every D x K tried with its step, the chosen one, and pure data parallel and a
+    pure pipeline beside it; --json gives the plan with its replicas."""
+    argv = ["plan", str(batched_profile_file), "--devices", "4", "--memory", "64GiB", "--flops-per-s", "1e12"]
+    argv += ["--micro-batches", "auto", "--replicas", "auto", "--summary", "--time-limit", "5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Replicas x stages" in out and ", chosen" in out
+    for row in ("1 x 4", "2 x 2", "4 x 1"):
+        assert row in out
+    assert re.search(r"Pure data parallel \(one device per replica\): [\d.]+ \S*s\.", out)
+    assert re.search(r"One pipeline \(D = 1\): [\d.]+ \S*s\.", out)
+    assert main([*argv, "--json"]) == 0
+    plan = pt.Plan.from_json(capsys.readouterr().out)
+    assert plan.num_replicas * plan.num_stages <= 4
+    assert plan.num_replicas == 4  # 1 MiB of weights per layer over fast links: data parallel wins
+
+
+def test_cli_plan_replicas_that_cannot_be_is_one_line(batched_profile_file, capsys) -> None:
+    argv = ["plan", str(batched_profile_file), "--devices", "4", "--memory", "64GiB", "--replicas", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "replicas=3 needs at least 3 devices and a batch it divides" in err and len(err.strip().splitlines()) == 1
