@@ -32,7 +32,7 @@ from partitioner.errors import (
 )
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
-from partitioner.schedule import Action, Schedule
+from partitioner.schedule import Action, Schedule, ScheduleFamily, schedule_family
 from partitioner.score import score_assignment
 from partitioner.search import baselines
 from partitioner.search.chain import exact_chain
@@ -57,6 +57,7 @@ __all__ = [
     "ProfileError",
     "Schedule",
     "ScheduleError",
+    "ScheduleFamily",
     "Simulation",
     "SolverOptions",
     "SolverTimeoutError",
@@ -69,6 +70,7 @@ __all__ = [
     "plan_for_batch",
     "rescale_graph",
     "save_graph",
+    "schedule_family",
     "score_assignment",
     "simulate",
     "solve",

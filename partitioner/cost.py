@@ -34,7 +34,6 @@ min(number of devices - k, M) for 1F1B); :meth:`CostModel.evaluate` counts each 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ import numpy as np
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
 from partitioner.graph import topological_order, trainable_param_bytes, validate_graph
-from partitioner.schedule import Schedule, check_schedule_name
+from partitioner.schedule import check_schedule_name, schedule_family
 
 COST_SOURCES = ("flops", "time")
 MODES = ("kept", "recomputed")
@@ -613,18 +612,13 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int)
     """Micro-batches whose activations ``stage`` holds at most under ``schedule``: M for GPipe, min(K - s, M) for 1F1B.
 
     The one place the planners, the cost model and the validator take this figure from; it is the
-    schedule's own count (``Schedule.max_in_flight``), not a second formula.
+    schedule's own count (``ScheduleFamily.in_flight``, ``Schedule.max_in_flight``), not a second formula.
 
     Example:
         >>> [in_flight("1f1b", 4, 8, s) for s in range(4)], in_flight("gpipe", 4, 8, 0)
         ([4, 3, 2, 1], 8)
     """
-    return _schedule(schedule, num_stages, num_microbatches).max_in_flight(stage)
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    return Schedule.make(name, num_stages, num_microbatches)
+    return schedule_family(schedule).in_flight(num_stages, num_microbatches, stage)
 
 
 def early_forwards(schedule: str, num_devices: int, num_microbatches: int, position: int = 1) -> int:
@@ -632,7 +626,7 @@ def early_forwards(schedule: str, num_devices: int, num_microbatches: int, posit
     ``schedule``, for a stage at ``position`` (1 or more) of a chain of stages on at most ``num_devices``
     devices: 0 for GPipe (all M forwards, then micro-batch M - 1's backward, which waits for it to pass
     every later stage); for 1F1B min(num_devices - position, M - 1) (the warm-up of a stage with at most
-    that many stages after it).
+    that many stages after it). The schedule's own figure (``ScheduleFamily.early_forwards``).
 
     Example:
         >>> early_forwards("gpipe", 8, 8), early_forwards("1f1b", 8, 8), early_forwards("1f1b", 8, 3)
@@ -640,8 +634,7 @@ def early_forwards(schedule: str, num_devices: int, num_microbatches: int, posit
         >>> early_forwards("1f1b", 8, 8, position=8)  # the last of 8: no warm-up
         0
     """
-    check_schedule_name(schedule)
-    return 0 if schedule == "gpipe" else max(0, min(num_devices - position, num_microbatches - 1))
+    return schedule_family(schedule).early_forwards(num_devices, num_microbatches, position)
 
 
 def path_step_bound(

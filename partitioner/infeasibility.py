@@ -9,11 +9,17 @@ import networkx as nx
 from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError
 from partitioner.graph import colocation_groups
+from partitioner.schedule import FAMILIES, schedule_family
 from partitioner.units import format_bytes
 
 
 def _advice(costs: CostModel, fits_with_recompute: bool) -> str:
-    fewer = costs.schedule == "gpipe" and len(costs.devices) < costs.num_microbatches
+    # the schedules whose first device holds fewer micro-batches than this one's (1F1B's min(D, M) < GPipe's M)
+    fewer = [
+        family.name
+        for family in FAMILIES.values()
+        if family.in_flight(len(costs.devices), costs.num_microbatches, 0) < costs.max_in_flight
+    ]
     recompute = (
         "Plan with recompute='auto': a split fits when stages run their forward again in the backward "
         "instead of keeping its activations (more compute, far less memory). Or add"
@@ -21,24 +27,20 @@ def _advice(costs: CostModel, fits_with_recompute: bool) -> str:
     return (
         (recompute if fits_with_recompute else "Add")
         + " devices or devices with more memory, lower the batch size or the number of micro-batches, "
-        + ("plan for the 1f1b schedule (fewer micro-batches in flight), " if fewer else "")
+        + (f"plan for the {' or '.join(fewer)} schedule (fewer micro-batches in flight), " if fewer else "")
         + "or use mixed precision."
     )
 
 
 def _least_in_flight(costs: CostModel) -> int:
-    """The fewest micro-batches any stage of any plan holds: M under GPipe, 1 under 1F1B (the last stage)."""
+    """The fewest micro-batches any stage of any plan holds: M under GPipe, 1 under 1F1B (the last stage);
+    the schedule's own count (``CostModel.device_in_flight``)."""
     return min(costs.device_in_flight)
 
 
 def _what(costs: CostModel) -> str:
     least = _least_in_flight(costs)
-    rule = (
-        f"every stage holds all M = {costs.num_microbatches}"
-        if costs.schedule == "gpipe"
-        else f"the fewest a stage holds: stage s of K holds min(K - s, M), M = {costs.num_microbatches}, "
-        "so 1 on the last stage"
-    )
+    rule = schedule_family(costs.schedule).in_flight_rule(costs.num_microbatches)
     held = f"activations of {least} micro-batch(es) in flight under {costs.schedule} ({rule})"
     if costs.recompute != "never":
         held += f", in the mode that needs least, recompute={costs.recompute!r}"

@@ -13,6 +13,12 @@ Generators: ``gpipe`` (fill-drain; Huang et al., "GPipe", NeurIPS 2019) and ``1f
 Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021). Any other order that
 validates is a ``custom`` schedule, written as text and read back with :meth:`Schedule.parse`.
 
+A named schedule is a :class:`ScheduleFamily` (one small class per name, for every K and M), found by
+:func:`schedule_family`: it owns the facts the planners, the cost model and the error messages need
+(its rows, the micro-batches in flight per position, the warm-up, the period a stage adds, the closed
+form of the step where one exists). Nothing outside this module compares a schedule's name. The
+runtime runs any Schedule whose rows it can express (:meth:`Schedule.windows`).
+
 Example:
     >>> print(Schedule.gpipe(2, 2))
     # gpipe K=2 M=2
@@ -24,14 +30,17 @@ Example:
 
 from __future__ import annotations
 
+import abc
+import functools
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from partitioner.errors import InputError, ScheduleError
 
-SCHEDULES = ("gpipe", "1f1b")  # the names Schedule.make builds; a schedule read from text may also be "custom"
-SCHEDULE_NAMES = (*SCHEDULES, "custom")
 # "F" forward, "B" backward (of inputs and weights together). Reserved for later versions, never generated
 # and refused by Schedule.validate: "W" the weight gradient split off a backward, "R" the all-reduce of a
 # stage's gradients.
@@ -174,8 +183,7 @@ class Schedule:
             # gpipe K=1 M=3
             0: 0F0 0F1 0F2 0B2 0B1 0B0
         """
-        _check_counts(num_stages, num_microbatches)
-        return cls("gpipe", num_stages, num_microbatches, _ROWS["gpipe"](num_stages, num_microbatches))
+        return cls.make("gpipe", num_stages, num_microbatches)
 
     @classmethod
     def one_f_one_b(cls, num_stages: int, num_microbatches: int) -> Schedule:
@@ -187,12 +195,11 @@ class Schedule:
             0: 0F0 0F1 0B0 0B1
             1: 1F0 1B0 1F1 1B1
         """
-        _check_counts(num_stages, num_microbatches)
-        return cls("1f1b", num_stages, num_microbatches, _ROWS["1f1b"](num_stages, num_microbatches))
+        return cls.make("1f1b", num_stages, num_microbatches)
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int) -> Schedule:
-        """The schedule called ``name`` ("gpipe" or "1f1b") for K stages and M micro-batches.
+        """The schedule called ``name`` (one of SCHEDULES: "gpipe" or "1f1b") for K stages and M micro-batches.
 
         Raises:
             InputError: for another name, or counts below 1.
@@ -201,12 +208,9 @@ class Schedule:
             >>> Schedule.make("gpipe", 4, 8) == Schedule.gpipe(4, 8)
             True
         """
-        check_schedule_name(name)
-        return (
-            cls.gpipe(num_stages, num_microbatches)
-            if name == "gpipe"
-            else cls.one_f_one_b(num_stages, num_microbatches)
-        )
+        family = schedule_family(name)
+        _check_counts(num_stages, num_microbatches)
+        return cls(name, num_stages, num_microbatches, family.rows(num_stages, num_microbatches))
 
     # ----- text ----------------------------------------------------------------------------------
 
@@ -309,8 +313,8 @@ class Schedule:
         order, columns, done = self._ticks()
         if len(order) < sum(len(row) for row in self.actions):
             raise self._deadlock(columns, done)
-        if self.name in SCHEDULES:
-            expected = _ROWS[self.name](self.num_stages, self.num_microbatches)
+        if self.name in FAMILIES:
+            expected = FAMILIES[self.name].rows(self.num_stages, self.num_microbatches)
             for s, (row, want) in enumerate(zip(self.actions, expected)):
                 if row != want:
                     step = next((i for i, (a, b) in enumerate(zip(row, want)) if a != b), min(len(row), len(want)))
@@ -437,6 +441,58 @@ class Schedule:
             most = max(most, held)
         return most
 
+    def windows(self) -> tuple[int, ...]:
+        """Per stage, its in-flight window: what the runtime's loop needs to run this schedule.
+
+        The loop (runtime.executor) runs each stage's forwards in micro-batch order, and the forward of
+        micro-batch m only after the backward of m - w, w the stage's window (here its ``max_in_flight``);
+        the rest follows the data. It runs every schedule whose rows keep to that order: GPipe (w = M),
+        1F1B (w = K - s) and any custom schedule that does.
+
+        Raises:
+            InputError: for a row the loop cannot follow: forwards out of micro-batch order, or a forward
+                before the backward its window waits for. The message draws the grid.
+
+        Example:
+            >>> Schedule.one_f_one_b(3, 4).windows()
+            (3, 2, 1)
+            >>> Schedule.parse("0: 0F1 0F0 0B0 0B1").windows()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            partitioner.errors.InputError: The runtime cannot run this custom schedule: stage 0 runs 0F1 before 0F0, ...
+        """
+        windows = []
+        for s, row in enumerate(self.actions):
+            place = {a: i for i, a in enumerate(row)}
+            forwards = [a for a in row if a.kind == "F"]
+            early = next((m for m, a in enumerate(forwards) if a.microbatch != m), None)
+            if early is not None:
+                problem = (
+                    f"stage {s} runs {forwards[early]} before {Action(s, 'F', early)}, but the runtime's loop runs "
+                    f"each stage's forwards in micro-batch order. Reorder stage {s}'s forwards"
+                )
+                raise self._not_runnable(problem, s)
+            window = self.max_in_flight(s)
+            for m in range(window, self.num_microbatches):
+                forward, backward = Action(s, "F", m), Action(s, "B", m - window)
+                if place[forward] < place[backward]:
+                    problem = (
+                        f"stage {s} holds at most {window} micro-batch(es) in flight but runs {forward} before "
+                        f"{backward}, and the runtime's loop keeps a stage's in-flight window by running the "
+                        f"forward of micro-batch m after the backward of m - {window}. Move {backward} before "
+                        f"{forward}"
+                    )
+                    raise self._not_runnable(problem, s)
+            windows.append(window)
+        return tuple(windows)
+
+    def _not_runnable(self, problem: str, stage: int) -> InputError:
+        return InputError(
+            f"The runtime cannot run this {self.name} schedule: {problem}, or run a schedule of {SCHEDULES} "
+            f"(Schedule.make(name, {self.num_stages}, {self.num_microbatches})).\n"
+            + _draw(self.actions, self._ticks()[1], marked={stage})
+        )
+
 
 def _gpipe_rows(num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """All M forwards in order, then all M backwards in reverse order, on every stage."""
@@ -463,13 +519,185 @@ def _one_f_one_b_rows(num_stages: int, num_microbatches: int) -> tuple[tuple[Act
     return tuple(rows)
 
 
-_ROWS = {"gpipe": _gpipe_rows, "1f1b": _one_f_one_b_rows}
+class ScheduleFamily(abc.ABC):
+    """A named schedule for every K stages and M micro-batches: its rows, and the facts the planners,
+    the cost model and the error messages ask of it instead of comparing names.
+
+    One small class per name (as DeepSpeed's ``PipeSchedule``), registered in FAMILIES and found by
+    :func:`schedule_family`. A new schedule (interleaved or zero-bubble 1F1B) is a new subclass here.
+    """
+
+    name: str  # the name Schedule.make and the plan know it by
+    closed_form: bool  # True iff closed_step gives the step of a chain of stages (and the planners' search is exact)
+
+    @abc.abstractmethod
+    def rows(self, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
+        """Each stage's actions, in the order it runs them."""
+
+    def in_flight(self, num_stages: int, num_microbatches: int, stage: int) -> int:
+        """The most micro-batches whose activations ``stage`` of K holds: the built schedule's own count.
+
+        Example:
+            >>> [schedule_family("1f1b").in_flight(4, 8, s) for s in range(4)]
+            [4, 3, 2, 1]
+        """
+        return _built(self.name, num_stages, num_microbatches).max_in_flight(stage)
+
+    @abc.abstractmethod
+    def in_flight_rule(self, num_microbatches: int) -> str:
+        """How many micro-batches the stage holding the fewest holds, in words, for error messages."""
+
+    @abc.abstractmethod
+    def early_forwards(self, num_devices: int, num_microbatches: int, position: int = 1) -> int:
+        """The most forwards a stage runs, beyond micro-batch 0's, before its first backward can start, for a
+        stage at ``position`` (1 or more) of a chain of stages on at most ``num_devices`` devices (its warm-up)."""
+
+    @abc.abstractmethod
+    def period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
+        """The seconds per micro-batch a stage adds to the steady state (scalars or arrays alike).
+
+        f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
+        """
+
+    def closed_step(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float | None:
+        """The step of a chain of stages with ``figures`` (f, b, a, g) each, in pipeline order, as the
+        simulator replays it, where a closed form exists (``closed_form``); None where none does."""
+        return None
+
+    @abc.abstractmethod
+    def least_step(self, work_s: float, num_stages: int, num_microbatches: int) -> float:
+        """A floor on the step of ``num_stages`` stages whose compute per micro-batch sums to ``work_s``."""
+
+
+class GPipe(ScheduleFamily):
+    """Fill-drain: every stage runs all M forwards, then all M backwards; M micro-batches in flight."""
+
+    name = "gpipe"
+    closed_form = True
+
+    def rows(self, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
+        return _gpipe_rows(num_stages, num_microbatches)
+
+    def in_flight_rule(self, num_microbatches: int) -> str:
+        return f"every stage holds all M = {num_microbatches}"
+
+    def early_forwards(self, num_devices: int, num_microbatches: int, position: int = 1) -> int:
+        """0: all M forwards, then micro-batch M - 1's backward, which waits for it to pass every later stage."""
+        return 0
+
+    def period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
+        """A forward phase paced by max(f, a), then a backward phase paced by max(b, g)."""
+        return np.maximum(f, a) + np.maximum(b, g)
+
+    def closed_step(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float:
+        """Each phase is a flow shop of M equal jobs whose machines are the stages and the links in
+        between, so it lasts the sum of their times plus M - 1 times the slowest:
+        sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
+
+        Example:
+            >>> GPipe().closed_step(4, [(1.0, 2.0, 0.0, 0.0), (1.0, 2.0, 0.0, 0.0)])  # (4 + 2 - 1) x 3
+            15.0
+        """
+        total = sum(f + b + a + g for f, b, a, g in figures)
+        forward = max(max(f, a) for f, _, a, _ in figures)
+        backward = max(max(b, g) for _, b, _, g in figures)
+        return total + (num_microbatches - 1) * (forward + backward)
+
+    def least_step(self, work_s: float, num_stages: int, num_microbatches: int) -> float:
+        """(M - 1) times the least bottleneck (the mean) plus every stage's compute: the flow shop's."""
+        return (num_microbatches - 1) * work_s / num_stages + work_s
+
+
+class OneFOneB(ScheduleFamily):
+    """PipeDream-flush: min(K - s - 1, M) warm-up forwards on stage s, then one forward and one backward in
+    turn; min(K - s, M) micro-batches in flight on stage s."""
+
+    name = "1f1b"
+    closed_form = False  # a stage's warm-up forwards and its first backward wait on different stages
+
+    def rows(self, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
+        return _one_f_one_b_rows(num_stages, num_microbatches)
+
+    def in_flight_rule(self, num_microbatches: int) -> str:
+        return (
+            f"the fewest a stage holds: stage s of K holds min(K - s, M), M = {num_microbatches}, "
+            "so 1 on the last stage"
+        )
+
+    def early_forwards(self, num_devices: int, num_microbatches: int, position: int = 1) -> int:
+        """min(num_devices - position, M - 1): the warm-up of a stage with at most that many stages after it.
+
+        Example:
+            >>> OneFOneB().early_forwards(8, 8), OneFOneB().early_forwards(8, 3), OneFOneB().early_forwards(8, 8, 8)
+            (7, 2, 0)
+        """
+        return max(0, min(num_devices - position, num_microbatches - 1))
+
+    def period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
+        """One forward and one backward in turn: f + b (each link paces its own way)."""
+        return np.maximum(np.maximum(f + b, a), g)
+
+    def least_step(self, work_s: float, num_stages: int, num_microbatches: int) -> float:
+        """The busiest stage runs M forwards and backwards of at least the mean; micro-batch 0 passes every stage."""
+        return max(num_microbatches * work_s / num_stages, work_s)
+
+
+# The named schedules, by name: what Schedule.make builds and the planners plan for.
+FAMILIES: dict[str, ScheduleFamily] = {family.name: family for family in (GPipe(), OneFOneB())}
+SCHEDULES = tuple(FAMILIES)  # the names Schedule.make builds; a schedule read from text may also be "custom"
+SCHEDULE_NAMES = (*SCHEDULES, "custom")
+
+
+def schedule_family(name: object) -> ScheduleFamily:
+    """The named schedule ``name`` (one of SCHEDULES), for every K and M.
+
+    Raises:
+        InputError: for another name.
+
+    Example:
+        >>> schedule_family("1f1b").early_forwards(4, 8), schedule_family("gpipe").closed_form
+        (3, True)
+    """
+    check_schedule_name(name)
+    assert isinstance(name, str)  # checked above, for mypy
+    return FAMILIES[name]
 
 
 def check_schedule_name(name: object) -> None:
     """Raises InputError unless ``name`` is one of SCHEDULES, the schedules Schedule.make builds."""
-    if not isinstance(name, str) or name not in SCHEDULES:
+    if not isinstance(name, str) or name not in FAMILIES:
         raise InputError(f"schedule must be one of {SCHEDULES}. Received: {name!r}.")
+
+
+def schedule_for(schedule: str | Schedule, num_stages: int, num_microbatches: int) -> Schedule:
+    """``schedule`` (a name in SCHEDULES, or a Schedule) as a Schedule for K stages and M micro-batches.
+
+    Raises:
+        InputError: for an unknown name, something else, or a Schedule for another K or M.
+
+    Example:
+        >>> schedule_for("1f1b", 2, 4) == Schedule.one_f_one_b(2, 4)
+        True
+    """
+    if isinstance(schedule, str):
+        return _built(schedule, num_stages, num_microbatches)
+    if not isinstance(schedule, Schedule):
+        raise InputError(
+            f"schedule must be a name in {SCHEDULES} or a partitioner.Schedule. Received: {type(schedule).__name__}."
+        )
+    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
+        raise InputError(
+            f"The schedule is for K={schedule.num_stages} stages and M={schedule.num_microbatches} micro-batches, "
+            f"but the plan has K={num_stages} stages and M={num_microbatches}. Build one for this plan, such as "
+            f"Schedule.make('1f1b', {num_stages}, {num_microbatches})."
+        )
+    return schedule
+
+
+@functools.lru_cache(maxsize=64)
+def _built(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Schedule.make, cached: the planners ask for the same few schedules many times."""
+    return Schedule.make(name, num_stages, num_microbatches)
 
 
 def _few(actions: Sequence[Action]) -> str:

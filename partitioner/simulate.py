@@ -43,8 +43,8 @@ import numpy as np
 
 from partitioner.cluster import Cluster, same_devices
 from partitioner.cost import CostModel, forward_share
-from partitioner.errors import InputError, PlanError
-from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name
+from partitioner.errors import PlanError
+from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name, schedule_for
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan
@@ -168,24 +168,7 @@ def simulate_assignment(
     if isinstance(schedule, str):
         check_schedule_name(schedule)  # before the placement's own checks
     stages = _Stages(costs, assignment, recompute)
-    return _run(stages, _schedule_for(schedule, len(stages.names), costs.num_microbatches))
-
-
-def _schedule_for(schedule: str | Schedule, num_stages: int, num_microbatches: int) -> Schedule:
-    """``schedule`` as a Schedule for K stages and M micro-batches; InputError if it is for others."""
-    if isinstance(schedule, str):
-        return Schedule.make(schedule, num_stages, num_microbatches)
-    if not isinstance(schedule, Schedule):
-        raise InputError(
-            f"schedule must be a name in {SCHEDULES} or a partitioner.Schedule. Received: {type(schedule).__name__}."
-        )
-    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
-        raise InputError(
-            f"The schedule is for K={schedule.num_stages} stages and M={schedule.num_microbatches} micro-batches, "
-            f"but the plan has K={num_stages} stages and M={num_microbatches}. Build one for this plan, such as "
-            f"Schedule.make('1f1b', {num_stages}, {num_microbatches})."
-        )
-    return schedule
+    return _run(stages, schedule_for(schedule, len(stages.names), costs.num_microbatches))
 
 
 class _Stages:

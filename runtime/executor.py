@@ -12,8 +12,9 @@ per-variable update (moments, bias correction, the assign) is issued under the v
 
 The iterations overlap (stage s + 1 of micro-batch m beside stage s of micro-batch m + 1), in the
 order the schedule (``partitioner.schedule``) allows: each stage runs its forwards in micro-batch order,
-and holds at most the schedule's micro-batches in flight (``Schedule.max_in_flight``: M for GPipe,
-K - s for 1F1B), the forward of micro-batch m waiting for the backward of m - window (``Executor.windows``).
+and holds at most the schedule's micro-batches in flight (``Schedule.windows``: M for GPipe, K - s for
+1F1B), the forward of micro-batch m waiting for the backward of m - window (``Executor.windows``). Any
+Schedule whose rows keep to that order runs, a custom one too; another is refused by ``Schedule.windows``.
 
 Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
@@ -34,7 +35,7 @@ import tensorflow as tf
 from keras.src.backend import set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
-from partitioner.schedule import Schedule
+from partitioner.schedule import SCHEDULES, Schedule, schedule_for
 from runtime.batchnorm import BATCH_NORM, check_deferrable
 from runtime.losses import weight_penalty
 from runtime.microbatches import Microbatches, collect, collector, take, whole
@@ -43,15 +44,15 @@ from runtime.replicas import Replicas, StageCollectives
 from runtime.stages import Stage, output_masks
 from runtime.train_step import TrainStep
 
-SCHEDULES = ("gpipe", "1f1b")
-
 
 @dataclass(frozen=True)
 class ExecutionOptions:
     """How a PipelinedModel runs its steps (everything but the stages themselves)."""
 
     num_microbatches: int  # M
-    schedule: str = "gpipe"  # "gpipe" or "1f1b"
+    # a name in partitioner.schedule.SCHEDULES ("gpipe", "1f1b"), or a Schedule for the stages and M (one read
+    # from text, Schedule.parse) whose rows the loop can follow (Schedule.windows)
+    schedule: str | Schedule = "gpipe"
     # per stage: True re-runs the stage's forward in its backward from the kept inputs (the last stage
     # never: its backward follows at once); empty: no stage recomputes
     recompute: tuple[bool, ...] = ()
@@ -61,10 +62,17 @@ class ExecutionOptions:
 
     def __post_init__(self) -> None:
         Replicas(self.num_replicas)  # an integer >= 1, or one clear error
-        for name, allowed in (("schedule", SCHEDULES), ("batch_norm", BATCH_NORM)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise InputError(f"{name} must be one of {allowed}. Received: {name}={value!r}.")
+        if not isinstance(self.schedule, Schedule) and self.schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}. Received: schedule={self.schedule!r}.")
+        if self.batch_norm not in BATCH_NORM:
+            raise InputError(f"batch_norm must be one of {BATCH_NORM}. Received: batch_norm={self.batch_norm!r}.")
+        if isinstance(self.schedule, Schedule):
+            if self.schedule.num_microbatches != self.num_microbatches:
+                raise InputError(
+                    f"The schedule is for M={self.schedule.num_microbatches} micro-batches but the step runs "
+                    f"num_microbatches={self.num_microbatches}: build the schedule for M={self.num_microbatches}."
+                )
+            self.schedule.windows()  # one the loop cannot follow fails here, before any weight moves
         if not all(isinstance(flag, bool) for flag in self.recompute):
             raise InputError(f"recompute must be one bool per stage. Received: recompute={self.recompute!r}.")
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -95,7 +103,8 @@ class Executor:
             raise InputError(
                 f"recompute has {len(options.recompute)} entries for {len(self.stages)} stages: give one per stage."
             )
-        self.schedule = Schedule.make(options.schedule, len(self.stages), options.num_microbatches)
+        self.schedule = schedule_for(options.schedule, len(self.stages), options.num_microbatches)
+        self.schedule_windows = self.schedule.windows()  # per stage; InputError for rows the loop cannot follow
         if options.batch_norm == "deferred":
             check_deferrable([node for stage in self.stages for node in stage.nodes], options.num_microbatches)
         # the one Keras mask every model output carries (runtime.rebuild refuses others), or None
@@ -206,10 +215,10 @@ class Executor:
 
     def windows(self) -> list[int]:
         """Per stage, the most micro-batches it holds at once (forward run, backward not yet): the
-        schedule's ``max_in_flight`` (M for GPipe, K - s for 1F1B); 1 for a recomputing stage whose
+        schedule's window (``Schedule.windows``: M for GPipe, K - s for 1F1B); 1 for a recomputing stage whose
         recompute puts variables back (``StageProgram.restored``), so no forward runs meanwhile."""
         return [
-            1 if self.options.recomputes(s) and program.restored() else self.schedule.max_in_flight(s)
+            1 if self.options.recomputes(s) and program.restored() else self.schedule_windows[s]
             for s, program in enumerate(self.programs)
         ]
 

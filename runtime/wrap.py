@@ -9,6 +9,7 @@ from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
 from partitioner.cost import check_recompute
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError
 from partitioner.plan import Plan
+from partitioner.schedule import Schedule, schedule_for
 from partitioner.search.choose import AUTO, candidate_schedules, choose
 from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
@@ -183,7 +184,7 @@ def wrap(
     *,
     num_microbatches: int | None = None,
     validate: bool = True,
-    schedule: str | None = None,
+    schedule: str | Schedule | None = None,
     recompute: str | None = None,
     batch_norm: str = "deferred",
     input_shapes: InputShapes | None = None,
@@ -197,7 +198,9 @@ def wrap(
         plan: a Plan (``Plan.from_json(text)``).
         num_microbatches: M; defaults to the plan's.
         validate: profile the model and run ``validate_plan`` first (recommended).
-        schedule: "gpipe" or "1f1b"; defaults to the schedule the plan was made for.
+        schedule: "gpipe" or "1f1b", or a ``partitioner.Schedule`` for the plan's stages and M (a custom
+            order, ``Schedule.parse``) whose rows the runtime's loop can follow (``Schedule.windows``);
+            defaults to the schedule the plan was made for.
         recompute: "never", "always", or None / "auto": the stages the plan recomputes (see
             ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
@@ -230,6 +233,7 @@ def wrap(
         batch_norm=batch_norm,
         num_replicas=_num_replicas(replicas),
     )
+    schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
     resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)

@@ -38,6 +38,7 @@ from partitioner.errors import InputError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
+from partitioner.schedule import schedule_family
 from partitioner.score import score_assignment, shorter_step, with_step_bound
 from partitioner.search.baselines import BASELINES, check_stage_count, split_with
 from partitioner.search.bottleneck_dp import _dynamic_program, _prefix_tables, _rebuild, _solve_chain, _Tables, _tables
@@ -243,7 +244,7 @@ def _prefix_plans(costs: CostModel, best: Plan | None) -> tuple[Plan | None, flo
         if not np.isfinite(bottleneck):
             continue
         work = float(least_work[s - 1])
-        floor = max(m * work / s, work) if costs.schedule != "gpipe" else (m - 1) * work / s + work
+        floor = schedule_family(costs.schedule).least_step(work, s, m)
         if best is not None and floor >= best.step_time_s:
             continue
         assignment = _rebuild(costs, _prefix_tables(tables, s), bottleneck)
@@ -270,7 +271,10 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     scored: list[CostModel] = []
     found: list[_Found] = []
     searched: list[tuple[int, _Tables]] = []  # (order, tables) of each search: _Found.order indexes it
-    weights = (1.0,) if costs.schedule == "gpipe" else ONE_F_ONE_B_WEIGHTS
+    # a schedule with a closed form of the step (GPipe) is searched exactly on it, once; another (1F1B) with
+    # several weights of its period, from every prefix of the devices, then improved by local moves
+    closed_form = schedule_family(costs.schedule).closed_form
+    weights = (1.0,) if closed_form else ONE_F_ONE_B_WEIGHTS
     best = dict.fromkeys(weights, np.inf)
     step_bound, least, complete = np.inf, np.inf, True
     for index, order in enumerate(orders):
@@ -280,7 +284,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         tables = _tables(permuted)
         num_devices = len(tables.capacity)
         # the least bottleneck on these devices (every prefix of them for 1F1B's starts) and its split
-        sizes = range(1, num_devices + 1) if costs.schedule != "gpipe" else [num_devices]
+        sizes = [num_devices] if closed_form else range(1, num_devices + 1)
         bottlenecks = _least_bottlenecks(tables, sizes)
         least_here = bottlenecks[-1][0]
         least = min(least, least_here)
@@ -303,7 +307,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
             best[weight] = min([best[weight], *(f.objective for f in found_here)])
             if weight == 1.0:
                 step_bound, complete = min(step_bound, bound), complete and done
-        if costs.schedule != "gpipe":  # 1F1B: improve the best splits found and the least-bottleneck ones
+        if not closed_form:  # 1F1B: improve the best splits found and the least-bottleneck ones
             starts = {
                 f.blocks: f for f in [*splits, *_bottleneck_splits(tables, bottlenecks, len(searched) - 1, costs)]
             }
@@ -313,11 +317,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     if not found:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     least_step = min(f.step for f in found)
-    if (
-        costs.schedule == "gpipe"
-        and least_step > step_bound * (1 + STEP_TOLERANCE)
-        and len(costs.order) <= LOCAL_MAX_NODES
-    ):
+    if closed_form and least_step > step_bound * (1 + STEP_TOLERANCE) and len(costs.order) <= LOCAL_MAX_NODES:
         # the search's objective fell short of the formula (stages of different forward shares): improve the
         # best splits of each search
         for group, (_, tables) in enumerate(searched):
@@ -338,7 +338,7 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         if len(seen) == FINALISTS:
             break
     assert plan is not None  # found is not empty
-    proven = complete and costs.schedule == "gpipe" and (device_order == "given" or every_order_searched(cluster))
+    proven = complete and closed_form and (device_order == "given" or every_order_searched(cluster))
     optimal = proven and plan.step_time_s <= step_bound * (1 + STEP_TOLERANCE) + 1e-15
     lower_bound = float(least) if device_order == "given" or every_order_searched(cluster) else costs.lower_bound_s()
     plan = dataclasses.replace(

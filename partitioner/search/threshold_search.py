@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from partitioner.cost import CostModel
+from partitioner.schedule import schedule_family
 from partitioner.search.bottleneck_dp import (
     Blocks,
     _blocks,
@@ -62,23 +63,18 @@ def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
     """The seconds per micro-batch a stage adds to the steady state (scalars or arrays alike).
 
     f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
-    GPipe runs all forwards, then all backwards: a forward phase paced by max(f, a) and a backward
-    phase paced by max(b, g). 1F1B alternates them: a period of f + b (each link paces its own way).
+    The schedule's own figure (``ScheduleFamily.period``): GPipe runs all forwards, then all backwards
+    (max(f, a) + max(b, g)); 1F1B alternates them (a period of f + b, each link pacing its own way).
     """
-    if schedule == "gpipe":
-        return np.maximum(f, a) + np.maximum(b, g)
-    return np.maximum(np.maximum(f + b, a), g)
+    return schedule_family(schedule).period(f, b, a, g)
 
 
 def _split_step(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
     """The simulated step of a split whose stages have ``figures`` (f, b, a, g) each, in pipeline order.
 
-    GPipe: a closed form. Each phase is a flow shop of M equal jobs whose machines are the stages and
-    the links in between, so it lasts the sum of their times plus M - 1 times the slowest:
-    sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
-
-    1F1B has no such form (a stage's warm-up forwards and its first backward wait on different stages):
-    the schedule is replayed on the figures (partitioner.simulate.chain_step), O(K M).
+    The schedule's closed form where it has one (``ScheduleFamily.closed_step``; GPipe's: each phase a
+    flow shop). 1F1B has none (a stage's warm-up forwards and its first backward wait on different
+    stages): the schedule is replayed on the figures (partitioner.simulate.chain_step), O(K M).
     """
     return _split_steps(schedule, num_microbatches, [figures])[0]
 
@@ -88,14 +84,10 @@ def _split_steps(
 ) -> list[float]:
     """:func:`_split_step` of each split of ``splits``; the 1F1B replays of splits with as many stages run together."""
     m = num_microbatches
-    if schedule == "gpipe":
-        steps = []
-        for figures in splits:
-            total = sum(f + b + a + g for f, b, a, g in figures)
-            forward = max(max(f, a) for f, _, a, _ in figures)
-            backward = max(max(b, g) for _, b, _, g in figures)
-            steps.append(total + (m - 1) * (forward + backward))
-        return steps
+    closed = [schedule_family(schedule).closed_step(m, figures) for figures in splits]  # None: no closed form
+    known = [step for step in closed if step is not None]
+    if len(known) == len(closed):
+        return known
     result = [0.0] * len(splits)
     by_count: dict[int, list[int]] = {}
     for index, figures in enumerate(splits):

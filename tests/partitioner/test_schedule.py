@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 from graphs import KIB, chain
 from hypothesis import given, settings
@@ -13,6 +16,7 @@ import partitioner as pt
 from partitioner.cost import CostModel, in_flight
 from partitioner.errors import InfeasiblePlanError, InputError, ScheduleError
 from partitioner.schedule import ACTION_KINDS, SCHEDULES, Action, Schedule
+from partitioner.simulate import chain_step
 
 SMALL = {"num_stages": st.integers(1, 4), "num_microbatches": st.integers(1, 8)}
 
@@ -366,3 +370,79 @@ def test_plan_saved_before_schedules_loads_as_gpipe_and_a_bad_schedule_is_corrup
     data["schedule"] = "zero-bubble"
     with pytest.raises(pt.PlanError, match=r"is corrupt: schedule 'zero-bubble' is not one of \('gpipe', '1f1b'\)"):
         pt.Plan.from_json(json.dumps(data))
+
+
+def _compared_schedule_names(root: Path) -> list[str]:
+    """``path:line`` of every comparison (==, !=, in, not in) with a schedule's name as a string constant,
+    alone or in a tuple, list or set, in the packages under ``root`` but partitioner/schedule.py."""
+    names = set(SCHEDULES)
+    found = []
+    for package in ("partitioner", "runtime", "profiles"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path == root / "partitioner" / "schedule.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Compare):
+                    continue
+                for operand in (node.left, *node.comparators):
+                    items = operand.elts if isinstance(operand, ast.Tuple | ast.List | ast.Set) else [operand]
+                    if any(isinstance(x, ast.Constant) and x.value in names for x in items):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(found)
+
+
+def test_schedule_names_are_compared_only_in_the_schedule_module() -> None:
+    """Planners, the cost model, the error messages and the runtime ask the schedule (ScheduleFamily,
+    Schedule.windows) for its facts; none branches on its name (a new schedule touches schedule.py only)."""
+    root = Path(pt.__file__).resolve().parent.parent
+    assert _compared_schedule_names(root) == []
+    probe = root / "partitioner" / "schedule.py"
+    assert probe.read_text().count('"gpipe"') > 0  # the names do live in the schedule module
+
+
+def test_schedule_names_finder_finds_a_comparison(tmp_path: Path) -> None:
+    """The finder above is not blind: it reports a comparison and an `in` test on a name."""
+    (tmp_path / "partitioner").mkdir()
+    (tmp_path / "partitioner" / "x.py").write_text(
+        'def f(s):\n    return s == "gpipe" or s in ("1f1b", "other")\n\n\ndef g(s):\n    return s != "1f1b"\n'
+    )
+    for package in ("runtime", "profiles"):
+        (tmp_path / package).mkdir()
+    assert _compared_schedule_names(tmp_path) == ["partitioner/x.py:2", "partitioner/x.py:2", "partitioner/x.py:6"]
+
+
+def test_schedule_family_owns_the_facts_planners_ask() -> None:
+    """Each named schedule answers the facts its name used to stand for: in flight per position, warm-up,
+    the period a stage adds, the closed form of the step (GPipe's, checked against the replay) and a floor."""
+    gpipe, one_f_one_b = pt.schedule_family("gpipe"), pt.schedule_family("1f1b")
+    assert [gpipe.in_flight(4, 8, s) for s in range(4)] == [8, 8, 8, 8]
+    assert [one_f_one_b.in_flight(4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [one_f_one_b.early_forwards(4, 8, t) for t in (1, 2, 3, 4)] == [3, 2, 1, 0]
+    assert gpipe.early_forwards(4, 8, 1) == 0
+    assert (gpipe.period(1.0, 2.0, 1.5, 0.5), one_f_one_b.period(1.0, 2.0, 1.5, 0.5)) == (3.5, 3.0)
+    figures = [(1.0, 2.0, 0.0, 0.0), (0.5, 3.0, 0.25, 0.125), (2.0, 1.0, 0.5, 0.5)]
+    columns = [np.array(column) for column in zip(*figures, strict=True)]
+    assert gpipe.closed_form and not one_f_one_b.closed_form
+    assert gpipe.closed_step(4, figures) == pytest.approx(float(chain_step("gpipe", 4, *columns)))
+    assert one_f_one_b.closed_step(4, figures) is None
+    assert gpipe.least_step(6.0, 2, 4) == 15.0 and one_f_one_b.least_step(6.0, 2, 4) == 12.0
+    assert "min(K - s, M)" in one_f_one_b.in_flight_rule(4) and "all M = 4" in gpipe.in_flight_rule(4)
+    with pytest.raises(InputError, match=r"schedule must be one of \('gpipe', '1f1b'\)\. Received: 'zb'"):
+        pt.schedule_family("zb")
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_named_schedules_run_with_their_in_flight_windows(name: str) -> None:
+    """Every named schedule is one the runtime's loop can follow; its windows are its in-flight counts."""
+    schedule = Schedule.make(name, 4, 6)
+    assert schedule.windows() == tuple(schedule.max_in_flight(s) for s in range(4))
+
+
+def test_custom_schedule_windows_refuse_orders_the_loop_cannot_follow() -> None:
+    """A custom order is runnable when its forwards go in micro-batch order and each waits for the
+    backward its window names; otherwise one InputError says which action breaks which rule."""
+    assert Schedule.parse("0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3").windows() == (3,)
+    with pytest.raises(InputError, match=r"stage 0 runs 0F2 before 0F1, but the runtime's loop runs each stage's"):
+        Schedule.parse("0: 0F0 0F2 0F1 0B0 0B1 0B2").windows()
+    with pytest.raises(InputError, match=r"stage 1 holds at most 2 micro-batch\(es\) in flight but runs 1F2 before"):
+        Schedule.parse("0: 0F0 0F1 0F2 0B1 0B0 0B2\n1: 1F0 1F1 1B1 1F2 1B0 1B2").windows()

@@ -97,3 +97,42 @@ def test_microbatches_overlap_up_to_the_schedules_bound(schedule: str, virtual_d
         assert most["first"] >= 3.0, most
     else:
         assert 1.0 <= most["first"] <= 2.0 and most["second"] == 1.0, most
+
+
+def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
+    """A custom schedule the loop can follow runs as written: stage 0 holds up to 3 micro-batches (more than
+    1F1B's 2, fewer than GPipe's 8), stage 1 one; the loop keeps to those windows, and one training step
+    gives the original model's loss and weights."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(64, activation="relu")(inputs)
+    h = InFlight(name="first")(keras.layers.Dense(64, activation="relu")(h))
+    h = keras.layers.Dense(1024, activation="relu")(h)  # a slow second stage: the first could run ahead
+    outputs = InFlight(name="second")(keras.layers.Dense(4)(h))
+    model = keras.Model(inputs, outputs)
+    first = ["0F0", "0F1", "0F2"] + [a for m in range(5) for a in (f"0B{m}", f"0F{m + 3}")] + ["0B5", "0B6", "0B7"]
+    second = [a for m in range(8) for a in (f"1F{m}", f"1B{m}")]
+    schedule = pt.Schedule.parse(f"0: {' '.join(first)}\n1: {' '.join(second)}")
+    assert schedule.name == "custom" and schedule.windows() == (3, 1)
+    graph = profile_model(model, batch_size=32, num_microbatches=8, measure_time=False)
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in virtual_devices[:2]])
+    plan = pt.baselines.uniform(graph, cluster, num_microbatches=8)
+    assert plan.num_stages == 2
+    wrapped = wrap(model, plan, validate=False, schedule=schedule)
+    assert wrapped.executor.schedule is schedule and wrapped.executor.windows() == [3, 1]
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for runner in (wrapped, reference):
+        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    loss = wrapped.train_on_batch(x, y)
+    expected = reference.train_on_batch(x, y)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    ours, theirs = wrapped.unwrap().trainable_weights, reference.trainable_weights  # the counters differ
+    assert len(ours) == len(theirs) == len(model.trainable_weights) == 8
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    counters = {clone.name: clone for _, clone in wrapped._state.rebuilt.origin if isinstance(clone, InFlight)}
+    most = {name: float(c.most.numpy()) for name, c in counters.items()}
+    assert 1.0 <= most["first"] <= 3.0 and most["second"] == 1.0, most

@@ -389,6 +389,32 @@ def test_bad_schedule_or_recompute_is_refused(option, message, virtual_devices) 
         wrap(model, _uniform_plan(model, virtual_devices), validate=False, **option)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (  # forwards out of micro-batch order
+            "0: 0F1 0F0 0F2 0F3 0B0 0B1 0B2 0B3\n1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3",
+            r"The runtime cannot run this custom schedule: stage 0 runs 0F1 before 0F0, but the runtime's loop "
+            r"runs each stage's forwards in micro-batch order",
+        ),
+        (  # at most 2 in flight on stage 0, but micro-batch 2's forward before micro-batch 0's backward
+            "0: 0F0 0F1 0B1 0F2 0B0 0F3 0B2 0B3\n1: 1F0 1F1 1B1 1B0 1F2 1B2 1F3 1B3",
+            r"stage 0 holds at most 2 micro-batch\(es\) in flight but runs 0F2 before 0B0",
+        ),
+        (  # a schedule for three stages on a plan of two
+            str(pt.Schedule.one_f_one_b(3, 4)),
+            r"The schedule is for K=3 stages and M=4 micro-batches, but the plan has K=2 stages and M=4",
+        ),
+    ],
+)
+def test_custom_schedule_the_loop_cannot_follow_is_refused(text, message, virtual_devices) -> None:
+    """A Schedule read from text runs only where the loop can follow its rows (Schedule.windows); any
+    other is one InputError that says why, before the model is rebuilt."""
+    model, _, _, _ = _model_and_data()
+    with pytest.raises(pt.InputError, match=message):
+        wrap(model, _uniform_plan(model, virtual_devices), validate=False, schedule=pt.Schedule.parse(text))
+
+
 def _deep_mlp() -> keras.Model:
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
