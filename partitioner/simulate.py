@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import heapq
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import networkx as nx
@@ -60,7 +60,8 @@ __all__ = [
     "simulate_assignment",
 ]
 
-SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient")
+# "allreduce": a stage's R with the same stage of the other replicas (plans with replicas), after its last action
+SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient", "allreduce")
 _PASSES = {"F": "forward", "B": "backward"}  # a schedule action's kind -> its span's kind
 
 
@@ -71,7 +72,7 @@ class Span:
     kind: str  # one of SPAN_KINDS
     resource: str  # a device name, or "sender -> receiver" for a transfer
     stage: int  # the stage computing, or the sending stage of a transfer
-    microbatch: int
+    microbatch: int  # -1 for an all-reduce: the whole step's gradients
     start_s: float
     end_s: float
 
@@ -145,8 +146,32 @@ def simulate(
         cost=plan.cost,
         schedule=plan.schedule,
     )
-    return simulate_assignment(
+    simulation = simulate_assignment(
         costs, plan.assignment, schedule=schedule, recompute=plan.recompute if recompute is None else recompute
+    )
+    return _with_reductions(simulation, plan.reduce_times) if plan.num_replicas > 1 else simulation
+
+
+def _with_reductions(simulation: Simulation, reduce_times: Mapping[str, float]) -> Simulation:
+    """``simulation`` with each stage's ``R`` (``Plan.reduce_times``: its gradients all-reduced with the same
+    stage of the other replicas) from the end of its device's last action; the step ends with the last."""
+    spans = []
+    for s, device in enumerate(simulation.stages):
+        seconds = reduce_times.get(device, 0.0)
+        if seconds > 0:
+            start = max((a.end_s for a in simulation.actions_on(device)), default=0.0)
+            spans.append(Span("allreduce", device, s, -1, start, start + seconds))
+    if not spans:
+        return simulation
+    timeline = sorted([*simulation.timeline, *spans], key=lambda a: (a.start_s, a.end_s, a.resource))
+    step = max(a.end_s for a in timeline)
+    idle = {name: step - busy for name, busy in simulation.busy_s.items()}
+    return replace(
+        simulation,
+        step_time_s=step,
+        idle_s=idle,
+        bubble_fraction=sum(idle.values()) / (len(idle) * step) if step > 0 else 0.0,
+        timeline=tuple(timeline),
     )
 
 

@@ -12,12 +12,13 @@ the cluster's devices (in its order) in one of two ways:
 
 (with D = 1 or K = 1 the two are one). Replica 0's devices are planned by :func:`choose` for B / D samples
 (M and the schedule chosen there too). Its step is that plan's simulated step (``partitioner.simulate``)
-with, after each stage's last action, the stage's ``R``: its weight gradients all-reduced with the same
-stage of the other replicas (``cost.allreduce_s``, a ring over the group's devices), so the step ends
-when the last ``R`` does. ``R`` does not overlap the stage's backward: the runtime runs it after the
-micro-batch loop (``runtime.train_step``), as this prices it. The replicas' stages run alike, so the
-step of replica 0 is the step. Memory is checked per device by the plan of replica 0 (every replica's
-devices hold the same); the all-reduce's own buffers are not priced yet (issue 21).
+with, after each stage's last action, the stage's ``R`` (an "allreduce" span of the simulator's
+timeline): its weight gradients all-reduced with the same stage of the other replicas
+(``cost.allreduce_s``, a ring over the group's devices), so the step ends when the last ``R`` does.
+``R`` does not overlap the stage's backward: the runtime runs it after the micro-batch loop
+(``runtime.train_step``), as this prices it. The replicas' stages run alike, so the step of replica 0
+is the step. Memory is checked per device by the plan of replica 0 (every replica's devices hold the
+same); the all-reduce's own buffers are not priced yet (issue 21).
 
 The candidate of the shortest step wins (ties: fewer replicas, then blocks). Its plan records the
 replicas' devices (``Plan.replica_devices``), each stage's ``R`` (``Plan.reduce_times``) and the step with
@@ -57,7 +58,7 @@ from typing import Any
 
 import networkx as nx
 
-from partitioner.cluster import Cluster, same_devices, subset
+from partitioner.cluster import Cluster, subset
 from partitioner.cost import allreduce_s
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
 from partitioner.graph import trainable_param_bytes
@@ -219,11 +220,9 @@ def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequ
         reduce_times[d] = allreduce_s(gradient_bytes, cluster, [group[position[d]] for group in groups])
     if len(groups) == 1:
         return dataclasses.replace(plan, reduce_times=reduce_times)
-    sub = same_devices(subset(cluster, groups[0]), plan.devices)
-    timeline = simulate(plan, graph, sub, schedule=plan.schedule).timeline
-    last = {d: max((span.end_s for span in timeline if span.resource == d), default=0.0) for d in plan.stages}
-    step = max([plan.step_time_s, *(last[d] + reduce_times[d] for d in plan.stages)])
-    return dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=reduce_times, step_time_s=step)
+    replicated = dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=reduce_times)
+    step = simulate(replicated, graph, subset(cluster, plan.devices)).step_time_s  # R priced by the simulator
+    return dataclasses.replace(replicated, step_time_s=step)
 
 
 def _rank(candidate: ReplicaCandidate) -> tuple[float, int, int]:

@@ -23,13 +23,15 @@ COLOURS = {
     "backward": "#DD8452",
     "send_activation": "#55A868",
     "send_gradient": "#C44E52",
+    "allreduce": "#8172B3",
 }
-SYMBOLS = {"forward": "F", "backward": "B", "send_activation": ">", "send_gradient": "<"}
+SYMBOLS = {"forward": "F", "backward": "B", "send_activation": ">", "send_gradient": "<", "allreduce": "R"}
 LABELS = {
     "forward": "forward",
     "backward": "backward",
     "send_activation": "activation sent",
     "send_gradient": "gradient sent",
+    "allreduce": "gradients all-reduced (R)",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,8 +54,12 @@ def test_small_weights_train_data_parallel_and_each_stage_pays_its_all_reduce() 
     assert (plan.num_replicas, plan.num_stages) == (4, 1)
     assert [group for group in plan.replica_devices] == [("/GPU:0",), ("/GPU:1",), ("/GPU:2",), ("/GPU:3",)]
     assert plan.reduce_times["/GPU:0"] == pytest.approx(allreduce_s(4 * 2**20, cluster, cluster.names))
-    pipeline = simulate(plan, choice.graph, pt.Cluster([cluster.devices[0]])).step_time_s
+    alone = dataclasses.replace(plan, replica_devices=(), reduce_times={})
+    pipeline = simulate(alone, choice.graph, pt.Cluster([cluster.devices[0]])).step_time_s
     assert plan.step_time_s == pytest.approx(pipeline + plan.reduce_times["/GPU:0"])
+    simulation = simulate(plan, choice.graph, pt.Cluster([cluster.devices[0]]))  # R is the simulator's action
+    (reduce,) = [span for span in simulation.timeline if span.kind == "allreduce"]
+    assert reduce.end_s == pytest.approx(simulation.step_time_s) == pytest.approx(plan.step_time_s)
     assert plan.status == "heuristic"  # M and the schedule chosen: no bound over every D
 
 
