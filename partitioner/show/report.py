@@ -275,7 +275,9 @@ def replica_note(choice: ReplicaChoice) -> str:
         else:
             lines.append(f"{what}: not tried (the number of replicas was fixed, or does not divide the batch).")
     lines.append(
-        "Each stage's all-reduce runs after its last backward (not overlapped), a ring paced by its slowest link."
+        "Each stage's all-reduce runs after its last backward (not overlapped), a ring paced by its slowest link. "
+        "The runtime runs each replica in one worker process on one machine (partitioner launch --workers D "
+        "--devices-per-worker K): a replica whose devices span machines is priced here, not yet run."
     )
     return "\n".join(lines)
 
