@@ -1,11 +1,15 @@
-"""The fence holds: only profiles/internals.py reaches Keras and TensorFlow internals. Reads source: no TensorFlow."""
+"""The fence holds: only profiles/internals.py reaches Keras and TensorFlow internals, and the installed
+Keras and TensorFlow are inside the range pyproject.toml states. Reads source and metadata: no TensorFlow."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from profiles.internals import PRIVATE_NAMES
 
@@ -84,3 +88,38 @@ def test_internals_the_check_finds_each_kind_of_reach(source, expected):
 
 def test_internals_the_check_leaves_the_projects_own_names_alone():
     assert reaches("import keras\nself._state = 1\nx = obj._memo\nlayer.call = f\nkeras.ops.copy(x)") == []
+
+
+def _stated_range(name: str) -> SpecifierSet:
+    """The one specifier set the [cpu] and [gpu] extras state for ``name`` (tensorflow: every TF package)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    requirements = [Requirement(r) for extra in ("cpu", "gpu") for r in extras[extra]]
+    stated = {str(r.specifier) for r in requirements if r.name.split("-")[0] == name}
+    assert len(stated) == 1, f"the extras state different ranges for {name}: {sorted(stated)}"
+    return SpecifierSet(stated.pop())
+
+
+def _installed_version(module: str) -> str:
+    """The version of the distribution that provides the importable ``module`` (keras; tensorflow comes as
+    tensorflow, tensorflow-cpu, ...)."""
+    distributions = importlib.metadata.packages_distributions().get(module, [])
+    assert distributions, f"no installed distribution provides {module!r}"
+    return importlib.metadata.version(distributions[0])
+
+
+@pytest.mark.parametrize(("name", "next_major"), [("keras", "4"), ("tensorflow", "3")])
+def test_internals_installed_versions_are_in_the_stated_range(name, next_major):
+    stated = _stated_range(name)
+    assert any(s.operator == "<" and s.version == next_major for s in stated), f"{name}: no bound below {next_major}"
+    installed = _installed_version(name)
+    assert stated.contains(installed, prereleases=True), (
+        f"{name} {installed} is installed, outside the tested range {stated} of pyproject.toml: install a version "
+        "inside it, or check profiles/internals.py against this one and widen the range"
+    )
+
+
+def test_internals_the_stated_range_leaves_out_keras_without_the_internals():
+    # Keras 3.3.3 has no keras.src.backend.set_keras_mask nor Layer._call_context_args (read in its wheel)
+    assert not _stated_range("keras").contains("3.3.3")
+    assert _stated_range("keras").contains("3.15.1")
