@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from profiles.internals import function_graph
+
 SOFTMAX_FLOPS_PER_ELEMENT = 5  # max, subtract, exp, sum, divide
 
 # Ops that move, reshape or describe data without arithmetic.
@@ -259,7 +261,7 @@ class _Folder:
     def _function(self, op: tf.Operation, name: str) -> float:
         if name not in self._memo:
             self._memo[name] = 0.0  # guards against recursion
-            body = _function_graph(op.graph, name) or _function_graph(self._root, name)
+            body = function_graph(op.graph, name) or function_graph(self._root, name)
             self._memo[name] = self.fold(body) if body is not None else 0.0
         return self._memo[name]
 
@@ -287,17 +289,6 @@ def live_ops(graph: tf.Graph) -> list[tf.Operation]:
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return [op for op in graph.get_operations() if op in live]
-
-
-def _function_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
-    try:
-        function = graph._get_function(name)
-    except (AttributeError, KeyError, ValueError):
-        return None
-    if function is None:
-        return None
-    body = getattr(function, "graph", None)
-    return body if isinstance(body, tf.Graph) else None
 
 
 def _trip_count(op: tf.Operation) -> int:

@@ -80,6 +80,7 @@ import networkx as nx
 from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError
 from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
+from profiles.internals import flatten_layers
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, Source, flatten_calls, functional_graph
@@ -455,10 +456,7 @@ def _model_compute_dtype(model: Any, dtype_flops: dict[str, float]) -> str:
 
 def _is_composite(operation: Any) -> bool:
     """True for a Layer that has sublayers (a block, an RNN and its cell)."""
-    flatten = getattr(operation, "_flatten_layers", None)
-    if flatten is None:
-        return False
-    return any(True for _ in flatten(include_self=False, recursive=False))
+    return bool(flatten_layers(operation, include_self=False, recursive=False))
 
 
 # Ops whose output shares its input's buffer: a saved tensor made by one is its input, counted once.

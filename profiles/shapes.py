@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.errors import InputError, ProfileError
+from profiles.internals import keras_history
 
 Shape = tuple[int | None, ...]  # a tensor's shape, the batch axis (axis 0) left as None
 InputShapes = Mapping[str, int | Sequence[int]] | Sequence[int | Sequence[int]]
@@ -38,7 +39,7 @@ HOW_TO_FIX = (
 
 def input_names(model: Any) -> list[str]:
     """Names of ``model``'s inputs in the order of ``model.inputs`` (the names of their InputLayers)."""
-    return [tensor._keras_history.operation.name for tensor in model.inputs]
+    return [keras_history(tensor).operation.name for tensor in model.inputs]
 
 
 def input_shapes(

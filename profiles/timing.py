@@ -23,6 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from partitioner.errors import InputError
+from profiles import internals
 
 
 def forward_backward_seconds(
@@ -112,12 +113,4 @@ def sync_device(device: str) -> None:
     Example:
         >>> sync_device("/CPU:0")                                                  # doctest: +SKIP
     """
-    try:  # what tf.test.experimental.sync_devices() does, for one device instead of all
-        from tensorflow.python.eager import context
-        from tensorflow.python.ops import gen_sync_ops
-    except ImportError:  # pragma: no cover - older or newer TensorFlow layouts
-        tf.test.experimental.sync_devices()
-        return
-    with tf.device(device):
-        gen_sync_ops.SyncDevice()
-    context.async_wait()
+    internals.sync_device(device)  # what tf.test.experimental.sync_devices() does, for one device

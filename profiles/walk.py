@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from partitioner.errors import ProfileError
+from profiles.internals import inbound_nodes, is_functional, nodes_by_depth, operation_order, sequential_graph
 
 
 class Source(NamedTuple):
@@ -62,7 +63,7 @@ def functional_graph(model: Any) -> Any:
             "and preprocess in the data pipeline, e.g. dataset.map(preprocessor)."
         )
     if isinstance(model, keras.Sequential):
-        functional = getattr(model, "_functional", None)
+        functional = sequential_graph(model)
         if functional is None:
             raise ProfileError(
                 f"Sequential model '{model.name}' is not built, so it has no layer graph yet. "
@@ -70,7 +71,7 @@ def functional_graph(model: Any) -> Any:
                 "keras.Input(shape=...)."
             )
         return functional
-    if not hasattr(model, "_nodes_by_depth"):
+    if not is_functional(model):
         raise ProfileError(
             f"Model '{model.name}' ({type(model).__name__}) is a subclassed keras.Model: it has no "
             "functional graph of layers to partition. Rebuild it with the functional API "
@@ -84,20 +85,17 @@ def _inner_graph(operation: Any) -> Any | None:
     """The Functional graph of a nested model, None for any other operation."""
     import keras
 
-    if isinstance(operation, keras.Sequential) or (
-        isinstance(operation, keras.Model) and hasattr(operation, "_nodes_by_depth")
-    ):
+    if isinstance(operation, keras.Sequential) or (isinstance(operation, keras.Model) and is_functional(operation)):
         return functional_graph(operation)
     return None
 
 
 def _ordered_nodes(functional: Any) -> Iterator[Any]:
     """Keras nodes from inputs to outputs: by decreasing depth, then Keras' operation order."""
-    rank = {id(op): i for i, op in enumerate(functional._operations)}
-    for depth in sorted(functional._nodes_by_depth, reverse=True):
+    rank = {id(op): i for i, op in enumerate(operation_order(functional))}
+    for _, nodes in sorted(nodes_by_depth(functional).items(), reverse=True):
         yield from sorted(
-            functional._nodes_by_depth[depth],
-            key=lambda n: (rank.get(id(n.operation), len(rank)), n.operation._inbound_nodes.index(n)),
+            nodes, key=lambda n: (rank.get(id(n.operation), len(rank)), inbound_nodes(n.operation).index(n))
         )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from partitioner.errors import ProfileError
+from profiles.internals import flatten_layers, open_name_scope_callers
 from runtime.devices import canonical
 
 
@@ -79,8 +80,7 @@ def _backbones(model: Any) -> list[Any]:
     hub = sys.modules.get("keras_hub")
     if hub is None:
         return []
-    # Layer._flatten_layers (private, Keras 3.0 to 3.15; rebuild.py reads it too): every layer inside, recursively
-    return [layer for layer in model._flatten_layers() if isinstance(layer, hub.models.Backbone)]
+    return [layer for layer in flatten_layers(model) if isinstance(layer, hub.models.Backbone)]
 
 
 def _rebuilds_from_config(layer: Any) -> bool:
@@ -113,14 +113,6 @@ def _variables_on_devices(device_of_layer: Mapping[str, str]) -> Iterator[None]:
 
 
 def _building_layer_names() -> list[str]:
-    """The names of the layers (and seed generators) whose name scopes are open, outermost first.
-
-    Keras 3 (3.0 to 3.15) keeps a stack of ``keras.src.backend.common.name_scope.name_scope`` entries in
-    its global state while a layer builds or is called (``Layer._open_name_scope``) and while a seed
-    generator makes its state; each entry's ``caller`` is the object that opened it. No public API
-    gives the stack: ``name_scope.current_path()`` joins the names only, losing which are layers.
-    """
-    from keras.src.backend.common import global_state  # private: see above
-
-    stack = global_state.get_global_attribute("name_scope_stack") or []
-    return [entry.caller.name for entry in stack if getattr(entry.caller, "name", None) is not None]
+    """The names of the layers (and seed generators) whose name scopes are open, outermost first
+    (``internals.open_name_scope_callers``)."""
+    return [caller.name for caller in open_name_scope_callers() if getattr(caller, "name", None) is not None]

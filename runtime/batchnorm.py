@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from partitioner.errors import InputError
+from profiles.internals import flatten_layers, reduction_axes
 
 BATCH_NORM = ("deferred", "per_microbatch")
 
@@ -63,7 +64,7 @@ def check_deferrable(nodes: Sequence[Any], num_microbatches: int) -> None:
                 found.append((operation, "uses renorm=True (its renormalization statistics move in every forward)"))
             elif node.arguments.kwargs.get("mask") is not None:
                 found.append((operation, "is called with a Keras mask"))
-        inner = operation._flatten_layers(include_self=False) if hasattr(operation, "_flatten_layers") else []
+        inner = flatten_layers(operation, include_self=False)
         inside = f"is inside layer '{operation.name}' ({type(operation).__name__})"
         found += [(layer, inside) for layer in inner if isinstance(layer, keras.layers.BatchNormalization)]
         for layer, reason in found:
@@ -90,7 +91,7 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
         (the normalised outputs, [mean, variance, number of values counted per channel]).
     """
     x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-    axes = layer._reduction_axes  # every axis but the layer's
+    axes = reduction_axes(layer)  # every axis but the layer's
     rank = len(x.shape)
     weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
     weights = tf.broadcast_to(weights, tf.shape(x))

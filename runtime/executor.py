@@ -32,10 +32,10 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend import set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.schedule import SCHEDULES, Schedule, schedule_for
+from profiles.internals import automatic_control_dependencies_off, output_structure, set_keras_mask
 from runtime.batchnorm import BATCH_NORM, check_deferrable
 from runtime.losses import weight_penalty
 from runtime.microbatches import Microbatches, collect, collector, take, whole
@@ -142,7 +142,7 @@ class Executor:
         specialised a copy of it for every micro-batch.)"""
         key = (loss_fn, scale_loss)
         if key not in self._loss_functions:
-            structure = self.model._outputs_struct
+            structure = output_structure(self.model)
 
             def microbatch_loss(
                 y: Any,
@@ -304,7 +304,7 @@ class Executor:
         if self.mask is not None:
             for output in outputs:
                 set_keras_mask(output, flat[-1])
-        return keras.tree.pack_sequence_as(self.model._outputs_struct, outputs)
+        return keras.tree.pack_sequence_as(output_structure(self.model), outputs)
 
     def train(
         self,
@@ -351,10 +351,5 @@ def _without_automatic_control_dependencies() -> Any:
     after it). TensorFlow has no public switch for this: the graph attribute ``while_v2`` reads is
     private (``tests/runtime/test_loop.py`` checks that micro-batches overlap).
     """
-    graph = tf.compat.v1.get_default_graph()
-    saved = graph._add_control_dependencies
-    graph._add_control_dependencies = False
-    try:
+    with automatic_control_dependencies_off():
         yield
-    finally:
-        graph._add_control_dependencies = saved

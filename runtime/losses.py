@@ -15,19 +15,24 @@ Keras' own loss of the micro-batch's rows, times a factor that depends on the en
 The entry's loss weight (``compile(loss_weights=...)``) multiplies it as Keras does. A masked output's
 loss is matched for the mean reductions only (the executor's correction to the batch's valid steps
 scales the whole loss). Keras' CompileLoss is read and, while a part is traced, its entries' weights
-changed: the only module that reaches into it (Keras 3.15).
+changed (``profiles.internals.loss_entries`` and ``scaled_loss_weights``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend import compute_output_spec, get_keras_mask  # what Keras' own trainer calls
 
 from partitioner.errors import InputError
+from profiles.internals import (
+    compute_output_spec,
+    get_keras_mask,
+    loss_entries,
+    regularization_losses,
+    scaled_loss_weights,
+)
 
 if TYPE_CHECKING:
     from runtime.stages import Stage
@@ -71,9 +76,9 @@ def microbatch_part(
     masked = any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred))
     factors = [
         _factor(entry, masked, sample_weight, share, weight_sums, num_replicas)
-        for entry in compile_loss._flat_losses  # Keras 3.15: (path, loss, loss_weights, name) per output loss
+        for entry in loss_entries(compile_loss)  # (path, loss, loss_weights, name) per output loss
     ]
-    with _weighted(compile_loss, factors):
+    with scaled_loss_weights(compile_loss, factors):  # per-output loss metrics: train_step, once per batch
         return compile_loss(y, y_pred, sample_weight)
 
 
@@ -121,27 +126,7 @@ def _entry_weights(entry: Any, structure: Any) -> Any:
     return structure
 
 
-@contextlib.contextmanager
-def _weighted(compile_loss: Any, factors: list[tf.Tensor]) -> Any:
-    """While a micro-batch's loss is traced, each entry's loss weight is multiplied by its factor, and
-    the per-output loss metrics are left alone (``PipelinedModel.train_step`` updates them once, from
-    the whole batch). Keras 3.15's CompileLoss.call multiplies each value by the loss weight of its
-    ``_flat_losses`` entry, and updates ``_metrics`` (one per entry, when there are several) with the
-    unweighted value."""
-    entries, metrics = compile_loss._flat_losses, compile_loss._metrics
-    compile_loss._flat_losses = [
-        entry._replace(loss_weights=factor if entry.loss_weights is None else factor * entry.loss_weights)
-        for entry, factor in zip(entries, factors)
-    ]
-    if metrics:
-        compile_loss._metrics = [None] * len(metrics)
-    try:
-        yield
-    finally:
-        compile_loss._flat_losses, compile_loss._metrics = entries, metrics
-
-
 def weight_penalty(stage: Stage) -> tf.Tensor | None:
     """The sum of the stage's weight regularizers' penalties (``kernel_regularizer`` ...), or None."""
-    terms = [t for op in stage.operations for t in getattr(op, "_get_regularization_losses", list)()]
+    terms = [t for op in stage.operations for t in regularization_losses(op)]
     return tf.cast(tf.add_n(terms), tf.float32) if terms else None

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from partitioner.errors import InputError
+from profiles.internals import backing_value, compile_config, set_weight_decay_function, weight_decay_function
 
 
 def updates_sparse_rows_linearly(optimizer: Any) -> bool:
@@ -64,10 +65,10 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
 
     Does nothing when ``source_model`` is not compiled.
     """
-    compiled = getattr(source_model, "compiled", False) and hasattr(source_model, "_compile_config")
-    if not compiled or source_model.optimizer is None:
+    kept = compile_config(source_model) if getattr(source_model, "compiled", False) else None
+    if kept is None or source_model.optimizer is None:
         return
-    destination_model.compile(**compile_arguments(source_model))
+    destination_model.compile(**compile_arguments(kept))
     optimizer = destination_model.optimizer
     if destination_model.built and not optimizer.built:  # as Keras' compile_from_config does
         optimizer.build(destination_model.trainable_variables)
@@ -75,8 +76,9 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
         copy_optimizer_state(source_model.optimizer, optimizer, pairs)
 
 
-def compile_arguments(model: Any) -> dict[str, Any]:
-    """The arguments ``model.compile`` was called with, for compiling another model the same way.
+def compile_arguments(kept: dict[str, Any]) -> dict[str, Any]:
+    """The arguments a model's ``compile`` was called with (``kept``: as Keras keeps them,
+    ``internals.compile_config``), for compiling another model the same way.
 
     The optimizer and the metric objects are made anew from their configs (they hold state); losses,
     strings and the user's functions are passed as they are. A round trip of the whole compile config
@@ -88,7 +90,7 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     """
     import keras
 
-    arguments = dict(model._compile_config.config)  # what Keras' compile keeps of its arguments (Keras 3.0 to 3.15)
+    arguments = dict(kept)
     optimizer = keras.saving.serialize_keras_object(arguments["optimizer"])
     arguments["optimizer"] = keras.saving.deserialize_keras_object(optimizer)
     for key in ("metrics", "weighted_metrics"):
@@ -132,7 +134,7 @@ def place_updates(optimizer: Any) -> None:
     if getattr(target, "_partitioner_placed", False):
         return
     update_step = target.update_step
-    apply_weight_decay = target._apply_weight_decay
+    apply_weight_decay = weight_decay_function(target)
 
     def placed_update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
         with tf.device(_device(variable)):
@@ -147,7 +149,7 @@ def place_updates(optimizer: Any) -> None:
                 apply_weight_decay(group)
 
     target.update_step = placed_update_step
-    target._apply_weight_decay = placed_weight_decay
+    set_weight_decay_function(target, placed_weight_decay)
     target._partitioner_placed = True
 
 
@@ -155,7 +157,7 @@ def _device(variable: Any) -> str:
     """The device of a Keras or TensorFlow variable ('' when it has none)."""
     device = getattr(variable, "device", None)
     if not isinstance(device, str):
-        device = getattr(getattr(variable, "_value", None), "device", "")
+        device = getattr(backing_value(variable), "device", "")
     return device or ""
 
 

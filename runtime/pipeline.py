@@ -25,10 +25,21 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
 from partitioner.plan import Plan
+from profiles.internals import (
+    compile_loss,
+    functional_class,
+    get_keras_mask,
+    initial_epoch,
+    loss_tracker,
+    run_through_graph,
+    set_initial_epoch,
+    set_keras_mask,
+    standardize_inputs,
+    takes_training,
+)
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import microbatch_part
@@ -56,7 +67,7 @@ class _State:
 
 def _call_fn(operation: Any, device: str, training: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
-        if training is not None and "training" in getattr(operation, "_call_context_args", {}):
+        if training is not None and takes_training(operation):
             kwargs["training"] = training
         with tf.device(device):
             return operation(*args, **kwargs)
@@ -155,15 +166,15 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def call(self, inputs: Any, training: Any = None) -> Any:
         staged = self.staged
         device_of = self._state.rebuilt.device_of
-        inputs = staged._standardize_inputs(inputs)
-        return staged._run_through_graph(inputs, operation_fn=lambda op: _call_fn(op, device_of[id(op)], training))
+        inputs = standardize_inputs(staged, inputs)
+        return run_through_graph(staged, inputs, operation_fn=lambda op: _call_fn(op, device_of[id(op)], training))
 
     def _flat_inputs(self, x: Any) -> list[tf.Tensor]:
-        return [tf.convert_to_tensor(t) for t in self.staged._standardize_inputs(x)]
+        return [tf.convert_to_tensor(t) for t in standardize_inputs(self.staged, x)]
 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
         return microbatch_part(
-            self._compile_loss, y, y_pred, sample_weight, share, weight_sums, self.options.num_replicas
+            compile_loss(self), y, y_pred, sample_weight, share, weight_sums, self.options.num_replicas
         )
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
@@ -254,9 +265,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
-            self._loss_tracker.update_state(loss, sample_weight=batch)
-            if self._compile_loss.metrics:  # each output's loss, logged as Keras does: once, on the whole batch
-                self._compile_loss(y, y_pred, sample_weight)
+            loss_tracker(self).update_state(loss, sample_weight=batch)
+            if compile_loss(self).metrics:  # each output's loss, logged as Keras does: once, on the whole batch
+                compile_loss(self)(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data: Any) -> Any:
@@ -269,7 +280,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
             # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
             # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
-            loss = None if self._compile_loss is None else self._compile_loss(y, y_pred, sample_weight)
+            loss = None if compile_loss(self) is None else compile_loss(self)(y, y_pred, sample_weight)
             if layer_loss is not None:
                 loss = layer_loss if loss is None else loss + tf.cast(layer_loss, loss.dtype)
             if loss is None:
@@ -284,7 +295,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         with tf.device(self._state.stages[-1]):
             if penalty is not None:
                 loss = loss + tf.cast(penalty, loss.dtype)
-            self._loss_tracker.update_state(loss, sample_weight=batch)
+            loss_tracker(self).update_state(loss, sample_weight=batch)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
@@ -369,8 +380,8 @@ class _StartTogether(keras.callbacks.Callback):  # type: ignore[misc]
     """The last callback of a fit with replicas: they take replica 0's state and first epoch."""
 
     def on_train_begin(self, logs: Any = None) -> None:
-        # Keras 3 (read on 3.15) reads ``_initial_epoch`` once, after on_train_begin; BackupAndRestore sets it there
-        self.model._initial_epoch = start_together(self.model, self.model._initial_epoch)
+        # Keras reads the first epoch once, after on_train_begin; BackupAndRestore sets it there
+        set_initial_epoch(self.model, start_together(self.model, initial_epoch(self.model)))
 
 
 def _weight_pairs(layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -393,9 +404,7 @@ def _copy_architecture(model: Any) -> Any:
     ``keras.models.clone_model``: a functional model of the same layers, each copied by
     ``clone_operation`` (a Lambda keeps the user's function), nested models likewise.
     """
-    from keras.src.models.functional import Functional
-
-    plain_classes = (keras.Model, Functional, keras.Sequential)
+    plain_classes = (keras.Model, functional_class(), keras.Sequential)
 
     def clone_model(model: Any) -> Any:
         with _uncompiled(model):

@@ -10,6 +10,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from profiles.internals import input_structure, output_structure
 from profiles.shapes import InputShapes
 from runtime.devices import canonical
 
@@ -73,7 +74,7 @@ def placement_report(model: Any) -> PlacementReport:
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.staged.inputs]
     import keras
 
-    struct = model.staged._inputs_struct  # a list, one tensor, or a dict (keras-hub models)
+    struct = input_structure(model.staged)  # a list, one tensor, or a dict (keras-hub models)
     forward = tf.function(lambda *xs: model(keras.tree.pack_sequence_as(struct, xs), training=False))
     graph = forward.get_concrete_function(*specs).graph
     counts: Counter[str] = Counter(canonical(op.device) for op in graph.get_operations() if op.device)
@@ -254,8 +255,8 @@ def synthetic_batch(
         return [like(t) for t in tensors] if len(tensors) > 1 else like(tensors[0])
 
     return (
-        pack(functional._inputs_struct, list(functional.inputs)),
-        pack(functional._outputs_struct, list(functional.outputs)),
+        pack(input_structure(functional), list(functional.inputs)),
+        pack(output_structure(functional), list(functional.outputs)),
     )
 
 

@@ -18,6 +18,14 @@ import keras
 import tensorflow as tf
 
 from partitioner.errors import InputError
+from profiles.internals import (
+    clear_losses,
+    embedding_calls_observed,
+    flatten_layers,
+    own_losses,
+    seed_generators,
+    takes_training,
+)
 from runtime.batchnorm import is_plain_batch_norm, normalize, update_moving_statistics
 from runtime.stages import Stage
 
@@ -26,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def _call_context(operation: Any, kwargs: dict[str, Any], training: bool) -> None:
-    if "training" in getattr(operation, "_call_context_args", {}):
+    if takes_training(operation):
         kwargs["training"] = training
 
 
@@ -34,9 +42,8 @@ def _seed_generators(operations: Sequence[Any]) -> list[Any]:
     """Every seed generator (of dropout and other random layers) of the operations, each once."""
     found: dict[int, Any] = {}
     for operation in operations:
-        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
-        for layer in layers:
-            for generator in getattr(layer, "_seed_generators", []):
+        for layer in flatten_layers(operation):
+            for generator in seed_generators(layer):
                 found.setdefault(id(generator.state), generator)
     return list(found.values())
 
@@ -48,8 +55,7 @@ def xla_blockers(stage: Stage) -> list[str]:
     UnimplementedError). ``compile(jit_compile=True)`` leaves such a stage uncompiled and compiles the rest."""
     found = []
     for operation in stage.operations:
-        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else [operation]
-        if any(isinstance(layer, keras.layers.RNN) for layer in layers):
+        if any(isinstance(layer, keras.layers.RNN) for layer in flatten_layers(operation)):
             found.append(operation.name)
     return found
 
@@ -212,8 +218,8 @@ class StageProgram:
         itself ``unsplittable`` (training and evaluation then refuse)."""
         terms: list[tf.Tensor] = []
         if isinstance(operation, keras.layers.Layer):
-            added = [x for layer in operation._flatten_layers(include_self=True) for x in layer._get_own_losses()]
-            operation._clear_losses()  # the tensors belong to this function's graph: leave none behind
+            added = [x for layer in flatten_layers(operation) for x in own_losses(layer)]
+            clear_losses(operation)  # the tensors belong to this function's graph: leave none behind
             if added and self.num_parts > 1:
                 self.unsplittable[kind] = operation.name
             elif added:
@@ -299,7 +305,7 @@ class StageProgram:
         kept = {
             id(w.value)
             for op in self.stage.operations
-            for layer in (op._flatten_layers() if hasattr(op, "_flatten_layers") else [op])
+            for layer in flatten_layers(op)
             if id(layer) in self.normalized
             for w in layer.non_trainable_weights
         }
@@ -370,30 +376,24 @@ def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor]) -> Any
     embedding's ``arange``: every micro-batch looks up the same rows, which the batch's gradient has
     once, summed) or "unclear" (neither: the runtime cannot tell how the batch's rows would come).
 
-    ``Embedding.call`` is replaced on the class while the trace runs (Keras 3.15 calls ``self.call``
-    from ``Layer.__call__``; subclasses that look rows up call it through ``super()``): no public hook
-    sees a lookup inside a layer of the user's.
+    ``internals.embedding_calls_observed`` sees each call: no public hook sees a lookup inside a layer
+    of the user's.
     """
     rows = next((t.shape[0] for t in arguments if t.shape.rank), None)
-    original = keras.layers.Embedding.call
 
-    def call(layer: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def observe(layer: Any, inputs: Any) -> None:
         ids = tf.convert_to_tensor(inputs)
         per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
         computed = _computed_from(ids, arguments)
         how = "batched" if per_sample and computed else "shared" if not (per_sample or computed) else "unclear"
         found.setdefault(id(layer.embeddings), []).append(how)
-        return original(layer, inputs, *args, **kwargs)
 
     if rows is None:  # a trace for another micro-batch size: the first one's record stands
         yield
         return
     found.clear()
-    keras.layers.Embedding.call = call
-    try:
+    with embedding_calls_observed(observe):
         yield
-    finally:
-        keras.layers.Embedding.call = original
 
 
 def _computed_from(tensor: tf.Tensor, arguments: Sequence[tf.Tensor]) -> bool:

@@ -25,6 +25,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner.errors import PlanError, ProfileError
+from profiles.internals import (
+    flatten_layers,
+    inbound_nodes,
+    input_structure,
+    keras_history,
+    keras_mask,
+    lambda_output_shape,
+    output_structure,
+    seed_generators,
+    set_keras_mask,
+    unsafe_deserialization,
+)
 from profiles.walk import LayerCall, flatten_calls, functional_graph
 from runtime.backbones import backbone_layers
 
@@ -130,8 +142,8 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         source = sources[id(tensor)]
         return produced[source.call][source.output]
 
-    inputs = keras.tree.map_structure(new_tensor, functional._inputs_struct)
-    outputs = keras.tree.map_structure(new_tensor, functional._outputs_struct)
+    inputs = keras.tree.map_structure(new_tensor, input_structure(functional))
+    outputs = keras.tree.map_structure(new_tensor, output_structure(functional))
     _check_output_masks(model.name, keras.tree.flatten(outputs))
     outputs = keras.tree.map_structure(masks.output, outputs)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
@@ -162,21 +174,22 @@ class _Masks:
         """Records a new tensor of the flat graph and places the ops of its mask on ``device``."""
         self.known.add(id(tensor))
         self.device[id(tensor)] = device
-        pending = [tensor._keras_mask] if getattr(tensor, "_keras_mask", None) is not None else []
+        own = keras_mask(tensor)
+        pending = [] if own is None else [own]
         while pending:
             mask = pending.pop()
             if id(mask) in self.known:
                 continue
             self.known.add(id(mask))
-            history = getattr(mask, "_keras_history", None)
+            history = keras_history(mask)
             if history is None or history.operation is None:
                 continue
             self.device_of.setdefault(id(history.operation), device)
-            pending.extend(history.operation._inbound_nodes[history.node_index].input_tensors)
+            pending.extend(inbound_nodes(history.operation)[history.node_index].input_tensors)
 
     def carried(self, tensor: Any, device: str) -> Any:
         """``tensor`` as a call on ``device`` reads it: with its mask set again if it crosses devices."""
-        mask = getattr(tensor, "_keras_mask", None)
+        mask = keras_mask(tensor)
         if mask is None or self.device.get(id(tensor), device) == device:
             return tensor
         return self._carry(tensor, mask, device)
@@ -185,7 +198,7 @@ class _Masks:
         """A model output as the flat model returns it: a masked one through a carrier on its own device,
         which takes the mask as an argument, so the mask's ops are nodes of the flat graph (a stage can
         return the mask, and the loss read it) even where no layer of the model reads it."""
-        mask = getattr(tensor, "_keras_mask", None)
+        mask = keras_mask(tensor)
         return tensor if mask is None else self._carry(tensor, mask, self.device[id(tensor)])
 
     def _carry(self, tensor: Any, mask: Any, device: str) -> Any:
@@ -219,8 +232,6 @@ def _mask_carrier_class() -> type:
             self.supports_masking = True
 
         def call(self, inputs: Any, mask: Any) -> Any:
-            from keras.src.backend import set_keras_mask  # what Keras' own layers call
-
             outputs = keras.ops.copy(inputs)
             set_keras_mask(outputs, mask)
             return outputs
@@ -240,10 +251,10 @@ def _check_output_masks(model_name: str, outputs: list[Any]) -> None:
     no mask symbolically, but at run time it carries the mask of the layer that made it, and so does
     the flat graph's tensor.
     """
-    masks = [getattr(t, "_keras_mask", None) for t in outputs]
+    masks = [keras_mask(t) for t in outputs]
     if all(m is None for m in masks) or all(m is masks[0] for m in masks):
         return
-    names = [t._keras_history[0].name for t in outputs]
+    names = [keras_history(t).operation.name for t in outputs]
     masked = [n for n, m in zip(names, masks) if m is not None]
     raise ProfileError(
         f"Model '{model_name}' returns the masked output(s) {masked} among the outputs {names}, with "
@@ -295,7 +306,7 @@ def clone_operation(operation: Any, name: str) -> Any:
         config["name"] = name
         return keras.layers.Lambda(
             operation.function,
-            output_shape=operation._output_shape,
+            output_shape=lambda_output_shape(operation),
             mask=operation.mask,
             arguments=operation.arguments,
             **config,
@@ -345,10 +356,9 @@ def user_code(operation: Any) -> Iterator[None]:
     very function, where no other function there has its name (else Keras looks the name up in its
     registry, as it does when loading a file)."""
     import keras
-    from keras.src.saving.serialization_lib import SafeModeScope  # no public scope for this (Keras 3.0 to 3.15)
 
     functions = {key: named[0] for key, named in _functions_by_name(operation).items() if len(named) == 1}
-    with SafeModeScope(False), keras.saving.custom_object_scope(functions):
+    with unsafe_deserialization(), keras.saving.custom_object_scope(functions):
         yield
 
 
@@ -360,7 +370,7 @@ def _functions_by_name(operation: Any) -> dict[str, list[Any]]:
     import keras
 
     by_name: dict[str, list[Any]] = {}
-    for layer in _layers(operation):
+    for layer in flatten_layers(operation):
         for value in vars(layer).values():
             if (
                 isinstance(value, types.FunctionType)
@@ -374,19 +384,14 @@ def _functions_by_name(operation: Any) -> dict[str, list[Any]]:
     return by_name
 
 
-def _layers(operation: Any) -> list[Any]:
-    """The layer and every layer inside it, in Keras' order (a Keras op: itself)."""
-    return list(operation._flatten_layers()) if hasattr(operation, "_flatten_layers") else [operation]
-
-
 def seed_states(operation: Any) -> list[Any]:
     """The state variables of the seed generators (dropout and other random layers) in a layer, in order."""
-    return [generator.state for layer in _layers(operation) for generator in getattr(layer, "_seed_generators", [])]
+    return [generator.state for layer in flatten_layers(operation) for generator in seed_generators(layer)]
 
 
 def _keeps_state(operation: Any) -> bool:
     """True iff ``operation`` or a layer in it adapts to data or saves assets (see ``copy_weights``)."""
-    return any(hasattr(layer, "finalize_state") or hasattr(layer, "save_assets") for layer in _layers(operation))
+    return any(hasattr(layer, "finalize_state") or hasattr(layer, "save_assets") for layer in flatten_layers(operation))
 
 
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
@@ -404,7 +409,7 @@ def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
     """
     for source, destination in pairs:
         destination.set_weights(source.get_weights())
-        sources, destinations = _layers(source), _layers(destination)
+        sources, destinations = flatten_layers(source), flatten_layers(destination)
         if len(sources) != len(destinations):
             raise ProfileError(
                 f"Cannot copy the state of '{source.name}' into '{destination.name}': they hold "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partitioner.errors import PlanError
+from profiles.internals import keras_mask, nodes_by_depth
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Stage:
 
 def output_masks(model: Any) -> list[Any]:
     """The distinct Keras masks the flat model's outputs carry (symbolic tensors of its graph), in order."""
-    masks = [getattr(t, "_keras_mask", None) for t in model.outputs]
+    masks = [keras_mask(t) for t in model.outputs]
     return list({id(m): m for m in masks if m is not None}.values())
 
 
@@ -59,8 +60,8 @@ def cut_stages(model: Any, device_of: dict[int, str], devices: Sequence[str]) ->
     producer: dict[int, int] = {id(t): -1 for t in model.inputs}  # id(tensor) -> stage producing it (-1: input)
     ordered = [
         node
-        for depth in sorted(model._nodes_by_depth, reverse=True)
-        for node in model._nodes_by_depth[depth]
+        for depth, at_depth in sorted(nodes_by_depth(model).items(), reverse=True)
+        for node in at_depth
         if node.operation is not None and not node.is_input
     ]
     nodes: list[list[Any]] = [[] for _ in devices]

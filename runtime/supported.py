@@ -49,9 +49,9 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import get_keras_mask, set_keras_mask  # what Keras' own layers call
 
 from partitioner.errors import InputError
+from profiles.internals import clear_losses, get_keras_mask, set_keras_mask, takes_training
 from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, flatten_calls, functional_graph
@@ -181,7 +181,7 @@ class _Probe:
     def _call(self, call: LayerCall, values: dict[int, Any], half: int | None = None) -> list[Any]:
         args, kwargs = call.node.arguments.fill_in(values)
         operation = call.operation
-        if "training" in getattr(operation, "_call_context_args", {}):
+        if takes_training(operation):
             kwargs["training"] = False
         try:
             outputs = operation(*args, **kwargs)
@@ -196,7 +196,7 @@ class _Probe:
             ) from err
         finally:
             if isinstance(operation, keras.layers.Layer):
-                operation._clear_losses()  # the losses it added on probe data: leave none behind
+                clear_losses(operation)  # the losses it added on probe data: leave none behind
         return list(keras.tree.flatten(outputs))
 
     def _part(self, value: _Value, half: int) -> Any:

@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from partitioner.errors import InputError
+from profiles.internals import flatten_layers
 from runtime.batchnorm import combine, update_moving_statistics
 from runtime.losses import weight_penalty
 from runtime.microbatches import Microbatches, collect, collector, take, unstacked
@@ -434,7 +435,7 @@ def _embeddings(stage: Stage) -> list[int]:
     tables = {
         id(layer.embeddings)
         for op in stage.operations
-        for layer in (op._flatten_layers() if hasattr(op, "_flatten_layers") else [op])  # inside a layer too
+        for layer in flatten_layers(op)  # inside a layer too
         if isinstance(layer, keras.layers.Embedding)
     }
     return [i for i, v in enumerate(stage.trainable_variables) if id(v) in tables]

@@ -338,9 +338,9 @@ def matmuls_per_device(runner: Any, data: tuple[Any, Any]) -> dict[str, int]:
     placed on each device (forward and backward), from the step function's partition graphs."""
     from collections import Counter
 
-    from tensorflow.python.eager import context  # run metadata: the graphs of functions placed meanwhile
+    from profiles.internals import eager_context  # run metadata: the graphs of functions placed meanwhile
 
-    ctx = context.context()
+    ctx = eager_context()
     ctx.enable_run_metadata()
     try:
         runner.train_on_batch(*data)
