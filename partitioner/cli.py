@@ -10,6 +10,7 @@
     partitioner plan profile.json --cluster 4xA100-nvlink --batch-size 256 --micro-batches auto --schedule auto
     partitioner placement ResNet50 --devices 2 --input-size 64                  # where one step's ops ran
     partitioner profile InceptionV3 --batch-size 64 --out profile.json
+    partitioner calibrate --devices 2 --out cluster.json                     # measure the local devices
 
 Errors print one line on stderr, never a traceback: what happened, what was expected, how to fix it.
 The exit status is 2 for what the user can fix (arguments, files, a model that does not load or
@@ -182,6 +183,18 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-dir", help="write each worker's output to DIR/worker-<i>.log as well")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- then the command each worker runs")
 
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure the local devices (the GPUs, else logical CPU devices) and write a cluster file to keep and "
+        "edit: FLOP/s, the fixed cost of a pass, the bandwidth between two devices, memory; each with its source",
+    )
+    calibrate.add_argument(
+        "--devices", type=int, default=2, help="number of local devices (logical CPU devices if needed) (default: 2)"
+    )
+    calibrate.add_argument("--memory", help="memory per device, e.g. 8GiB (default: a GPU's limit, or RAM / N)")
+    calibrate.add_argument("--out", required=True, help="the cluster JSON file to write")
+    _add_traceback_option(calibrate)
+
     profile = commands.add_parser("profile", help="profile a model into a layer graph JSON")
     profile.add_argument("model", help=model_help)
     _add_profile_options(profile)
@@ -247,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "launch":
         return _launch(args)
-    if not (args.command == "plan" and args.model.endswith(".json")):  # a profile .json brings its own
+    modelled = args.command != "calibrate"  # calibrate has no model; a profile .json brings its own batch
+    if modelled and not (args.command == "plan" and args.model.endswith(".json")):
         args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
         args.micro_batches = DEFAULT_MICROBATCHES if args.micro_batches is None else args.micro_batches
     err = Console(stderr=True)
@@ -256,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args, err)
         if args.command == "placement":
             return _placement(args, err)
+        if args.command == "calibrate":
+            return _calibrate(args, err)
         return _profile(args, err)
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -271,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         _print_error(
             err,
-            f"'partitioner {args.command} {args.model}' failed inside keras-partitioner or Keras: "
+            f"'{_command(args)}' failed inside keras-partitioner or Keras: "
             f"{type(error).__name__}: {_one_line(error)}. This is a bug or a model this version does not support; "
             "rerun with --traceback to see where, and report it with the model.",
         )
@@ -295,6 +311,11 @@ def _launch(args: argparse.Namespace) -> int:
     except InputError as error:
         _print_error(Console(stderr=True), str(error))
         return 2
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command as the user typed its first words: 'partitioner plan ResNet50', 'partitioner calibrate'."""
+    return " ".join(("partitioner", args.command, *([args.model] if getattr(args, "model", None) else [])))
 
 
 def _print_error(err: Console, message: str) -> None:
@@ -343,7 +364,9 @@ def _require_tensorflow(args: argparse.Namespace) -> None:
         import tensorflow  # noqa: F401
     except ImportError as error:
         raise InputError(
-            f"'partitioner {args.command} {args.model}' builds a Keras model, which needs TensorFlow and Keras 3, "
+            f"'{_command(args)}' "
+            + ("measures devices with TensorFlow" if args.command == "calibrate" else "builds a Keras model")
+            + ", which needs TensorFlow and Keras 3, "
             f"but they cannot be imported here ({error}). Install them with {INSTALL_HINT}, "
             "or plan from a profile .json written by 'partitioner profile' on a machine that has them."
         ) from error
@@ -668,6 +691,49 @@ def _placement(args: argparse.Namespace, err: Console) -> int:
         )
     )
     return 0 if report.ok and ran.ok else 1
+
+
+CALIBRATION_SIZES = (256, 1024)  # the sides of the matmuls timed for the table; local_cluster uses 1024 (CPU)
+
+
+def _calibrate(args: argparse.Namespace, err: Console) -> int:
+    """``partitioner calibrate``: measures the local devices, writes the cluster file, prints what it measured."""
+    import json
+
+    _require_tensorflow(args)
+    from runtime import make_virtual_devices
+
+    make_virtual_devices(args.devices)  # before TensorFlow initialises; the GPUs or CPU split in N
+    from profiles.local import local_cluster_and_sources, measure_flops_per_s
+
+    with err.status(f"measuring {args.devices} local devices ..."):
+        cluster, sources = local_cluster_and_sources(args.devices, memory=args.memory)
+        first = cluster.names[0]
+        rates = {side: measure_flops_per_s(first, size=side) for side in CALIBRATION_SIZES}
+    sources["flops_per_s"] += "; by side: " + ", ".join(
+        f"{side}: {rate / 1e9:.1f} GFLOP/s" for side, rate in rates.items()
+    )
+    data = {**cluster.to_dict(), "source": sources}
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    device = cluster.devices[0]
+    link = cluster.bandwidth(0, 1) if cluster.num_devices > 1 else None
+    rows = [
+        ("memory_bytes", f"{device.memory_bytes / 2**30:.2f} GiB per device"),
+        ("flops_per_s", f"{device.flops_per_s / 1e9:.1f} GFLOP/s"),
+        ("action_overhead_s", f"{device.action_overhead_s * 1e6:.1f} µs per forward or backward of a stage"),
+        ("bandwidth_bytes_per_s", "no link (one device)" if link is None else f"{link / 1e9:.1f} GB/s"),
+    ]
+    from rich.table import Table
+
+    table = Table(title=f"{escape(cluster.name)}: {', '.join(cluster.names)}")
+    for column in ("field", "value", "source"):
+        table.add_column(column)
+    for name, value in rows:
+        table.add_row(name, value, escape(sources[name]))
+    out = _stdout()
+    out.print(table)
+    out.print(f"cluster written to {args.out}: plan with --cluster {args.out}", highlight=False, markup=False)
+    return 0
 
 
 def _profile(args: argparse.Namespace, err: Console) -> int:

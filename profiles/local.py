@@ -8,8 +8,17 @@ Where the numbers come from::
                       ``memory``, else a ClusterError               RAM split evenly over the devices
     flops_per_s       ``flops_per_s``, else measured once with a float32 matmul on the first device
                       (:func:`measure_flops_per_s`) and used for all of them
-    bandwidth         ``bandwidth``, else DEFAULT_BANDWIDTH (50 GB/s, about PCIe 4.0 x16): a
-                      documented constant, not measured; pass the real figure for NVLink or networks
+    bandwidth         ``bandwidth``, else measured once between the first two devices (a copy,
+                      :func:`profiles.calibrate.measure_bandwidth`); with ``calibrate=False`` or one
+                      device, DEFAULT_BANDWIDTH (50 GB/s, about PCIe 4.0 x16), a documented constant
+    action_overhead_s ``action_overhead_s``, else measured once on the first device (a ``_noinline``
+                      call from a loop, alternating with the second device where there is one:
+                      :func:`profiles.calibrate.measure_action_overhead_s`); 0 with ``calibrate=False``
+
+:func:`local_cluster_and_sources` also says where each figure came from (what ``partitioner calibrate``
+writes into the cluster file). Calibration is the default where a figure is not given: without the fixed
+cost of a pass, ``num_microbatches="auto"`` sees more micro-batches as always faster and picks the most;
+measuring costs a fraction of a second, once per process.
 
 Example:
     >>> from profiles.local import local_cluster                        # doctest: +SKIP
@@ -27,6 +36,7 @@ import tensorflow as tf
 
 from partitioner.cluster import DEFAULT_BANDWIDTH, Cluster, Device
 from partitioner.errors import ClusterError, InputError
+from profiles.calibrate import measure_action_overhead_s, measure_bandwidth
 from profiles.timing import sync_device
 
 _MEASURED: dict[tuple[str, int, str], float] = {}  # (device, size, dtype) -> FLOP/s, once per process
@@ -38,8 +48,9 @@ def local_cluster(
     memory: int | float | str | None = None,
     flops_per_s: float | str | None = None,
     bandwidth: Any = None,
-    action_overhead_s: float = 0.0,
+    action_overhead_s: float | None = None,
     names: list[str] | None = None,
+    calibrate: bool = True,
 ) -> Cluster:
     """Returns a cluster of TensorFlow's local logical devices: the GPUs if any, else the CPUs.
 
@@ -50,10 +61,12 @@ def local_cluster(
         memory: bytes per device (a number or a string like "16GiB"). Required for GPUs that
             have no virtual-device memory limit; overrides the RAM split on CPUs.
         flops_per_s: FLOP/s of every device; measured per device with a matmul when None.
-        bandwidth: bytes/s of every link (anything ``partitioner.Cluster`` accepts); the
-            documented constant ``DEFAULT_BANDWIDTH`` (50 GB/s) when None.
+        bandwidth: bytes/s of every link (anything ``partitioner.Cluster`` accepts); measured between
+            the first two devices when None (``DEFAULT_BANDWIDTH``, 50 GB/s, without calibration).
         action_overhead_s: every device's fixed seconds per forward or backward of a stage
-            (``partitioner.Device``); 0, none, unless given.
+            (``partitioner.Device``); measured when None (0 without calibration).
+        calibrate: measure the bandwidth and the fixed cost of a pass where they are not given
+            (FLOP/s are measured either way).
 
     Returns:
         A ``partitioner.Cluster`` whose device names are TensorFlow's, e.g. '/device:GPU:0'.
@@ -69,6 +82,37 @@ def local_cluster(
         >>> [d.memory_bytes for d in local_cluster().devices]                   # doctest: +SKIP
         [1073741824, 1073741824]
     """
+    return local_cluster_and_sources(
+        num_devices,
+        memory=memory,
+        flops_per_s=flops_per_s,
+        bandwidth=bandwidth,
+        action_overhead_s=action_overhead_s,
+        names=names,
+        calibrate=calibrate,
+    )[0]
+
+
+def local_cluster_and_sources(
+    num_devices: int | None = None,
+    *,
+    memory: int | float | str | None = None,
+    flops_per_s: float | str | None = None,
+    bandwidth: Any = None,
+    action_overhead_s: float | None = None,
+    names: list[str] | None = None,
+    calibrate: bool = True,
+) -> tuple[Cluster, dict[str, str]]:
+    """``local_cluster``, and where each of its figures came from: {field: "measured: ..." or "given" or ...}.
+
+    The fields are those of the cluster file: ``memory_bytes``, ``flops_per_s``, ``action_overhead_s``,
+    ``bandwidth_bytes_per_s``. ``partitioner calibrate`` writes the mapping into the file as ``source``.
+
+    Example:
+        >>> cluster, sources = local_cluster_and_sources(2)                      # doctest: +SKIP
+        >>> sources["action_overhead_s"]                                         # doctest: +SKIP
+        'measured: median of a _noinline call from a loop on /device:CPU:0, alternating with /device:CPU:1'
+    """
     gpus = tf.config.list_logical_devices("GPU")
     kind = "GPU" if gpus else "CPU"
     if names is None:
@@ -83,23 +127,46 @@ def local_cluster(
                 "tf.config.set_logical_device_configuration before TensorFlow initialises."
             )
         names = names[:num_devices]
+    sources: dict[str, str] = {}
     if kind == "GPU":
         memories = _gpu_memories(names, memory)
+        sources["memory_bytes"] = "the virtual devices' memory_limit, else given"
     else:
         per_device = memory if memory is not None else _ram_bytes() // len(names)
         memories = [per_device] * len(names)
+        sources["memory_bytes"] = "given" if memory is not None else f"the machine's RAM split over {len(names)}"
     # Measured once, on the first device: logical devices share their physical device, and one
     # figure for all keeps plans from changing with timing noise between runs.
-    speed = flops_per_s if flops_per_s is not None else measure_flops_per_s(names[0])
+    first, peer = names[0], (names[1] if len(names) > 1 else None)
+    if flops_per_s is None:
+        flops_per_s = measure_flops_per_s(first)
+        side = 1024 if kind == "CPU" else 4096
+        sources["flops_per_s"] = f"measured: float32 matmul {side} x {side} on {first}, best of 3"
+    else:
+        sources["flops_per_s"] = "given"
+    if action_overhead_s is None and calibrate:
+        action_overhead_s = measure_action_overhead_s(first, peer=peer)
+        sources["action_overhead_s"] = f"measured: median of a _noinline call from a loop on {first}" + (
+            f", alternating with {peer}" if peer else ""
+        )
+    elif action_overhead_s is None:
+        action_overhead_s = 0.0
+        sources["action_overhead_s"] = "none: not calibrated"
+    else:
+        sources["action_overhead_s"] = "given"
+    if bandwidth is None and calibrate and peer is not None:
+        bandwidth = measure_bandwidth(first, peer)
+        sources["bandwidth_bytes_per_s"] = f"measured: copy of 16 MiB from {first} to {peer}, less a tiny one's"
+    elif bandwidth is None:
+        bandwidth = DEFAULT_BANDWIDTH
+        sources["bandwidth_bytes_per_s"] = "DEFAULT_BANDWIDTH, a documented constant (50 GB/s, about PCIe 4.0 x16)"
+    else:
+        sources["bandwidth_bytes_per_s"] = "given"
     devices = [
-        Device(name, memory=size, flops_per_s=speed, action_overhead_s=action_overhead_s)
+        Device(name, memory=size, flops_per_s=flops_per_s, action_overhead_s=action_overhead_s)
         for name, size in zip(names, memories, strict=True)
     ]
-    return Cluster(
-        devices,
-        bandwidth=DEFAULT_BANDWIDTH if bandwidth is None else bandwidth,
-        name=f"local {len(devices)}x {kind}",
-    )
+    return Cluster(devices, bandwidth=bandwidth, name=f"local {len(devices)}x {kind}"), sources
 
 
 def measure_flops_per_s(

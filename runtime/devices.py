@@ -7,7 +7,7 @@ from typing import Any
 
 from partitioner.cluster import Cluster, Device, canonical_device_name
 from partitioner.errors import ClusterError, InputError
-from runtime.workers import local_task
+from runtime.workers import current_worker, local_task
 
 
 def make_virtual_devices(num_devices: int, *, gpu_memory_mb: int = 1024) -> list[str]:
@@ -106,7 +106,11 @@ def resolve_devices(
             raise ClusterError(f"Device(s) {missing or '[]'} do not exist here. TensorFlow sees: {available}.")
     from profiles.local import local_cluster
 
-    cluster = local_cluster(len(available), memory=memory, flops_per_s=flops_per_s, names=available)
+    # A worker of several (runtime.workers) does not calibrate: each would measure its own figures, and the
+    # replicas must agree on one plan (join_replicas); a Cluster passed as devices= gives them measured ones.
+    cluster = local_cluster(
+        len(available), memory=memory, flops_per_s=flops_per_s, names=available, calibrate=current_worker() is None
+    )
     by_name = {canonical(d.name): d for d in cluster.devices}
     chosen: list[Device] = [by_name[canonical(n)] for n in names]
     index = [cluster.index(d.name) for d in chosen]

@@ -76,10 +76,11 @@ def plan_and_wrap(
         batch_size: the global batch size fit() will see.
         num_microbatches: M, micro-batches per step, or "auto": the planner tries the divisors of
             ``batch_size`` up to 64 and keeps the M of the shortest predicted step
-            (``partitioner.search.choose``). A local device's fixed cost per forward or backward
-            (``Device.action_overhead_s``) is 0 unless the Cluster you pass gives one, and without
-            it more micro-batches always look faster: give it (e.g. ``profiles.local.local_cluster(2,
-            action_overhead_s=7e-4)`` on CPU, docs/cost-model.md) when you let the planner choose.
+            (``partitioner.search.choose``). Local devices given as a count or names are calibrated
+            once per process (``profiles.local.local_cluster``): their fixed cost per forward or
+            backward (``Device.action_overhead_s``) and link bandwidth are measured, so more
+            micro-batches are not free. A Cluster you pass keeps its own figures
+            (``partitioner calibrate`` writes one to keep and edit).
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the
             planner does not price (the framework's workspace, the allocator's rounding, the

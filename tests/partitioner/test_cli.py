@@ -518,3 +518,19 @@ def test_cli_plan_replicas_that_cannot_be_is_one_line(batched_profile_file, caps
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "replicas=3 needs at least 3 devices and a batch it divides" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_calibrate_writes_a_cluster_file_that_loads(tmp_path, capsys, virtual_devices) -> None:
+    out_file = tmp_path / "cluster.json"
+    assert main(["calibrate", "--devices", "2", "--memory", "1GiB", "--out", str(out_file)]) == 0
+    printed = capsys.readouterr().out
+    for field in ("memory_bytes", "flops_per_s", "action_overhead_s", "bandwidth_bytes_per_s"):
+        assert field in printed
+    cluster = pt.Cluster.from_json(out_file)
+    assert cluster.names == virtual_devices[:2]
+    assert [d.memory_bytes for d in cluster.devices] == [2**30, 2**30]
+    assert [d.action_overhead_s > 0 for d in cluster.devices] == [True, True]
+    sources = json.loads(out_file.read_text())["source"]
+    assert sources["memory_bytes"] == "given"
+    assert sources["action_overhead_s"].startswith("measured: ")
+    assert "by side: 256: " in sources["flops_per_s"]

@@ -11,7 +11,7 @@ tf = pytest.importorskip("tensorflow")
 from partitioner.cluster import DEFAULT_BANDWIDTH  # noqa: E402
 from partitioner.errors import ClusterError, InputError  # noqa: E402
 from profiles import local  # noqa: E402
-from profiles.local import local_cluster, measure_flops_per_s  # noqa: E402
+from profiles.local import local_cluster, local_cluster_and_sources, measure_flops_per_s  # noqa: E402
 
 
 def test_local_cluster_uses_the_virtual_cpu_devices(virtual_devices):
@@ -21,7 +21,41 @@ def test_local_cluster_uses_the_virtual_cpu_devices(virtual_devices):
     for device in cluster.devices:
         assert device.memory_bytes > 0
         assert device.flops_per_s > 0
+        assert device.action_overhead_s > 0
+    assert 0 < cluster.bandwidth(0, 1) < float("inf")
+
+
+def test_local_cluster_calibrate_measures_and_records_each_source(virtual_devices):
+    cluster, sources = local_cluster_and_sources(2, calibrate=True)
+    assert [d.action_overhead_s > 0 for d in cluster.devices] == [True, True]
+    assert len({d.action_overhead_s for d in cluster.devices}) == 1  # one figure for all: plans do not jitter
+    assert sorted(sources) == ["action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s", "memory_bytes"]
+    for field in ("action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s"):
+        assert sources[field].startswith("measured: "), (field, sources[field])
+        assert virtual_devices[0] in sources[field]
+    assert sources["memory_bytes"] == "the machine's RAM split over 2"
+
+
+def test_local_cluster_without_calibration_keeps_the_constants(virtual_devices):
+    cluster, sources = local_cluster_and_sources(2, flops_per_s=1e9, calibrate=False)
+    assert [d.action_overhead_s for d in cluster.devices] == [0.0, 0.0]
     assert cluster.bandwidth(0, 1) == DEFAULT_BANDWIDTH
+    assert sources["action_overhead_s"] == "none: not calibrated"
+    assert sources["bandwidth_bytes_per_s"].startswith("DEFAULT_BANDWIDTH")
+    assert sources["flops_per_s"] == "given"
+
+
+def test_local_cluster_given_figures_are_not_measured(virtual_devices):
+    cluster, sources = local_cluster_and_sources(2, flops_per_s=1e9, action_overhead_s=3e-4, bandwidth="10GB/s")
+    assert [d.action_overhead_s for d in cluster.devices] == [3e-4, 3e-4]
+    assert cluster.bandwidth(0, 1) == 10e9
+    assert [sources[f] for f in ("action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s")] == ["given"] * 3
+
+
+def test_local_cluster_of_one_device_has_no_link_to_measure(virtual_devices):
+    cluster, sources = local_cluster_and_sources(1, flops_per_s=1e9)
+    assert cluster.devices[0].action_overhead_s > 0
+    assert sources["bandwidth_bytes_per_s"].startswith("DEFAULT_BANDWIDTH")
 
 
 def test_local_cluster_splits_ram_evenly(virtual_devices):
@@ -58,7 +92,7 @@ def _fake_gpus(monkeypatch, limits):
 
 def test_local_cluster_gpu_memory_from_virtual_device_limits(monkeypatch):
     _fake_gpus(monkeypatch, [1024, 2048])
-    cluster = local_cluster(flops_per_s=1e12)
+    cluster = local_cluster(flops_per_s=1e12, calibrate=False)
     assert cluster.names == ["/device:GPU:0", "/device:GPU:1"]
     assert [d.memory_bytes for d in cluster.devices] == [2**30, 2**31]
     assert cluster.name == "local 2x GPU"
@@ -67,8 +101,8 @@ def test_local_cluster_gpu_memory_from_virtual_device_limits(monkeypatch):
 def test_local_cluster_gpu_without_limit_needs_memory(monkeypatch):
     _fake_gpus(monkeypatch, [None])
     with pytest.raises(ClusterError, match=r"memory of GPU '/device:GPU:0' is unknown.*Pass memory="):
-        local_cluster(flops_per_s=1e12)
-    assert local_cluster(memory="40GiB", flops_per_s=1e12).devices[0].memory_bytes == 40 * 2**30
+        local_cluster(flops_per_s=1e12, calibrate=False)
+    assert local_cluster(memory="40GiB", flops_per_s=1e12, calibrate=False).devices[0].memory_bytes == 40 * 2**30
 
 
 def test_measure_flops_per_s_is_positive_and_cached(virtual_devices):

@@ -1,0 +1,172 @@
+"""Calibration benchmark: which M ``num_microbatches="auto"`` picks on local devices, before and after calibration.
+
+On 2 logical CPU devices of this machine (1 intra-op thread, 2 inter-op threads: the two devices may run at
+once), for an MLP of DEPTH Dense(WIDTH, relu) layers and a Dense(10) head at batch BATCH, SGD:
+
+1. ``plan_and_wrap(model, devices=cluster, batch_size=BATCH, num_microbatches="auto")`` with the local cluster
+   as it was before calibration (``local_cluster(2, calibrate=False)``: FLOP/s measured, no fixed cost per pass,
+   the 50 GB/s constant for the link) and as ``plan_and_wrap(devices=2)`` now builds it (calibrated: the fixed
+   cost of a pass and the link measured, ``profiles.calibrate``): the M each picks, and its predicted step.
+2. for M = 1, 2, 4, 8, 16 and each picked M: the plan the planner makes at that M on the calibrated cluster
+   (its stage count), its predicted step, and the measured steady step (median of ROUNDS rounds of STEPS
+   ``train_on_batch`` calls on one batch, after WARMUP untimed ones).
+
+Writes results.json and the table in README.md (between the ``results:start`` / ``results:end`` markers).
+
+    .venv/bin/python benchmarks/calibration/run.py            # about 2 minutes on 2 cores
+    .venv/bin/python benchmarks/calibration/run.py --readme   # README table again from results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+WIDTH, DEPTH, BATCH = 256, 8, 64
+MICROBATCHES = (1, 2, 4, 8, 16)
+WARMUP, ROUNDS, STEPS = 3, 7, 5
+
+
+def start_tensorflow(num_devices: int) -> list[str]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(num_devices)
+    from runtime import make_virtual_devices
+
+    return make_virtual_devices(num_devices)
+
+
+def mlp() -> Any:
+    import keras
+
+    inputs = keras.Input((WIDTH,))
+    x = inputs
+    for i in range(DEPTH):
+        x = keras.layers.Dense(WIDTH, activation="relu", name=f"dense_{i}")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="mlp")
+
+
+def steady_step_s(wrapped: Any, x: Any, y: Any) -> float:
+    """Median seconds of one train_on_batch over ROUNDS rounds of STEPS, after WARMUP untimed steps."""
+    import keras
+
+    wrapped.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    for _ in range(WARMUP):
+        wrapped.train_on_batch(x, y)
+    rounds = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            wrapped.train_on_batch(x, y)
+        rounds.append((time.perf_counter() - start) / STEPS)
+    return statistics.median(rounds)
+
+
+def measure() -> dict[str, Any]:
+    start_tensorflow(2)
+    import numpy as np
+
+    from profiles.local import local_cluster, local_cluster_and_sources
+    from runtime import plan_and_wrap
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH, WIDTH)).astype("float32"), rng.integers(0, 10, BATCH)
+    model = mlp()
+    before = local_cluster(2, calibrate=False)
+    after, sources = local_cluster_and_sources(2)
+    picked = {}
+    for label, cluster in (("before", before), ("after", after)):
+        plan = plan_and_wrap(model, devices=cluster, batch_size=BATCH, num_microbatches="auto").plan
+        picked[label] = {"num_microbatches": plan.num_microbatches, "predicted_step_s": plan.step_time_s}
+        print(f"{label}: auto picks M = {plan.num_microbatches} ({plan.num_stages} stages)", flush=True)
+    rows = []
+    for m in sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())}):
+        wrapped = plan_and_wrap(model, devices=after, batch_size=BATCH, num_microbatches=m)
+        step = steady_step_s(wrapped, x, y)
+        rows.append(
+            {
+                "num_microbatches": m,
+                "num_stages": wrapped.plan.num_stages,
+                "predicted_step_s": wrapped.plan.step_time_s,
+                "measured_step_s": step,
+            }
+        )
+        print(
+            f"M = {m}: {wrapped.plan.num_stages} stages, predicted {wrapped.plan.step_time_s * 1e3:.2f} ms, "
+            f"measured {step * 1e3:.2f} ms",
+            flush=True,
+        )
+    device = after.devices[0]
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "model": f"MLP {DEPTH} x Dense({WIDTH}) + Dense(10), batch {BATCH}, SGD",
+        "calibrated": {
+            "flops_per_s": device.flops_per_s,
+            "action_overhead_s": device.action_overhead_s,
+            "bandwidth_bytes_per_s": after.bandwidth(0, 1),
+            "source": sources,
+        },
+        "picked": picked,
+        "rows": rows,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    cal = results["calibrated"]
+    best = min(r["measured_step_s"] for r in results["rows"])
+    lines = [
+        f"{results['model']}; 2 logical CPU devices; {results['machine']}; run of {results['date']}.",
+        f"Calibrated: {cal['flops_per_s'] / 1e9:.1f} GFLOP/s, action_overhead_s "
+        f"{cal['action_overhead_s'] * 1e6:.1f} µs, link {cal['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s.",
+        "",
+        "| M | stages | picked by auto | predicted step (ms) | measured step (ms) | vs best measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        m = r["num_microbatches"]
+        who = " and ".join(label for label, p in results["picked"].items() if p["num_microbatches"] == m)
+        lines.append(
+            f"| {m} | {r['num_stages']} | {who or ''} | {r['predicted_step_s'] * 1e3:.2f} | "
+            f"{r['measured_step_s'] * 1e3:.2f} | {r['measured_step_s'] / best:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def write_readme(results: dict[str, Any]) -> None:
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    head, rest = text.split("<!-- results:start -->", 1)
+    _, tail = rest.split("<!-- results:end -->", 1)
+    readme.write_text(f"{head}<!-- results:start -->\n{table(results)}\n<!-- results:end -->{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="rewrite the README table from results.json")
+    args = parser.parse_args()
+    if args.readme:
+        results = json.loads((HERE / "results.json").read_text())
+    else:
+        results = measure()
+        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    write_readme(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Measures on the devices at hand the two costs the planner prices besides FLOPs: the fixed seconds of a pass
+and the bandwidth of a link.
+
+What each function times, and why that shape::
+
+    figure                 what is timed                                                 result
+    ---------------------  ------------------------------------------------------------  -------------------------
+    action_overhead_s      a tf.while_loop in a tf.function on the device whose every    median seconds per call
+                           iteration calls a tiny ``_noinline`` function (a Boundary of   (loop iteration included)
+                           runtime/program.py, whose body is one call of an inner
+                           tf.function) on the previous iteration's output; with a
+                           ``peer`` the calls alternate between the two devices, so each
+                           call also receives its input from the other device, as a stage
+                           does from the stage before it
+    bandwidth_bytes_per_s  a tensor made on one device read on another, inside a          bytes / (median seconds of
+                           tf.function, at a large and a tiny size                        the large copy - the tiny)
+
+The runtime's loop (runtime/executor.py) calls each stage's function once per forward and once per backward
+of a micro-batch; a call that TensorFlow does not inline costs the same whatever the micro-batch's size, which
+is the ``action_overhead_s`` of ``partitioner.Device`` (docs/cost-model.md, "Fixed cost per action"). The ops
+inside a real stage add their own fixed costs on top (one executor dispatch each): the figure measured here is
+the least a pass costs, not all of it.
+
+Example:
+    >>> measure_action_overhead_s("/device:CPU:0") > 0                       # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from partitioner.errors import InputError
+from profiles.timing import sync_device
+
+_OVERHEAD: dict[tuple[str, str | None, int], float] = {}  # (device, peer, calls) -> seconds, once per process
+_BANDWIDTH: dict[tuple[str, str, int], float] = {}  # (sender, receiver, bytes) -> bytes/s, once per process
+
+
+def measure_action_overhead_s(
+    device_name: str,
+    *,
+    peer: str | None = None,
+    num_calls: int = 100,
+    num_rounds: int = 15,
+) -> float:
+    """The median seconds of one call of a tiny ``_noinline`` function on ``device_name``, made from a loop.
+
+    Args:
+        device_name: a TensorFlow device name, e.g. "/device:CPU:0".
+        peer: another device; the calls then alternate between the two, each on the other's output
+            (a pass receives its input from the previous stage), and the figure is per call.
+        num_calls: calls per timed round (an even number of them with a peer).
+        num_rounds: timed rounds; the median round gives the figure.
+
+    Returns:
+        Seconds per call, > 0. Cached per process.
+
+    Raises:
+        InputError: for a non-positive count.
+
+    Example:
+        >>> measure_action_overhead_s("/device:CPU:0", peer="/device:CPU:1") > 0   # doctest: +SKIP
+        True
+    """
+    _check_count(num_calls, "num_calls")
+    _check_count(num_rounds, "num_rounds")
+    key = (device_name, peer, num_calls)
+    if key in _OVERHEAD:
+        return _OVERHEAD[key]
+    devices = [device_name] if peer is None else [device_name, peer]
+    calls = [_boundary(name) for name in devices]
+    iterations = max(1, num_calls // len(devices))
+
+    def loop(x: Any) -> Any:
+        def body(i: Any, y: Any) -> Any:
+            for name, call in zip(devices, calls, strict=True):
+                with tf.device(name):
+                    y = call(y)
+            return i + 1, y
+
+        return tf.while_loop(lambda i, _: i < iterations, body, (tf.constant(0), x))[1]
+
+    with tf.device(device_name):
+        x = tf.zeros([8])
+        run = tf.function(loop, autograph=False).get_concrete_function(x)
+        seconds = _median_seconds(lambda: run(x), device_name, num_rounds) / (iterations * len(devices))
+    _OVERHEAD[key] = max(seconds, 1e-9)
+    return _OVERHEAD[key]
+
+
+def measure_bandwidth(
+    sender: str,
+    receiver: str,
+    *,
+    num_bytes: int = 16 * 2**20,
+    num_rounds: int = 9,
+) -> float:
+    """Bytes per second of a copy from ``sender`` to ``receiver``: the time of a ``num_bytes`` tensor read on the
+    receiver, less that of a tiny one (the fixed cost of any transfer, which ``measure_action_overhead_s`` with a
+    peer counts), medians of ``num_rounds``. Logical CPU devices share one memory: the copy is a memcpy, or none
+    (TensorFlow may hand the buffer over), and the figure is then large.
+
+    Returns:
+        Bytes/s, > 0 and finite. Cached per process.
+
+    Raises:
+        InputError: for a non-positive size or count.
+
+    Example:
+        >>> measure_bandwidth("/device:CPU:0", "/device:CPU:1") > 1e9         # doctest: +SKIP
+        True
+    """
+    _check_count(num_bytes, "num_bytes")
+    _check_count(num_rounds, "num_rounds")
+    key = (sender, receiver, num_bytes)
+    if key in _BANDWIDTH:
+        return _BANDWIDTH[key]
+    seconds = []
+    for size in (num_bytes, 4):
+        with tf.device(sender):
+            tensor = tf.random.uniform([max(1, size // 4)])
+
+        def copy(x: Any) -> Any:
+            with tf.device(receiver):
+                return tf.identity(x)[:1]  # the whole tensor arrives; one element comes back
+
+        run = tf.function(copy, autograph=False).get_concrete_function(tensor)
+        seconds.append(_median_seconds(lambda run=run, tensor=tensor: run(tensor), receiver, num_rounds))
+    extra = seconds[0] - seconds[1]
+    # a copy faster than the clock can tell from the tiny one: the bandwidth is at least num_bytes per microsecond
+    _BANDWIDTH[key] = num_bytes / max(extra, 1e-6)
+    return _BANDWIDTH[key]
+
+
+def _boundary(device_name: str) -> Any:
+    """A ``_noinline`` function whose body is one call of a tiny inner function, as runtime/program.py's
+    Boundary builds each stage's: the shape of call the runtime's loop makes once per pass."""
+    inner = tf.function(lambda x: x + 1.0, autograph=False)
+
+    def call(x: Any) -> Any:
+        with tf.device(device_name):
+            return inner(x)
+
+    return tf.function(call, autograph=False, experimental_attributes={"_noinline": True})
+
+
+def _median_seconds(run: Any, device_name: str, num_rounds: int) -> float:
+    """Median wall seconds of ``run()`` after two untimed calls, the device synced after each."""
+    for _ in range(2):
+        run()
+    sync_device(device_name)
+    rounds = []
+    for _ in range(num_rounds):
+        start = time.perf_counter()
+        run()
+        sync_device(device_name)
+        rounds.append(time.perf_counter() - start)
+    return statistics.median(rounds)
+
+
+def _check_count(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer. Received: {name}={value!r}.")

@@ -1,0 +1,45 @@
+"""Tests the measurements of profiles.calibrate on the logical CPU devices made in conftest: shape, not speed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from partitioner.errors import InputError  # noqa: E402
+from profiles.calibrate import measure_action_overhead_s, measure_bandwidth  # noqa: E402
+from runtime.devices import resolve_devices  # noqa: E402
+
+
+@pytest.mark.parametrize("with_peer", [False, True])
+def test_measure_action_overhead_s_is_positive_and_cached(virtual_devices, with_peer):
+    peer = virtual_devices[1] if with_peer else None
+    seconds = measure_action_overhead_s(virtual_devices[0], peer=peer, num_calls=20, num_rounds=3)
+    assert 0 < seconds < 0.1
+    assert measure_action_overhead_s(virtual_devices[0], peer=peer, num_calls=20, num_rounds=3) == seconds
+
+
+def test_measure_bandwidth_is_positive_and_finite(virtual_devices):
+    rate = measure_bandwidth(virtual_devices[0], virtual_devices[1], num_bytes=2**20, num_rounds=3)
+    assert 0 < rate < math.inf
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: measure_action_overhead_s("/CPU:0", num_calls=0), r"num_calls must be a positive integer"),
+        (lambda: measure_action_overhead_s("/CPU:0", num_rounds=True), r"num_rounds must be a positive integer"),
+        (lambda: measure_bandwidth("/CPU:0", "/CPU:1", num_bytes=-1), r"num_bytes must be a positive integer"),
+    ],
+)
+def test_measurements_reject_bad_counts(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_resolve_devices_gives_the_planner_the_measured_fixed_cost(virtual_devices):
+    # plan_and_wrap(devices=2) plans on this cluster: num_microbatches="auto" then prices each pass
+    cluster = resolve_devices(2)
+    assert [d.action_overhead_s > 0 for d in cluster.devices] == [True, True]
