@@ -10,7 +10,9 @@ script. A second section plans on the heterogeneous bundled clusters (slow devic
 stage" order and the fastest-first order, and the baselines. A third lets the planner choose
 M and the schedule for the batch (``pt.plan_for_batch``) against today's fixed M = 8 GPipe. A fourth
 checks ``pt.solve`` on small random chains against brute force over every legal plan, a fifth
-(``--section random-dags``) on small random DAGs. Run from the repository root:
+(``--section random-dags``) on small random DAGs. A sixth (``--section replicas``) lets the planner
+choose D replicas x K stages (``plan_replicas``) on one and two 8-GPU nodes for global batches 32 and 512,
+beside pure data parallel and one pipeline. Run from the repository root:
 
     .venv/bin/python benchmarks/planner_quality/run.py            # --quick: 4 models, 3 on mixed clusters
     .venv/bin/python benchmarks/planner_quality/run.py --full     # all 10 models
@@ -80,7 +82,7 @@ QUICK = ("ResNet50", "DenseNet121", "VGG16", "GPT2-12")
 HETERO_CLUSTERS = ("2xT4+2xA100", "4xT4+4xV100", "2x4xV100+A100-ib")
 HETERO_QUICK = ("ResNet50", "VGG16", "GPT2-12")
 HETERO_ORDERS = ("search", "given", "metis", "fastest_first")  # the pipeline orders solve plans in
-SECTIONS = ("quality", "hetero", "choose", "random-chains", "random-dags")
+SECTIONS = ("quality", "hetero", "choose", "random-chains", "random-dags", "replicas")
 # Planner-chosen M and schedule against fixed M = 8 GPipe: two chains and two transformer DAGs, on a fast
 # cluster and on one where memory is tight.
 CHOOSE_MODELS = ("VGG16", "ResNet50", "GPT2-12", "GPT2-48")
@@ -466,6 +468,219 @@ def choose_tables(results: dict[str, Any]) -> str:
             f"| {r['model']} | {r['nodes']} | `{r['cluster']}` | {fixed_k} | {fixed_step} | {chosen} | {ratio} "
             f"| {solved} | {fixed['wall_s']:.1f}, {auto['wall_s']:.1f} |"
         )
+    return "\n".join(lines)
+
+
+# ----- data x pipeline: replicas chosen by the planner -----------------------------------------------
+
+REPLICA_CLUSTERS = ("8xH100-nvlink", "2x8xH100-ib")
+REPLICA_BATCHES = (32, 512)  # global batches; the graphs (profiled at 32) are rescaled by the planner
+REPLICAS_TIME_LIMIT_S = 20.0  # per row, shared by its 6 (one node) or 8 (two nodes) D x layout candidates
+
+
+def run_replicas(name: str, cluster_name: str, batch_size: int, time_limit_s: float) -> dict[str, Any]:
+    """``plan_replicas`` with D, M and the schedule chosen: the hybrid it picks beside pure data parallel
+    (D = N, K = 1) and one pipeline (D = 1), each the best candidate of its D from the same search."""
+    from partitioner.search.replicas import plan_replicas
+
+    graph, _ = load_graph(name, reprofile=False)
+    cluster = pt.Cluster.from_json(cluster_name)
+    n = cluster.num_devices
+    row: dict[str, Any] = {"model": name, "cluster": cluster_name, "num_devices": n, "batch_size": batch_size}
+    started = time.perf_counter()
+    try:
+        choice = plan_replicas(
+            graph, cluster, batch_size=batch_size, num_microbatches="auto", schedule="auto", time_limit_s=time_limit_s
+        )
+    except pt.InfeasiblePlanError as error:  # no D fits: the message lists every candidate's reason
+        row.update(wall_s=time.perf_counter() - started, infeasible=str(error))
+        print(f"{name:14s} {cluster_name:14s} B={batch_size:<4d} no plan: {_first_sentence(str(error))}", flush=True)
+        return row
+    except Exception as error:  # a planner bug: recorded in the row, not hidden
+        row.update(wall_s=time.perf_counter() - started, error=f"{type(error).__name__}: {error}")
+        print(f"{name:14s} {cluster_name:14s} B={batch_size:<4d} ERROR {row['error']}", flush=True)
+        return row
+    row["wall_s"] = time.perf_counter() - started
+    best = choice.best()
+    assert best is not None and best.plan is not None  # plan_replicas returned: a candidate fits
+    row["chosen"] = {**_replica_figures(choice.plan), "layout": best.layout, "status": choice.plan.status}
+    for kind, d in (("data_parallel", n), ("pipeline", 1)):
+        row[kind] = _pure(choice, graph, cluster, batch_size, d, time_limit_s)
+        if "step_time_s" in row[kind]:
+            row[kind]["chosen_speedup"] = row[kind]["step_time_s"] / row["chosen"]["step_time_s"]
+    row["candidates"] = [
+        {
+            "num_replicas": c.num_replicas,
+            "devices_per_replica": c.devices_per_replica,
+            "layout": c.layout,
+            **(_replica_figures(c.plan) if c.plan is not None else {"error": c.reason}),
+        }
+        for c in choice.candidates
+    ]
+    print(_replica_line(row), flush=True)
+    return row
+
+
+def _pure(
+    choice: Any, graph: nx.DiGraph, cluster: pt.Cluster, batch_size: int, d: int, time_limit_s: float
+) -> dict[str, Any]:
+    """The figures of the search's best candidate with D = ``d``, or why it has none.
+
+    Where every candidate of that D ran out of its share of the time (CP-SAT found no plan in time,
+    which says nothing about fitting), that D is planned again alone with the row's whole time limit
+    (``"alone": True``); ``"timed_out": True`` where that found none either.
+    """
+    from partitioner.search.replicas import plan_replicas
+
+    found = choice.best(num_replicas=d)
+    if found is not None and found.plan is not None:
+        return {**_replica_figures(found.plan), "layout": found.layout}
+    tried = [c for c in choice.candidates if c.num_replicas == d]
+    if not tried:
+        return {"error": f"{d} replicas do not split the batch of {batch_size} evenly"}
+    if not all(_timed_out(c.reason) for c in tried):
+        reason = next(c.reason for c in tried if not _timed_out(c.reason))
+        return {"error": _why(reason), "reason": reason}
+    started = time.perf_counter()
+    try:
+        alone = plan_replicas(
+            graph,
+            cluster,
+            batch_size=batch_size,
+            replicas=d,
+            num_microbatches="auto",
+            schedule="auto",
+            time_limit_s=time_limit_s,
+        )
+    except pt.InfeasiblePlanError as error:
+        figures = {"error": _why(str(error)), "reason": str(error), "timed_out": _timed_out(str(error))}
+    else:
+        best = alone.best()
+        assert best is not None
+        figures = {**_replica_figures(alone.plan), "layout": best.layout, "alone": True}
+    return {**figures, "search_reason": tried[0].reason, "alone_wall_s": time.perf_counter() - started}
+
+
+def _timed_out(reason: str) -> bool:
+    """Whether a candidate's reason is CP-SAT's time limit (partitioner.search.solve's message), not memory.
+
+    ``ReplicaCandidate`` keeps the message only, not whether it was a ``SolverTimeoutError``."""
+    return "found no feasible plan within time_limit_s" in reason
+
+
+def _why(reason: str) -> str:
+    """The planner's own first sentence: past ``choose``'s "No plan for batch ... M=8 with gpipe: " preamble."""
+    line = reason.splitlines()[0] if reason else ""
+    closest = re.search(r"M=(\d+) with (\w+): (.*)", line)
+    if closest is None:
+        return _first_sentence(line)
+    return f"M = {closest[1]} {closest[2]}: {_first_sentence(closest[3])}"
+
+
+def _replica_figures(plan: pt.Plan) -> dict[str, Any]:
+    """The figures of one candidate's plan (replica 0's, with its R): D, stages, M, schedule, step, memory."""
+    return {
+        "num_replicas": plan.num_replicas,
+        "num_stages": plan.num_stages,
+        "num_microbatches": plan.num_microbatches,
+        "schedule": plan.schedule,
+        "step_time_s": plan.step_time_s,
+        "max_reduce_s": max(plan.reduce_times.values(), default=0.0),
+        "max_memory_bytes": max(plan.memory_bytes[d] for d in plan.stages),
+        "capacity_bytes": min(plan.capacity_bytes[d] for d in plan.stages),
+    }
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an error's first line: up to the first '.' followed by a space."""
+    line = text.splitlines()[0] if text else ""
+    return re.split(r"(?<=\.)\s", line, maxsplit=1)[0]
+
+
+def _replica_line(row: dict[str, Any]) -> str:
+    chosen = row["chosen"]
+    cells = [f"chosen {chosen['num_replicas']}x{chosen['num_stages']} {chosen['layout']} {_step_cell(chosen)}"]
+    for kind in ("data_parallel", "pipeline"):
+        p = row[kind]
+        cells.append(f"{kind}=" + (_step_cell(p) if "step_time_s" in p else "does not fit"))
+    return f"{row['model']:14s} {row['cluster']:14s} B={row['batch_size']:<4d} " + " ".join(cells)
+
+
+def _step_cell(p: dict[str, Any]) -> str:
+    return f"{p['step_time_s'] * 1e3:.2f}ms"
+
+
+def _pure_step(p: dict[str, Any]) -> str:
+    """A step in ms, marked ‡ where that D was planned again alone (its share of the search timed out)."""
+    return f"{p['step_time_s'] * 1e3:.2f}" + ("‡" if p.get("alone") else "")
+
+
+def _no_plan(p: dict[str, Any]) -> str:
+    if p.get("timed_out"):
+        return "no plan in time (CP-SAT's time limit, alone too)"
+    return f"does not fit: {p['error']}"
+
+
+def replica_tables(results: dict[str, Any]) -> str:
+    section = results["replicas"]
+    lines = [
+        f"Generated by `{section['command']}` on {section['date']} ({section['machine']}; a machine shared with "
+        "other jobs: plan quality figures, not timings). Float32 as profiled at batch 32 and rescaled to the "
+        "global batch, Adam; time limit "
+        f"{section['time_limit_s']} s for each row's whole planning (shared by its candidates). "
+        '`chosen` = `plan_replicas(graph, cluster, batch_size=B, num_microbatches="auto", '
+        'schedule="auto")`: D replicas x K stages (K = stages replica 0 uses of its N / D devices) in the '
+        "`blocks` or `strided` layout, M and the schedule per replica; `data parallel` = its best candidate with "
+        "D = N (K = 1); `pipeline` = its best with D = 1 (one pipeline on all N devices, M and schedule chosen). "
+        "Steps in ms from the simulator with each stage's R; memory = the largest predicted peak of a device "
+        "in GiB (80 GB devices); R (max) = the longest stage's all-reduce in ms; speedup = that column's step "
+        "/ chosen's; planning s = the row's `plan_replicas` wall time (over the limit where CP-SAT's model "
+        "building and `choose`'s screen, which runs outside the budget, take long on 2 shared cores). "
+        "‡: the search's candidates of that D "
+        "found no plan within their share of the time limit (CP-SAT's time limit, not memory), so that D was "
+        "planned again alone with the row's whole time limit (`plan_replicas(..., replicas=D)`): a plan the "
+        "search itself could not weigh.",
+        "",
+        "| model | cluster | B | chosen D x K | layout | M, schedule | step | memory | R (max) "
+        "| data parallel: step | memory | pipeline: K | step | memory | DP / chosen | pipeline / chosen "
+        "| planning s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    failed = []
+    for r in section["rows"]:
+        head = f"| {r['model']} | `{r['cluster']}` | {r['batch_size']} "
+        if "chosen" not in r:
+            why = "error" if "error" in r else "no plan"
+            failed.append((r, r.get("error") or r["infeasible"]))
+            lines.append(head + f"| {why} (below) |" + " - |" * 12 + f" {r['wall_s']:.1f} |")
+            continue
+        c, dp, pp = r["chosen"], r["data_parallel"], r["pipeline"]
+        cells = [
+            f"{c['num_replicas']} x {c['num_stages']}",
+            c["layout"],
+            f"{c['num_microbatches']}, {c['schedule']}",
+            f"{c['step_time_s'] * 1e3:.2f}",
+            f"{c['max_memory_bytes'] / 2**30:.1f}",
+            f"{c['max_reduce_s'] * 1e3:.2f}",
+        ]
+        if "step_time_s" in dp:
+            cells += [_pure_step(dp), f"{dp['max_memory_bytes'] / 2**30:.1f}"]
+        else:
+            cells += [_no_plan(dp), "-"]
+        if "step_time_s" in pp:
+            cells += [str(pp["num_stages"]), _pure_step(pp), f"{pp['max_memory_bytes'] / 2**30:.1f}"]
+        else:
+            cells += ["-", _no_plan(pp), "-"]
+        cells += [f"{p['chosen_speedup']:.2f}x" if "chosen_speedup" in p else "-" for p in (dp, pp)]
+        cells.append(f"{r['wall_s']:.1f}")
+        lines.append(head + "| " + " | ".join(cells) + " |")
+    if failed:
+        lines += ["", "Rows without a plan:"]
+        lines += [
+            f"- {r['model']} on `{r['cluster']}`, B = {r['batch_size']}: {_why(why)}"
+            + (" (CP-SAT's time limit, not memory)" if _timed_out(why) else "")
+            for r, why in failed
+        ]
     return "\n".join(lines)
 
 
@@ -982,6 +1197,12 @@ def main() -> None:
         "--choose-time-limit", type=float, default=12.0, help="seconds per planning in the choose section"
     )
     parser.add_argument(
+        "--replicas-time-limit",
+        type=float,
+        default=REPLICAS_TIME_LIMIT_S,
+        help="seconds per planning (every D, M and schedule together) in the replicas section",
+    )
+    parser.add_argument(
         "--section",
         nargs="+",
         choices=SECTIONS,
@@ -1068,6 +1289,20 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine,
         }
+    if "replicas" in args.section:
+        replica_rows = [
+            run_replicas(n, c, b, args.replicas_time_limit)
+            for n in names
+            for c in REPLICA_CLUSTERS
+            for b in REPLICA_BATCHES
+        ]
+        results["replicas"] = {
+            "command": "python benchmarks/planner_quality/run.py" + flag,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine,
+            "time_limit_s": args.replicas_time_limit,
+            "rows": replica_rows,
+        }
     path.write_text(json.dumps(results, indent=1))
     write_readme(results, args.section)
     print(f"wrote {path}")
@@ -1112,6 +1347,13 @@ def write_readme(results: dict[str, Any], sections: list[str]) -> None:
         generated = "<!-- random-dags:start -->\n" + table + "\n<!-- random-dags:end -->"
         text = re.sub(r"<!-- random-dags:start -->.*<!-- random-dags:end -->", lambda _: generated, text, flags=re.S)
         print(table)
+    if "replicas" in sections:
+        if "<!-- replicas:start -->" not in text:
+            text += "\n## Data x pipeline: replicas chosen by the planner\n\n"
+            text += "<!-- replicas:start -->\n<!-- replicas:end -->\n"
+        generated = "<!-- replicas:start -->\n" + replica_tables(results) + "\n<!-- replicas:end -->"
+        text = re.sub(r"<!-- replicas:start -->.*<!-- replicas:end -->", lambda _: generated, text, flags=re.S)
+        print(replica_tables(results))
     readme.write_text(text)
     print(f"wrote the tables of {', '.join(sections)} in {readme}")
 
