@@ -78,6 +78,7 @@ class ReplicaCandidate:
     layout: str  # "blocks" or "strided"
     plan: Plan | None  # None when no plan fits
     reason: str = ""  # why no plan fits (the planner's message), else ""
+    timed_out: bool = False  # True: the search found no plan in its time, which proves nothing about fitting
 
     @property
     def step_time_s(self) -> float | None:
@@ -144,7 +145,8 @@ def plan_replicas(
         raise InputError("pins fix one pipeline's devices; plan replicas without pins (or plan with replicas=1).")
     counts = _replica_counts(batch_size, cluster.num_devices, replicas)
     layouts = [(d, layout) for d in counts for layout in LAYOUTS if layout == "blocks" or 1 < d < cluster.num_devices]
-    share_s = time_limit_s / len(layouts)
+    # a share of the budget per candidate that needs a search: one device per replica is planned at once
+    share_s = time_limit_s / max(1, sum(cluster.num_devices // d > 1 for d, _ in layouts))
     tried: list[ReplicaCandidate] = []
     graphs: dict[tuple[int, str], nx.DiGraph] = {}
     bounds: list[float | None] = []
@@ -167,8 +169,9 @@ def plan_replicas(
                 **solve_options,
             )
         except InfeasiblePlanError as error:  # SolverTimeoutError included: no bound from it
-            tried.append(ReplicaCandidate(d, len(groups[0]), layout, None, str(error).splitlines()[0]))
-            bounds.append(None if isinstance(error, SolverTimeoutError) else math.inf)
+            timed_out = isinstance(error, SolverTimeoutError) or "within time_limit_s" in str(error)
+            tried.append(ReplicaCandidate(d, len(groups[0]), layout, None, str(error).splitlines()[0], timed_out))
+            bounds.append(None if timed_out else math.inf)
             continue
         plan = _with_replicas(chosen.plan, chosen.graph, cluster, groups)
         tried.append(ReplicaCandidate(d, len(groups[0]), layout, plan))

@@ -231,7 +231,8 @@ def replica_table(choice: ReplicaChoice) -> Table:
         plan = candidate.plan
         label = f"{candidate.num_replicas} x {candidate.devices_per_replica}"
         if plan is None:
-            table.add_row(label, candidate.layout, "", "", "", "", "", f"[red]no plan[/]: {escape(candidate.reason)}")
+            what = "no plan in time" if candidate.timed_out else "no plan"
+            table.add_row(label, candidate.layout, "", "", "", "", "", f"[red]{what}[/]: {escape(candidate.reason)}")
             continue
         chosen = plan.replica_devices == choice.plan.replica_devices and plan.assignment == choice.plan.assignment
         table.add_row(
@@ -271,7 +272,8 @@ def replica_note(choice: ReplicaChoice) -> str:
         if fitting:
             lines.append(f"{what}: {format_seconds(min(p.step_time_s for p in fitting))}.")
         elif tried:
-            lines.append(f"{what}: no plan ({tried[0].reason}).")
+            in_time = " in time" if all(c.timed_out for c in tried) else ""
+            lines.append(f"{what}: no plan{in_time} ({tried[0].reason}).")
         else:
             lines.append(f"{what}: not tried (the number of replicas was fixed, or does not divide the batch).")
     lines.append(

@@ -114,3 +114,22 @@ def test_a_plan_with_replicas_round_trips_and_old_files_load_as_one_replica() ->
     data["replica_devices"][1] = data["replica_devices"][0]
     with pytest.raises(PlanError, match="replica_devices must list, per replica, as many distinct devices"):
         pt.Plan.from_dict(data)
+
+
+def test_a_search_out_of_time_is_not_called_a_misfit(monkeypatch) -> None:
+    """A candidate whose search ran out of time proves nothing: it says so, and the plan claims no bound."""
+    from partitioner.errors import SolverTimeoutError
+    from partitioner.search import replicas as module
+
+    real = module.choose
+
+    def choose(graph, cluster, **kwargs):
+        if cluster.num_devices == 4:  # the one pipeline on every device
+            raise SolverTimeoutError("CP-SAT found no feasible plan within time_limit_s=0.1 for 4 nodes on 4 devices.")
+        return real(graph, cluster, **kwargs)
+
+    monkeypatch.setattr(module, "choose", choose)
+    choice = plan_replicas(_graph(2**20), _two_nodes(), batch_size=64, num_microbatches=2, schedule="gpipe")
+    (pipeline,) = [c for c in choice.candidates if c.num_replicas == 1]
+    assert pipeline.plan is None and pipeline.timed_out
+    assert choice.plan.step_lower_bound_s is None and choice.plan.status == "heuristic"
