@@ -16,7 +16,8 @@ and trains as on one machine::
 
 The cluster comes from ``TF_CONFIG`` (``partitioner launch`` writes one per worker; Kubeflow's TFJob
 does too; by hand on several machines): ``{"cluster": {"worker": ["host0:port", ...]}, "task":
-{"type": "worker", "index": i}}``. ``start_worker`` creates TensorFlow's
+{"type": "worker", "index": i}}``; under Slurm without one, from the job step's environment
+(``tf_config_from_slurm``: ``srun --ntasks=D python train.py``). ``start_worker`` creates TensorFlow's
 ``MultiWorkerMirroredStrategy`` only to start the cluster (its gRPC server, collective executor and
 heartbeat) and never enters its scope: Keras 3's ``fit`` under that scope fails
 (keras-team/keras#20585). It must run before TensorFlow initialises its context.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +69,34 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _NUMBERS = (*_FLOATS, "int32", "int64")  # what a collective sums: an optimizer's slots and counters
 
 
+def tf_config_from_slurm() -> bool:
+    """Writes ``TF_CONFIG`` from Slurm's environment (a job step of one task per worker: ``srun``) where
+    none is set, with TensorFlow's ``SlurmClusterResolver`` (hosts from ``SLURM_STEP_NODELIST``, one port
+    per task from ``$PARTITIONER_PORT_BASE``, default 8888; on GPU nodes each task its share of the
+    node's GPUs through ``CUDA_VISIBLE_DEVICES``). Returns True iff it wrote one.
+    """
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1"))
+    if os.environ.get("TF_CONFIG") or "SLURM_PROCID" not in os.environ or int(tasks) < 2:
+        return False
+    import tensorflow as tf
+
+    gpus = bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or shutil.which("nvidia-smi") is not None
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=int(os.environ.get("PARTITIONER_PORT_BASE", "8888")),
+        # CPU nodes: the resolver's GPU allocation is unused (nothing set), but it needs one GPU per task
+        gpus_per_node=None if gpus else 1024,
+        gpus_per_task=None if gpus else 1,
+        auto_set_gpu=gpus,
+    )
+    workers = list(resolver.cluster_spec().as_dict()["worker"])
+    _, index = resolver.get_task_info()
+    config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": int(index)}}
+    os.environ["TF_CONFIG"] = json.dumps(config)
+    return True
+
+
 def _read_tf_config() -> tuple[list[str], int] | None:
+    tf_config_from_slurm()
     text = os.environ.get("TF_CONFIG")
     if not text:
         return None
