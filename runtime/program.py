@@ -370,30 +370,46 @@ def check_splittable(program: StageProgram, kind: str) -> None:
 @contextlib.contextmanager
 def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor]) -> Any:
     """While a stage's training forward is traced, records how each ``keras.layers.Embedding`` call (inside
-    other layers too) looks its rows up, in ``found[id(table)]``: "batched" (ids computed from the
-    micro-batch, a row of ids per sample: the micro-batches' sparse rows, one after the other, are the
-    batch's), "shared" (ids computed from no argument's values and not one row per sample, as a position
-    embedding's ``arange``: every micro-batch looks up the same rows, which the batch's gradient has
-    once, summed) or "unclear" (neither: the runtime cannot tell how the batch's rows would come).
+    other layers too) looks its rows up, in ``found[id(table)]`` (``lookup_kind``).
 
     ``internals.embedding_calls_observed`` sees each call: no public hook sees a lookup inside a layer
     of the user's.
     """
     rows = next((t.shape[0] for t in arguments if t.shape.rank), None)
-
-    def observe(layer: Any, inputs: Any) -> None:
-        ids = tf.convert_to_tensor(inputs)
-        per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
-        computed = _computed_from(ids, arguments)
-        how = "batched" if per_sample and computed else "shared" if not (per_sample or computed) else "unclear"
-        found.setdefault(id(layer.embeddings), []).append(how)
-
     if rows is None:  # a trace for another micro-batch size: the first one's record stands
         yield
         return
+    size: int = rows
+
+    def observe(layer: Any, inputs: Any) -> None:
+        found.setdefault(id(layer.embeddings), []).append(lookup_kind(tf.convert_to_tensor(inputs), arguments, size))
+
     found.clear()
     with embedding_calls_observed(observe):
         yield
+
+
+def lookup_kind(ids: tf.Tensor, arguments: Sequence[tf.Tensor], rows: int) -> str:
+    """How an embedding lookup's ``ids`` relate to the micro-batch of ``rows`` rows (the stage function's
+    ``arguments``), which says how the original's batch gives the lookup's sparse gradient rows:
+
+    - "batched": a row of ids per sample (the leading dimension is the micro-batch's), computed from the
+      micro-batch, or of rank 2 or more on micro-batches of 2 rows or more (positions broadcast over the
+      batch): the original has a gradient row per sample and id, so the micro-batches' rows, one after the
+      other, are the batch's;
+    - "shared": not a row per sample and computed from no argument's values (a position embedding's
+      ``arange``): every micro-batch looks up the same ids, which the original's gradient has once, each
+      summed over the batch;
+    - "unclear": anything else (ids computed from the batch's values without a row per sample, or constant
+      ids whose leading dimension only happens to equal the micro-batch's): refused where it matters.
+    """
+    per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
+    computed = _computed_from(ids, arguments)
+    if per_sample and (computed or (ids.shape.rank >= 2 and rows >= 2)):
+        return "batched"
+    if not per_sample and not computed:
+        return "shared"
+    return "unclear"
 
 
 def _computed_from(tensor: tf.Tensor, arguments: Sequence[tf.Tensor]) -> bool:

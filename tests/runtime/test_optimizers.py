@@ -10,7 +10,6 @@ import keras
 import numpy as np
 import pytest
 
-from partitioner.errors import InputError
 from runtime import plan_and_wrap
 
 OPTIMIZERS = {
@@ -204,12 +203,15 @@ def _positions_model(per_sample: bool) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(1, name="head")(keras.layers.Flatten(name="flat")(h)))
 
 
-def test_a_position_embedding_under_adam_trains_as_the_original(virtual_devices) -> None:
-    """Every micro-batch looks up the same position rows; the original's batch gradient has each row once,
-    summed over the samples, and Adam squares that sum. The runtime joined the micro-batches' rows one
-    after the other (Adam squared each micro-batch's part): the positions were 5.7e-3 off after one step."""
+@pytest.mark.parametrize("per_sample", [False, True], ids=["shared_positions", "positions_per_sample"])
+def test_a_position_embedding_under_adam_trains_as_the_original(per_sample: bool, virtual_devices) -> None:
+    """Shared ids: every micro-batch looks up the same position rows; the original's batch gradient has each
+    row once, summed over the samples, and Adam squares that sum. The runtime joined the micro-batches' rows
+    one after the other (Adam squared each micro-batch's part): the positions were 5.7e-3 off after one step.
+    Ids broadcast to one row per sample (as examples/char_gpt.py computes them) have a row per sample in the
+    original's gradient too: joined, not summed."""
     keras.utils.set_random_seed(0)
-    model = _positions_model(per_sample=False)
+    model = _positions_model(per_sample=per_sample)
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())
     pins = {"first": virtual_devices[0], "head": virtual_devices[1]}
@@ -227,19 +229,33 @@ def test_a_position_embedding_under_adam_trains_as_the_original(virtual_devices)
         np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
 
 
-def test_an_embedding_looked_up_in_an_unclear_way_is_refused_under_adam(virtual_devices) -> None:
-    """Ids of one row per sample that are not computed from the sample (positions broadcast over the
-    batch): the runtime cannot tell how the original's batch gives the rows, and refuses before any
-    weight moves."""
-    keras.utils.set_random_seed(0)
-    model = _positions_model(per_sample=True)
-    before = [w.copy() for w in model.get_weights()]
-    pins = {"first": virtual_devices[0], "head": virtual_devices[1]}
-    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2, pins=pins)
-    wrapped.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    x, y = np.ones((8, 5, 4), "float32"), np.ones((8, 1), "float32")
-    with pytest.raises(InputError, match=r"looked up by 1 embedding call\(s\) of kinds \['unclear'\].*Expected"):
-        wrapped.train_on_batch(x, y)
-    after = wrapped.unwrap().get_weights()
-    assert len(after) == len(before) == 5
-    assert all(np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+def test_lookup_kinds() -> None:
+    """How a lookup's ids relate to a micro-batch of 4 rows decides how its sparse rows are joined."""
+    import tensorflow as tf
+
+    from runtime.program import lookup_kind
+
+    kinds = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([4, 5], tf.int32)])
+    def trace(tokens):
+        arguments = [tokens]
+        cases = {
+            "tokens": tokens,  # computed, a row per sample
+            "positions_broadcast": tf.broadcast_to(tf.range(5)[None], [4, 5]),  # constant, a row per sample
+            "positions": tf.range(5)[None],  # shared
+            "argmax_over_batch": tf.argmax(tokens, axis=0),  # computed, no row per sample
+            "range_of_rows": tf.range(4),  # constant, its length only equal to the micro-batch's rows
+        }
+        for name, ids in cases.items():
+            kinds[name] = lookup_kind(ids, arguments, 4)
+        return tokens
+
+    trace.get_concrete_function()
+    assert kinds == {
+        "tokens": "batched",
+        "positions_broadcast": "batched",
+        "positions": "shared",
+        "argmax_over_batch": "unclear",
+        "range_of_rows": "unclear",
+    }
