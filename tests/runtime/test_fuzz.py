@@ -32,14 +32,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from fuzz_models import Case, Step, batch, build, cases, compile_arguments, effective
+from fuzz_models import CLASS_WEIGHT, Case, Step, batch, build, cases, compile_arguments, effective
 from hypothesis import HealthCheck, Phase, given, settings
 from test_transparency import _slice, assert_close
 
 import partitioner as pt
 from partitioner.errors import InputError, ProfileError
 from profiles import profile_model
-from runtime import wrap
+from runtime import PipelinedModel, plan_and_wrap, wrap
 
 
 def _plan(model: keras.Model, devices: list[str], case: Case) -> pt.Plan:
@@ -50,6 +50,29 @@ def _plan(model: keras.Model, devices: list[str], case: Case) -> pt.Plan:
     pt.validate_plan(plan, graph, cluster)
     assert plan.num_stages >= 2, f"the plan does not cut: {plan.assignment}"
     return plan
+
+
+def _wrapped(model: keras.Model, devices: list[str], case: Case) -> PipelinedModel:
+    """The model wrapped on the plan ``case.planner`` names. "solver": plan_and_wrap (the solver, as users
+    call it) with the first input pinned to the first device and the first head to the last, so that the
+    plan cuts (asserted) wherever the solver likes between them."""
+    if case.planner == "uniform":
+        plan = _plan(model, devices, case)
+        return wrap(model, plan, validate=False, schedule=case.schedule, recompute=case.recompute)
+    used = devices[: case.num_devices]
+    wrapped = plan_and_wrap(
+        model,
+        devices=used,
+        batch_size=case.batch,
+        num_microbatches=case.num_microbatches,
+        memory="4GiB",
+        time_limit_s=2.0,
+        pins={model.inputs[0].name: used[0], "out_tags" if case.tagger is not None else "out_class": used[-1]},
+        schedule=case.schedule,
+        recompute=case.recompute,
+    )
+    assert wrapped.plan.num_stages >= 2, f"the plan does not cut: {wrapped.plan.assignment}"
+    return wrapped
 
 
 def _norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
@@ -74,9 +97,10 @@ def _microbatched_step(model: keras.Model, x, y, weights, num_microbatches: int)
             with tape.stop_recording():
                 seen.append([np.asarray(t, dtype=np.float64) for t in keras.tree.flatten(probe(x_m, training=True))])
             predictions.append(model(x_m, training=True))
-        y_pred = keras.tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *predictions)
+        y_pred = keras.tree.map_structure(_concat, *predictions)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights, training=True)
-    gradients = tape.gradient(loss, model.trainable_weights)
+        scaled = model.optimizer.scale_loss(loss)  # a LossScaleOptimizer's (mixed precision), as Keras' train_step
+    gradients = tape.gradient(scaled, model.trainable_weights)
     model.optimizer.apply_gradients(zip(gradients, model.trainable_weights, strict=True))
     for variable, value in zip(moving, before, strict=True):
         variable.assign(value)
@@ -90,32 +114,81 @@ def _microbatched_step(model: keras.Model, x, y, weights, num_microbatches: int)
     return {key: float(value) for key, value in logs.items()}
 
 
+def _concat(*parts: tf.Tensor) -> tf.Tensor:
+    """The micro-batches' predictions joined, with their Keras masks (a tagger's loss reads them)."""
+    joined = tf.concat(parts, axis=0)
+    masks = [getattr(part, "_keras_mask", None) for part in parts]
+    if any(mask is not None for mask in masks):
+        joined._keras_mask = tf.concat(masks, axis=0)
+    return joined
+
+
+def _assert_half_close(actual: object, expected: object, initial: object = None) -> None:
+    """Equal within float16's precision: within 2e-3 of the larger of 1 and the largest magnitude in
+    ``expected`` (a loss, a metric), or for a weight (``initial`` given) within 2% of the largest step the
+    original took on it plus ``assert_close``'s float32 tolerance. The forward and backward run in float16
+    (3 digits) and micro-batches round in other places; a lost micro-batch or a wrong scale moves a weight
+    by a good part of its step."""
+    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    if initial is None:
+        tolerance = 2e-3 * scale
+    else:
+        step = float(np.max(np.abs(expected - np.asarray(initial, dtype=np.float64)), initial=0.0))
+        tolerance = 2e-2 * step + 1e-5 * scale
+    worst = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert worst <= tolerance, f"max difference {worst:.3g} > {tolerance:.3g} (float16)"
+
+
 def check_case(case: Case, devices: list[str]) -> str | None:
-    """Holds the wrapped model of ``case`` to the original; returns the refusal's message, or None."""
+    """Holds the wrapped model of ``case`` to the original; returns the refusal's message, or None. The
+    global dtype policy is "mixed_float16" while a Case with ``mixed_precision`` is built and trained."""
+    policy = keras.mixed_precision.global_policy()
+    if case.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _check_case(case, devices)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def _check_case(case: Case, devices: list[str]) -> str | None:
     model = build(case)
     case = effective(case, model)
     x, y, weights = batch(case, model)
+    class_weight = CLASS_WEIGHT if case.class_weight else None
+    initial = model.get_weights()
     try:
-        plan = _plan(model, devices, case)
-        wrapped = wrap(model, plan, validate=False, schedule=case.schedule, recompute=case.recompute)
+        wrapped = _wrapped(model, devices, case)
         wrapped.compile(**compile_arguments(case))
         model.compile(**compile_arguments(case))
         micro_batched = case.num_microbatches > 1 and bool(_norms(model))
         for _ in range(case.num_train_steps):
-            logs = wrapped.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+            logs = wrapped.train_on_batch(x, y, sample_weight=weights, class_weight=class_weight, return_dict=True)
             if micro_batched:
-                expected = _microbatched_step(model, x, y, weights, case.num_microbatches)
+                # class weights are the sample weights of each row's class, as Keras makes them
+                rows = np.vectorize(CLASS_WEIGHT.get)(y).astype("float32") if class_weight else weights
+                expected = _microbatched_step(model, x, y, rows, case.num_microbatches)
             else:
-                expected = model.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+                expected = model.train_on_batch(
+                    x, y, sample_weight=weights, class_weight=class_weight, return_dict=True
+                )
             assert sorted(logs) == sorted(expected)
             for key, value in expected.items():
-                assert_close(logs[key], value)
+                if case.mixed_precision:
+                    _assert_half_close(logs[key], value)
+                else:
+                    assert_close(logs[key], value)
     except (InputError, ProfileError) as refusal:
         return str(refusal)
     after, want = wrapped.unwrap().get_weights(), model.get_weights()
-    assert len(after) == len(want) > 0
-    for actual, value in zip(after, want, strict=True):
-        assert_close(actual, value)
+    assert len(after) == len(want) == len(initial) > 0
+    for actual, value, start in zip(after, want, initial, strict=True):
+        if case.mixed_precision:
+            _assert_half_close(actual, value, start)
+        else:
+            assert_close(actual, value)
     return None
 
 
