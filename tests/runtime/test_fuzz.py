@@ -229,8 +229,9 @@ _COMMON = {
 
 
 def test_fuzz_wrapped_models_train_as_the_original(virtual_devices) -> None:
-    """The fast budget (make test): 25 cases, the same each run (35 s on 2 busy cores)."""
-    _run(settings(max_examples=25, derandomize=True, **_COMMON), virtual_devices, max_steps=5)
+    """The fast budget (make test): 18 cases, the same each run (77 s with this file's regressions; 25 cases of
+    fewer features took 92 s, the same CPU time, on 2 cores loaded with other suites)."""
+    _run(settings(max_examples=18, derandomize=True, **_COMMON), virtual_devices, max_steps=5)
 
 
 @pytest.mark.slow
