@@ -47,7 +47,8 @@ optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if kind == "masked" else ker
 wrapped.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 losses = []
 for step in range(NUM_STEPS):
-    x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn", kind=kind)
+    # "--even": contiguous even shards for the MLP too (MirroredStrategy needs a batch the replicas divide)
+    x, y = shard(worker.rank, worker.num_workers, step, contiguous=kind == "bn" or "--even" in sys.argv, kind=kind)
     losses.append(wrapped.train_on_batch(x, y))
 evaluated = wrapped.evaluate(x, y, batch_size=len(x), verbose=0)  # the last step's shard
 weights = wrapped.unwrap().get_weights()
