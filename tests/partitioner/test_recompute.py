@@ -157,7 +157,7 @@ def test_plan_recompute_json_round_trip():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4, recompute="always")
     plan = score_assignment(SPLIT, costs, method="manual")
     data = plan.to_dict()
-    assert data["schema_version"] == PLAN_SCHEMA_VERSION == 3
+    assert data["schema_version"] == PLAN_SCHEMA_VERSION == 4
     assert data["recompute"] == (True, True, False)
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.recompute == (True, True, False)
