@@ -160,7 +160,7 @@ def plan_replicas(
         try:
             chosen = choose(
                 graph,
-                subset(cluster, groups[0], name=f"{cluster.name}, replica 0 of {d}"),
+                subset(cluster, groups[0], name=cluster.name if d == 1 else f"{cluster.name}, replica 0 of {d}"),
                 batch_size=batch_size // d,
                 num_microbatches=num_microbatches,
                 schedule=schedule,
