@@ -52,7 +52,7 @@ def test_the_bound_of_a_searched_plan_holds_in_every_order() -> None:
     assert plan.bottleneck_s <= evaluation.bottleneck_s * (1 + RESOLUTION)  # the least bottleneck is what it minimises
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=dag_problems(max_nodes=6, max_devices=3, max_shared=1))
 def test_a_searched_plan_is_optimal_only_where_no_order_beats_it(problem) -> None:
     graph, cluster, num_microbatches = problem
