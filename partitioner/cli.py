@@ -565,12 +565,13 @@ def _plan_replicas(
     if args.timeline:
         raise InputError("--timeline draws one pipeline; plan without --replicas to draw it.")
     microbatches = graph.graph["num_microbatches"] if args.micro_batches is None else args.micro_batches
+    batch_size = args.batch_size or graph.graph.get("batch_size")
     with err.status(f"planning replicas of {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         try:
             choice = plan_replicas(
                 graph,
                 cluster,
-                batch_size=args.batch_size or graph.graph.get("batch_size"),
+                batch_size=batch_size,
                 replicas=args.replicas,
                 num_microbatches=microbatches,
                 schedule=args.schedule,
@@ -591,7 +592,7 @@ def _plan_replicas(
     name = graph.graph.get("model_name", args.model)
     out.print(
         f"[bold]{escape(str(name))}[/]: {graph.number_of_nodes()} layers on {escape(cluster.name)} "
-        f"({cluster.num_devices} devices), global batch {choice.graph.graph.get('batch_size', 0) * plan.num_replicas}"
+        f"({cluster.num_devices} devices), global batch {batch_size}"
     )
     out.print(replica_table(choice))
     out.print(replica_note(choice), highlight=False, markup=False)
