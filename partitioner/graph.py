@@ -12,6 +12,8 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
                                 partitioner.cost.forward_share)
     activation_bytes    int     bytes kept alive for the backward pass, per micro-batch
     time_s              float   measured forward + backward seconds per micro-batch (optional)
+    fixed_time_s        float   the part of time_s that does not shrink with the micro-batch, in
+                                [0, time_s] (optional; 0 when absent: time_s scales with the samples)
     layer_type          str     the Keras class name (optional)
     config_digest       str     a digest of the layer's config without names (optional; structure)
     colocation_group    str     nodes sharing a group share weights: one device (optional)
@@ -109,6 +111,14 @@ def validate_graph(graph: nx.DiGraph) -> None:
         time_s = data.get("time_s")
         if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
             raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
+        fixed = data.get("fixed_time_s")
+        if fixed is not None and (
+            isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or time_s is None or not 0 <= fixed <= time_s
+        ):
+            raise GraphError(
+                f"Node '{node}' has fixed_time_s={fixed!r}; expected seconds between 0 and its time_s ({time_s!r}), "
+                "or no value."
+            )
     for u, v, data in graph.edges(data=True):
         value = data.get("bytes")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -177,8 +187,11 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
 
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
     ``activation_bytes``, ``time_s`` and edge ``bytes`` are multiplied by new / measured samples per
-    micro-batch; weights (``param_bytes``, ``trainable_param_bytes``) stay. Measured times do not
-    scale exactly (small batches use a device less well), so rescale them over small factors only.
+    micro-batch; weights (``param_bytes``, ``trainable_param_bytes``) stay. Where a node records
+    ``fixed_time_s`` (``profiles.profile_model(measure_fixed_time=True)``), only ``time_s - fixed_time_s``
+    scales and the fixed part stays: a micro-batch of one sample costs about what it cost when measured.
+    Without it, measured times do not scale exactly (small batches use a device less well), so rescale
+    them over small factors only.
 
     Args:
         graph: a layer graph that records the batch its costs were measured at (``micro_batch_size``,
@@ -210,9 +223,12 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     factor = samples / measured
     scaled = graph.copy()
     for _, data in scaled.nodes(data=True):
-        for key in ("flops", "forward_flops", "time_s"):
+        for key in ("flops", "forward_flops"):
             if data.get(key) is not None:
                 data[key] = float(data[key]) * factor
+        if data.get("time_s") is not None:
+            fixed = float(data.get("fixed_time_s", 0.0))
+            data["time_s"] = fixed + (float(data["time_s"]) - fixed) * factor
         data["activation_bytes"] = round(data["activation_bytes"] * factor)
     for _, _, data in scaled.edges(data=True):
         data["bytes"] = round(data["bytes"] * factor)

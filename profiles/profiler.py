@@ -31,7 +31,13 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        graph, loop bodies times their trip count (an RNN's per-step values live
                        in TensorLists of no static size), an upper bound; it is taken to read
                        all its inputs. InputLayer: 0.
-    time_s             measured forward + backward seconds (profiles.timing), measure_time only
+    time_s             measured forward + backward seconds (profiles.timing: the call's ops, without the
+                       dispatch of a function from Python), measure_time only
+    fixed_time_s       the part of time_s that does not shrink with the micro-batch (measure_fixed_time
+                       only): the call is timed again on one sample, and the line through the two
+                       times (seconds = fixed + per sample x samples) gives it, within [0, time_s].
+                       Small micro-batches pay it whole (kernel launches, dispatch, matmuls too small
+                       to use the device); partitioner.rescale_graph keeps it when it scales time_s.
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
@@ -70,7 +76,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -105,6 +111,7 @@ def profile_model(
     progress: ProgressCallback | None = None,
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
+    measure_fixed_time: bool = False,
 ) -> nx.DiGraph:
     """Profiles a Functional or Sequential Keras model into a layer graph (see the module docstring).
 
@@ -123,6 +130,9 @@ def profile_model(
             dimensions open: ``{"token_ids": (128,)}`` or a list in the order of ``model.inputs``
             (``profiles.shapes``).
         sequence_length: the size for every unknown non-batch dimension of every input.
+        measure_fixed_time: with ``measure_time``, also time each call on one sample and record
+            ``fixed_time_s`` (module docstring), so that ``partitioner.rescale_graph`` prices smaller
+            micro-batches by what they really cost: what ``num_microbatches="auto"`` needs to weigh M.
 
     Returns:
         A ``networkx.DiGraph`` that passes ``partitioner.graph.validate_graph``, nodes in
@@ -162,7 +172,7 @@ def profile_model(
         timing_device = _resolve_device(tf, device)
         graph.graph["profiled_device"] = timing_device
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
-    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup)
+    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup, measure_fixed_time)
     counted: set[int] = set()  # ids of weights already given to a node
     dtype_flops: dict[str, float] = {}  # compute dtype -> forward FLOPs of the calls computing in it
     for done, call in enumerate(calls, start=1):
@@ -268,13 +278,21 @@ class _Trace:
     saved: _Saved | None  # None: the gradient could not be analysed (a loop, no gradient, a variant)
     traced_bytes: int  # the upper bound of a composite without analysis: every op's outputs
     time_s: float | None
+    fixed_time_s: float | None = None  # the part of time_s one sample costs too (measure_fixed_time)
 
 
 class _CallProfiler:
     """Traces (and optionally times) each call, memoising calls of one layer on equal inputs."""
 
     def __init__(
-        self, tf: Any, micro_batch: int, shapes: list[list[Shape]], device: str | None, repeats: int, warmup: int
+        self,
+        tf: Any,
+        micro_batch: int,
+        shapes: list[list[Shape]],
+        device: str | None,
+        repeats: int,
+        warmup: int,
+        fixed_time: bool = False,
     ) -> None:
         self._tf = tf
         self._micro_batch = micro_batch
@@ -282,6 +300,7 @@ class _CallProfiler:
         self._device = device
         self._repeats = repeats
         self._warmup = warmup
+        self._fixed_time = fixed_time and device is not None and micro_batch > 1
         self._memo: dict[tuple[int, str], _Trace] = {}
         self._traces: dict[int, _Trace] = {}  # call index -> its trace (not for InputLayers)
 
@@ -307,14 +326,13 @@ class _CallProfiler:
                 size = math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
                 param_bytes += size
                 trainable_bytes += size if id(weight) in trainable_ids else 0
-        name = call.operation.name
-        specs = [
-            self._tf.TensorSpec(_micro_shape(self._shapes[s.call][s.output], self._micro_batch, name), t.dtype)
-            for t, s in zip(call.node.input_tensors, call.sources, strict=True)
-        ]
+        specs = self._specs(call, self._micro_batch)
         key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
         if key not in self._memo:
-            self._memo[key] = self._measure(call, specs)
+            trace = self._measure(call, specs)
+            if self._fixed_time:
+                trace = replace(trace, fixed_time_s=self._fixed_seconds(call, trace.time_s))
+            self._memo[key] = trace
         trace = self._traces[index] = self._memo[key]
         attrs.update(
             flops=training_flops(trace.forward_flops, bool(trainable_ids)),
@@ -325,7 +343,25 @@ class _CallProfiler:
         )
         if trace.time_s is not None:
             attrs["time_s"] = float(trace.time_s)
+        if trace.fixed_time_s is not None:
+            attrs["fixed_time_s"] = float(trace.fixed_time_s)
         return attrs
+
+    def _specs(self, call: LayerCall, samples: int) -> list[Any]:
+        """The call's input specs with the batch axis set to ``samples``."""
+        return [
+            self._tf.TensorSpec(_micro_shape(self._shapes[s.call][s.output], samples, call.operation.name), t.dtype)
+            for t, s in zip(call.node.input_tensors, call.sources, strict=True)
+        ]
+
+    def _fixed_seconds(self, call: LayerCall, time_s: float | None) -> float | None:
+        """The part of ``time_s`` (measured at the micro-batch) that one sample costs as well: the line through
+        the time on one sample and ``time_s`` at the micro-batch, at zero samples, within [0, time_s]."""
+        if time_s is None:
+            return None
+        one = self._time(call, self._specs(call, 1))
+        per_sample = (time_s - one) / (self._micro_batch - 1)
+        return min(max(one - per_sample, 0.0), time_s)
 
     def activation_bytes(self, calls: list[LayerCall], model_outputs: list[Source]) -> list[int]:
         """Per call, the bytes kept for its backward: the internal tensors its gradient reads, and each
@@ -378,30 +414,33 @@ class _CallProfiler:
         traced_bytes = 0
         if saved is None and _is_composite(call.operation):
             traced_bytes = int(fold_graph(traced, _op_output_bytes))
-        time_s = None
-        if self._device is not None:
-            from profiles.timing import forward_backward_seconds
-
-            state = [(v, v.numpy()) for v in getattr(call.operation, "variables", [])]
-            try:
-                time_s = forward_backward_seconds(
-                    forward,
-                    specs,
-                    _trainable_weights(call.operation),
-                    device=self._device,
-                    repeats=self._repeats,
-                    warmup=self._warmup,
-                )
-            except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
-                raise ProfileError(
-                    f"Timing '{call.operation.name}' ({type(call.operation).__name__}) forward + backward on "
-                    f"{self._device} failed: {_summary(err)}. Expected a differentiable layer that "
-                    "fits on the device; profile with measure_time=False to skip timing."
-                ) from err
-            finally:
-                for variable, value in state:  # running the layer moved BN statistics and seeds
-                    variable.assign(value)
+        time_s = None if self._device is None else self._time(call, specs)
         return _Trace(float(flops), saved, traced_bytes, time_s)
+
+    def _time(self, call: LayerCall, specs: list[Any]) -> float:
+        """Forward + backward seconds of the call on ``specs`` (profiles.timing); its variables restored."""
+        from profiles.timing import forward_backward_seconds
+
+        tf = self._tf
+        state = [(v, v.numpy()) for v in getattr(call.operation, "variables", [])]
+        try:
+            return forward_backward_seconds(
+                _forward_fn(call),
+                specs,
+                _trainable_weights(call.operation),
+                device=str(self._device),
+                repeats=self._repeats,
+                warmup=self._warmup,
+            )
+        except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
+            raise ProfileError(
+                f"Timing '{call.operation.name}' ({type(call.operation).__name__}) forward + backward on "
+                f"{self._device} failed: {_summary(err)}. Expected a differentiable layer that "
+                "fits on the device; profile with measure_time=False to skip timing."
+            ) from err
+        finally:
+            for variable, value in state:  # running the layer moved BN statistics and seeds
+                variable.assign(value)
 
 
 def _forward_fn(call: LayerCall) -> Callable[..., Any]:

@@ -3,8 +3,12 @@
 The call runs inside a ``tf.function`` under a ``tf.GradientTape`` that takes gradients of every
 floating-point output with respect to the floating-point inputs and the trainable weights, the
 work one pipeline stage does per micro-batch. The function is traced once, run ``warmup`` times,
-then timed ``repeats`` times (each run waits for the device); the median is returned. The time
-includes one ``tf.function`` dispatch (tens of microseconds), as a pipeline stage pays it too.
+then timed ``repeats`` times (each run waits for the device), each run beside one of an empty function
+on the same inputs; the median of the runs less the median of the empty ones is returned. So the time
+is the call's ops, not the dispatch of a ``tf.function`` from Python (tens to hundreds of microseconds on
+CPU): a stage runs many layers in one call and pays its call once per pass, which the cost model prices
+as the device's ``action_overhead_s`` (docs/cost-model.md). Summed over a stage's layers, times that kept
+the dispatch counted it once per layer.
 
 Example:
     >>> import keras, tensorflow as tf                                            # doctest: +SKIP
@@ -34,6 +38,7 @@ def forward_backward_seconds(
     device: str,
     repeats: int = 5,
     warmup: int = 2,
+    exclude_call: bool = True,
 ) -> float:
     """Returns the median seconds of one forward + backward pass of ``fn`` on ``device``.
 
@@ -46,6 +51,9 @@ def forward_backward_seconds(
         device: a TensorFlow device name such as "/GPU:0" or "/device:CPU:1".
         repeats: timed runs; the median is returned.
         warmup: untimed runs after tracing.
+        exclude_call: subtract the median seconds of calling an empty function on the same inputs
+            (the dispatch from Python); the result is then >= 0, and 0 when the pass is too short to
+            tell from the dispatch.
 
     Raises:
         InputError: for ``repeats < 1``, ``warmup < 0`` or specs with unknown dimensions.
@@ -79,19 +87,27 @@ def forward_backward_seconds(
         grads = tape.gradient(targets, sources)
         return targets + [g for g in grads if g is not None]
 
+    def empty(*inputs: tf.Tensor) -> tf.Tensor:
+        return tf.constant(0.0)
+
     with tf.device(device):
         inputs = [_fill(spec) for spec in input_specs]
-        compiled = tf.function(step).get_concrete_function(*input_specs)
+        runs = [tf.function(step).get_concrete_function(*input_specs)]
+        if exclude_call:
+            runs.append(tf.function(empty).get_concrete_function(*input_specs))
         for _ in range(warmup):
-            compiled(*inputs)
-            sync_device(device)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            compiled(*inputs)
-            sync_device(device)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            for run in runs:
+                run(*inputs)
+                sync_device(device)
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(repeats):  # the pass and the empty call take turns, so both see the same load
+            for run, seconds in zip(runs, times, strict=True):
+                start = time.perf_counter()
+                run(*inputs)
+                sync_device(device)
+                seconds.append(time.perf_counter() - start)
+    medians = [statistics.median(seconds) for seconds in times]
+    return max(0.0, medians[0] - (medians[1] if exclude_call else 0.0))
 
 
 def _check_counts(repeats: int, warmup: int) -> None:

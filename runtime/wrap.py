@@ -79,8 +79,11 @@ def plan_and_wrap(
             (``partitioner.search.choose``). Local devices given as a count or names are calibrated
             once per process (``profiles.local.local_cluster``): their fixed cost per forward or
             backward (``Device.action_overhead_s``) and link bandwidth are measured, so more
-            micro-batches are not free. A Cluster you pass keeps its own figures
-            (``partitioner calibrate`` writes one to keep and edit).
+            micro-batches are not free; and the model's layers are timed on the first device, at
+            the whole batch and at one sample (``profile_model(measure_fixed_time=True)``), and
+            planned by those times (``cost="time"``), so a micro-batch too small to use the device
+            well is priced as it runs. A Cluster you pass keeps its own figures and FLOP-based
+            costs (``partitioner calibrate`` writes one to keep and edit).
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the
             planner does not price (the framework's workspace, the allocator's rounding, the
@@ -139,15 +142,21 @@ def plan_and_wrap(
         batch_norm=batch_norm,
     )
     cluster = resolve_devices(devices, memory=memory).with_headroom(memory_headroom)
+    # auto M on devices calibrated here: the layers timed where they run, their fixed part too (each M is
+    # priced by rescaling); a worker of several does not time (the replicas must agree on one plan)
+    timed = num_microbatches == AUTO and not isinstance(devices, Cluster) and current_worker() is None
     graph = profile_model(
         model,
         batch_size=batch_size,
         num_microbatches=1 if num_microbatches == AUTO else num_microbatches,  # auto: rescaled to each M tried
-        measure_time=False,
+        measure_time=timed,
+        device=cluster.devices[0].name if timed else None,
+        measure_fixed_time=timed,
         input_shapes=input_shapes,
         sequence_length=sequence_length,
     )
     solve_options: dict[str, Any] = {
+        "cost": "time" if timed else "flops",
         "optimizer_slots": optimizer_slots,
         "time_limit_s": time_limit_s,
         "pins": pins,

@@ -3,13 +3,17 @@
 On 2 logical CPU devices of this machine (1 intra-op thread, 2 inter-op threads: the two devices may run at
 once), for an MLP of DEPTH Dense(WIDTH, relu) layers and a Dense(10) head at batch BATCH, SGD:
 
-1. ``plan_and_wrap(model, devices=cluster, batch_size=BATCH, num_microbatches="auto")`` with the local cluster
-   as it was before calibration (``local_cluster(2, calibrate=False)``: FLOP/s measured, no fixed cost per pass,
-   the 50 GB/s constant for the link) and as ``plan_and_wrap(devices=2)`` now builds it (calibrated: the fixed
-   cost of a pass and the link measured, ``profiles.calibrate``): the M each picks, and its predicted step.
-2. for M = 1, 2, 4, 8, 16 and each picked M: the plan the planner makes at that M on the calibrated cluster
-   (its stage count), its predicted step, and the measured steady step (median of ROUNDS rounds of STEPS
-   ``train_on_batch`` calls on one batch, after WARMUP untimed ones).
+1. the M ``plan_and_wrap(model, ..., batch_size=BATCH, num_microbatches="auto")`` picks, and its predicted step,
+   three ways: "before", the local cluster as it was before calibration (``devices=local_cluster(2,
+   calibrate=False)``: FLOP/s measured, no fixed cost per pass, the 50 GB/s constant for the link, costs from
+   FLOPs); "flops", the calibrated cluster passed as a Cluster (the fixed cost of a pass and the link measured,
+   ``profiles.calibrate``; costs still from FLOPs); "timed", ``devices=2`` as a user writes it: the calibrated
+   cluster, and the layers timed on the first device at the whole batch and at one sample
+   (``profile_model(measure_fixed_time=True)``), planned by those times.
+2. for M = 1, 2, 4, 8, 16 and each picked M: the timed plan at that M (``solve`` on the timed graph rescaled to
+   M, ``cost="time"``, the calibrated cluster), its stage count, its predicted step, and the measured steady step
+   of the model wrapped with it (median of ROUNDS rounds of STEPS ``train_on_batch`` calls on one batch, after
+   WARMUP untimed ones).
 
 Writes results.json and the table in README.md (between the ``results:start`` / ``results:end`` markers).
 
@@ -80,8 +84,10 @@ def measure() -> dict[str, Any]:
     start_tensorflow(2)
     import numpy as np
 
+    from partitioner import rescale_graph, solve
+    from profiles import profile_model
     from profiles.local import local_cluster, local_cluster_and_sources
-    from runtime import plan_and_wrap
+    from runtime import plan_and_wrap, wrap
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(BATCH, WIDTH)).astype("float32"), rng.integers(0, 10, BATCH)
@@ -89,13 +95,17 @@ def measure() -> dict[str, Any]:
     before = local_cluster(2, calibrate=False)
     after, sources = local_cluster_and_sources(2)
     picked = {}
-    for label, cluster in (("before", before), ("after", after)):
-        plan = plan_and_wrap(model, devices=cluster, batch_size=BATCH, num_microbatches="auto").plan
+    for label, devices in (("before", before), ("flops", after), ("timed", 2)):
+        plan = plan_and_wrap(model, devices=devices, batch_size=BATCH, num_microbatches="auto").plan
         picked[label] = {"num_microbatches": plan.num_microbatches, "predicted_step_s": plan.step_time_s}
         print(f"{label}: auto picks M = {plan.num_microbatches} ({plan.num_stages} stages)", flush=True)
+    timed = profile_model(
+        model, batch_size=BATCH, num_microbatches=1, device=after.devices[0].name, measure_fixed_time=True
+    )
     rows = []
     for m in sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())}):
-        wrapped = plan_and_wrap(model, devices=after, batch_size=BATCH, num_microbatches=m)
+        plan = solve(rescale_graph(timed, BATCH, m), after, num_microbatches=m, cost="time")
+        wrapped = wrap(model, plan)
         step = steady_step_s(wrapped, x, y)
         rows.append(
             {
@@ -139,7 +149,7 @@ def table(results: dict[str, Any]) -> str:
     ]
     for r in results["rows"]:
         m = r["num_microbatches"]
-        who = " and ".join(label for label, p in results["picked"].items() if p["num_microbatches"] == m)
+        who = ", ".join(label for label, p in results["picked"].items() if p["num_microbatches"] == m)
         lines.append(
             f"| {m} | {r['num_stages']} | {who or ''} | {r['predicted_step_s'] * 1e3:.2f} | "
             f"{r['measured_step_s'] * 1e3:.2f} | {r['measured_step_s'] / best:.2f}x |"

@@ -315,6 +315,25 @@ def test_rescale_graph_scales_per_sample_costs_and_keeps_weights():
     validate_graph(scaled)
 
 
+def test_rescale_graph_keeps_the_fixed_part_of_a_measured_time():
+    """Only time_s - fixed_time_s scales with the samples: 0.1 s fixed + 0.4 s for 4 samples becomes
+    0.1 + 0.4 * 8 for 32 samples and 0.1 + 0.4 / 4 for one (a plain rescale would give 4.0 and 0.125)."""
+    graph = _profiled()
+    graph.nodes["layer_0"]["fixed_time_s"] = 0.1
+    larger = rescale_graph(graph, batch_size=64, num_microbatches=2).nodes["layer_0"]
+    smaller = rescale_graph(graph, batch_size=32, num_microbatches=32).nodes["layer_0"]
+    assert larger["time_s"] == pytest.approx(3.3) and smaller["time_s"] == pytest.approx(0.2)
+    assert larger["fixed_time_s"] == smaller["fixed_time_s"] == 0.1
+
+
+@pytest.mark.parametrize("fixed", [-0.1, 0.6, "0.1"])
+def test_validate_graph_rejects_a_fixed_time_outside_the_time(fixed):
+    graph = _profiled()
+    graph.nodes["layer_0"]["fixed_time_s"] = fixed
+    with pytest.raises(GraphError, match=r"has fixed_time_s=.*; expected seconds between 0 and its time_s"):
+        validate_graph(graph)
+
+
 def test_rescale_graph_leaves_the_input_unchanged():
     graph = _profiled()
     rescale_graph(graph, batch_size=8)
