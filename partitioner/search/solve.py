@@ -38,6 +38,7 @@ from partitioner.search.order import (
 )
 from partitioner.search.refine import refine_step
 from partitioner.search.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
+from partitioner.verdict import TOLERANCE, least_bound, on_bottleneck
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
 # below them the fine model is solved (or the chain DP runs) in a few seconds.
@@ -163,9 +164,8 @@ def solve(
             raise
         return with_step_bound(island_plan, costs)
     if island_plan is not None and shorter_step(island_plan, plan):
-        bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
-        status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
-        plan = dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
+        # a bound on any plan of the whole cluster holds for the island's too
+        plan = on_bottleneck(island_plan, plan.lower_bound_s)
     if not options.shortest_step:
         return plan  # CP-SAT's least bottleneck: status and gap against its bound on the bottleneck
     if not coarsen:
@@ -211,16 +211,13 @@ def _refined(
             best = start
     if best is plan:
         return plan
-    bound = plan.lower_bound_s
     refined = score_assignment(
         best.assignment,
         costs.on(reorder(costs.cluster, list(best.devices))),
         method=f"{plan.method}, then step refinement",
-        lower_bound_s=bound,
         solve_time_s=time.perf_counter() - called,
     )
-    status = "heuristic" if bound is None else "optimal" if refined.bottleneck_s <= bound else "feasible"
-    return dataclasses.replace(refined, status=status)
+    return on_bottleneck(refined, plan.lower_bound_s)
 
 
 def _island_plan(
@@ -364,17 +361,17 @@ def _verdict_over_orders(best: Plan, bounds: Sequence[float | None], costs: Cost
     order. It stays "optimal" only if its own order proved it and no other order's bound is below its
     bottleneck (its own bound, rounded down by CP-SAT's time unit, is what its own proof already covers).
     """
-    if every_order and all(bound is not None for bound in bounds):
-        known = [bound for bound in bounds if bound is not None]
-        others = list(known)
+    over_orders = least_bound(bounds) if every_order else None
+    if over_orders is not None:
+        others = list(bounds)
         if best.lower_bound_s in others:  # best is one of the orders' plans
             others.remove(best.lower_bound_s)
-        bound, beaten = min(known), any(best.bottleneck_s > b * (1 + 1e-9) for b in others)
+        bound, beaten = over_orders, any(b is not None and best.bottleneck_s > b * (1 + TOLERANCE) for b in others)
     else:
         bound = costs.lower_bound_s()
-        beaten = best.bottleneck_s > bound * (1 + 1e-9)
-    status = "feasible" if best.status == "optimal" and beaten else best.status
-    return dataclasses.replace(best, lower_bound_s=bound, status=status)
+        beaten = best.bottleneck_s > bound * (1 + TOLERANCE)
+    proven = best.status == "optimal" and not beaten  # its own order proved it, and no other order beats it
+    return on_bottleneck(best, bound, proven=proven, searched=best.status != "heuristic")
 
 
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
@@ -426,15 +423,13 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
     best = min(others, key=lambda p: (p.step_time_s, p.bottleneck_s), default=None)
     if best is None or best.step_time_s >= plan.step_time_s * (1 - 1e-9):
         return plan
-    bound = plan.lower_bound_s
-    return score_assignment(
+    shorter = score_assignment(
         best.assignment,
         costs,
         method=f"{best.method} (shorter step than {plan.method})",
-        status="optimal" if bound is not None and best.bottleneck_s <= bound else "feasible",
-        lower_bound_s=bound,
         solve_time_s=time.perf_counter() - started,
     )
+    return on_bottleneck(shorter, plan.lower_bound_s)
 
 
 def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
@@ -494,14 +489,8 @@ def _solve_fine(
     # the model's stage times leave out the fixed cost of a stage's forward and backward, which every stage pays
     fixed = 2 * min(costs.action_overhead_s)
     lower_bound = max(bound_steps * m.time_unit_s + fixed, costs.lower_bound_s())
-    return score_assignment(
-        assignment,
-        costs,
-        method="cp-sat",
-        status="optimal" if status == cp_model.OPTIMAL else "feasible",
-        lower_bound_s=lower_bound,
-        solve_time_s=time.perf_counter() - started,
-    )
+    plan = score_assignment(assignment, costs, method="cp-sat", solve_time_s=time.perf_counter() - started)
+    return on_bottleneck(plan, lower_bound, proven=status == cp_model.OPTIMAL)
 
 
 def _timeout_error(costs: CostModel, time_limit_s: float, pins: Mapping[str, str]) -> SolverTimeoutError:

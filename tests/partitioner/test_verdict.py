@@ -9,6 +9,7 @@ the fast device, "optimal" with a bound of 4.257 ms, while a legal plan in the o
 
 from __future__ import annotations
 
+import ast
 import itertools
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import partitioner as pt
 from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.graph import load_graph, topological_order
+from partitioner.verdict import TOLERANCE, least_bound, on_bottleneck, on_step, verdict
 
 DATA = Path(__file__).parent / "data"
 RESOLUTION = 1e-4  # CP-SAT's time unit, as in test_solver
@@ -68,3 +70,74 @@ def test_a_searched_plan_is_optimal_only_where_no_order_beats_it(problem) -> Non
         assert plan.lower_bound_s <= best * (1 + RESOLUTION)
     if plan.status == "optimal":
         assert plan.bottleneck_s == pytest.approx(best, rel=RESOLUTION)
+
+
+# ----- the rule (partitioner.verdict) -----------------------------------------------------------------
+
+
+def test_verdict_meets_the_bound_within_the_tolerance() -> None:
+    assert verdict(1.0, 1.0 / (1 + TOLERANCE / 2)) == ("optimal", 1.0 / (1 + TOLERANCE / 2))
+    assert verdict(1.0, 1.0 / (1 + 2 * TOLERANCE))[0] == "feasible"
+
+
+def test_verdict_caps_the_bound_at_the_value() -> None:
+    assert verdict(1.0, 1.5) == ("optimal", 1.0)
+
+
+def test_verdict_proven_is_optimal_whatever_the_bound() -> None:
+    assert verdict(2.0, 1.0, proven=True) == ("optimal", 1.0)
+    assert verdict(2.0, None, proven=True) == ("optimal", None)
+
+
+def test_verdict_without_a_bound_is_heuristic() -> None:
+    assert verdict(2.0, None) == ("heuristic", None)
+
+
+def test_verdict_of_a_plan_no_search_found_is_heuristic_unless_it_meets_the_bound() -> None:
+    assert verdict(2.0, 1.0, searched=False) == ("heuristic", 1.0)
+    assert verdict(2.0, 2.0, searched=False) == ("optimal", 2.0)
+
+
+def test_least_bound_is_unknown_when_one_part_is() -> None:
+    assert least_bound([3.0, 1.0, 2.0]) == 1.0
+    assert least_bound([3.0, None]) is None
+    assert least_bound([]) is None
+
+
+def test_on_step_and_on_bottleneck_set_the_objectives_bound() -> None:
+    costs = CostModel(pt.chain_graph([1e12] * 2), pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12))
+    plan = pt.baselines.uniform(costs.graph, costs.cluster)
+    stepped = on_step(plan, plan.step_time_s / 2)
+    assert (stepped.status, stepped.objective, stepped.gap) == ("feasible", "step", pytest.approx(0.5))
+    judged = on_bottleneck(plan, plan.bottleneck_s)
+    assert (judged.status, judged.objective, judged.gap) == ("optimal", "bottleneck", 0.0)
+
+
+def _statuses_set(path: Path) -> list[int]:
+    """Lines of ``path`` where the constant "optimal" is written other than in a docstring, a comparison
+    (reading a status) or plan.py's list of the statuses."""
+    tree = ast.parse(path.read_text())
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            allowed |= {id(n) for n in ast.walk(node)}
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            allowed.add(id(node.body[0].value))  # type: ignore[attr-defined]
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "STATUSES" for t in node.targets):
+            allowed |= {id(n) for n in ast.walk(node)}
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value == "optimal" and id(node) not in allowed
+    ]
+
+
+def test_only_the_verdict_module_says_optimal() -> None:
+    root = Path(pt.__file__).parent
+    found = {
+        str(path.relative_to(root)): lines
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "verdict.py" and (lines := _statuses_set(path))
+    }
+    assert found == {}  # a status is decided by partitioner.verdict.verdict alone
+    assert _statuses_set(root / "verdict.py")  # the check sees the one place that does
