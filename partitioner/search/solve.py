@@ -26,6 +26,7 @@ from partitioner.score import score_assignment, shorter_step, smaller_bottleneck
 from partitioner.search.baselines import check_stage_count
 from partitioner.search.chain import exact_chain_for
 from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
+from partitioner.search.exhaustive import least_plan
 from partitioner.search.multilevel import coarse_chain_plan, solve_coarsened
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import (
@@ -51,6 +52,10 @@ AUTO_COARSEN_CHAIN = 8_000
 REFINED_STARTS = 8
 MULTI_START_NODES = 64
 
+
+# Graphs of up to this many nodes are judged against every legal plan where those are few
+# (partitioner.search.exhaustive.MAX_PLANS): scoring a plan of 24 nodes takes about a millisecond.
+MAX_ENUMERATED_NODES = 24
 
 # On clusters of up to this many devices the order search tries every distinct pipeline order (3! = 6 at most).
 EVERY_ORDER_UP_TO = 3
@@ -126,6 +131,16 @@ def solve(
     )
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
+    plan = _search(costs, pins, options, started=started, time_limit_s=float(time_limit_s))
+    return _against_every_plan(plan, costs, pins, options, started=started, deadline=started + float(time_limit_s))
+
+
+def _search(
+    costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, started: float, time_limit_s: float
+) -> Plan:
+    """:func:`solve`'s search, after its arguments are checked: the chain DP, or CP-SAT (in one order or
+    several, coarsened or not) and the refinements of its plan; judged on what it minimised."""
+    graph, cluster, schedule = costs.graph, costs.cluster, costs.schedule
     chain = options.exact_chains and not pins and is_chain(graph) and not colocation_groups(graph)
     size = len(costs.order) * len(costs.devices)
     coarsen = options.coarsen
@@ -171,6 +186,29 @@ def solve(
     if not coarsen:
         plan = _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
     return with_step_bound(plan, costs)  # chosen by its step: status and gap against the bound on the step
+
+
+def _against_every_plan(
+    plan: Plan, costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, started: float, deadline: float
+) -> Plan:
+    """``plan`` judged against the best of every legal plan (partitioner.search.exhaustive), a bound that
+    knows which splits fit in memory, where the graph has at most MAX_ENUMERATED_NODES nodes and the legal
+    plans are few: "optimal" with gap 0 where it is that best, else "feasible" with its gap to it.
+    ``plan`` unchanged where they are not enumerated. The plan stays the search's (a better one found
+    here is not returned: the planners' results stay theirs), only its verdict gains the bound.
+    """
+    if len(costs.order) > MAX_ENUMERATED_NODES or not plan.fits_memory:
+        return plan
+    objective = plan.objective
+    best = least_plan(costs, pins, objective=objective, device_order=options.device_order, deadline=deadline)
+    if best is None:
+        return plan
+    proven, searched = plan.status == "optimal", plan.status != "heuristic"
+    plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - started)
+    if objective == "step":  # the least step of every legal plan bounds the step of any
+        return with_step_bound(plan, costs, proven_s=best.step_time_s, proven_optimal=proven)
+    bound = max(plan.lower_bound_s or 0.0, best.bottleneck_s)  # the least bottleneck of every legal plan
+    return on_bottleneck(plan, bound, proven=proven, searched=searched)
 
 
 def _refined(
