@@ -25,7 +25,7 @@ Example:
     >>> costs = pt.CostModel(pt.chain_graph([1e12] * 3), pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12))
     >>> best = least_plan(costs, {}, objective="step", device_order="search", deadline=float("inf"))
     >>> best.num_stages, best.step_time_s
-    (1, 6.0)
+    (2, 3.0)
 """
 
 from __future__ import annotations
