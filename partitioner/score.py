@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 from partitioner.cost import CostModel
@@ -20,8 +19,7 @@ from partitioner.errors import PlanError
 from partitioner.graph import structure
 from partitioner.plan import STATUSES, Plan
 from partitioner.simulate import simulate_assignment
-
-STEP_BOUND_TOLERANCE = 1e-9  # relative: a step this close to a proven bound on it is optimal (rounding)
+from partitioner.verdict import on_step
 
 
 def score_assignment(
@@ -120,8 +118,8 @@ def with_step_bound(
     """``plan`` judged on its step, for planners that minimise it: ``step_lower_bound_s`` is the larger
     of ``costs.step_lower_bound_s()`` (every legal plan of the graph, cluster, M and schedule) and
     ``proven_s`` (a planner's own proven bound on the step), capped at the plan's step; the status is
-    "optimal" when the step meets that bound (within 1e-9) or ``proven_optimal`` (the planner proved
-    it), else "feasible" ("heuristic" stays for a plan the search did not find).
+    "optimal" when the step meets that bound or ``proven_optimal`` (the planner proved it), else
+    "feasible" ("heuristic" stays for a plan the search did not find): ``partitioner.verdict``'s rule.
 
     ``costs`` may list the devices in another order than the plan (the bound holds for every order).
 
@@ -134,6 +132,4 @@ def with_step_bound(
         (2.0, 2.0, 'optimal', 0.0)
     """
     bound = max(costs.step_lower_bound_s(), proven_s if proven_s is not None else 0.0)
-    met = proven_optimal or plan.step_time_s <= bound * (1 + STEP_BOUND_TOLERANCE)
-    status = "optimal" if met else "heuristic" if plan.status == "heuristic" else "feasible"
-    return dataclasses.replace(plan, step_lower_bound_s=min(bound, plan.step_time_s), status=status)
+    return on_step(plan, bound, proven=proven_optimal, searched=plan.status != "heuristic")

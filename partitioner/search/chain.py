@@ -57,6 +57,7 @@ from partitioner.search.threshold_search import (
     _least_bottlenecks,
     _threshold_search,
 )
+from partitioner.verdict import on_bottleneck
 
 OBJECTIVES = ("step", "bottleneck")
 FINALISTS = 4  # splits simulated (and for GPipe improved when the formula falls short), shortest steps first
@@ -162,14 +163,8 @@ def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective
     if found is None:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
     assignment, optimum = found
-    return score_assignment(
-        assignment,
-        costs,
-        method="exact_chain",
-        status="optimal",
-        lower_bound_s=optimum,
-        solve_time_s=time.perf_counter() - started,
-    )
+    plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
+    return on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
 
 
 def _search_orders(costs: CostModel, started: float) -> Plan:
@@ -184,14 +179,9 @@ def _search_orders(costs: CostModel, started: float) -> Plan:
         bound = min(bound, order_bound)
     if best is None:
         raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
-    proven = every_order_searched(cluster)
-    lower_bound = float(bound) if proven else costs.lower_bound_s()
-    return dataclasses.replace(
-        best,
-        status="optimal" if proven and best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
-        lower_bound_s=min(lower_bound, best.bottleneck_s),
-        solve_time_s=time.perf_counter() - started,
-    )
+    # the least bottleneck of every order where every order was searched, else a bound in any order
+    lower_bound = float(bound) if every_order_searched(cluster) else costs.lower_bound_s()
+    return on_bottleneck(dataclasses.replace(best, solve_time_s=time.perf_counter() - started), lower_bound)
 
 
 def _orders(costs: CostModel) -> list[tuple[int, ...]]:

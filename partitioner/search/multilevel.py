@@ -27,6 +27,7 @@ from partitioner.search.chain import exact_chain_for
 from partitioner.search.coarsen import Coarsening, around_boundaries, chain_quotient, cut_bytes, segments
 from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
 from partitioner.search.starts import Candidate, best_of, best_start, fill_start
+from partitioner.verdict import TOLERANCE, on_bottleneck
 
 if TYPE_CHECKING:
     from partitioner.search.options import SolverOptions
@@ -65,7 +66,7 @@ def solve_coarsened(
             best = fill_start(costs, pins)
 
     def good_enough(found: Candidate) -> bool:
-        return found.bottleneck_s * (1 - options.relative_gap) <= lower_bound * (1 + 1e-9)
+        return found.bottleneck_s * (1 - options.relative_gap) <= lower_bound * (1 + TOLERANCE)
 
     # Coarse: a dozen or two runs per device, none straddling a stage boundary of the start (which is
     # then a placement of runs: a complete hint). The DP takes more runs; CP-SAT only needs a sketch
@@ -96,14 +97,13 @@ def solve_coarsened(
         best = better
     if best is None:
         return None
-    return score_assignment(
+    plan = score_assignment(
         best.assignment,
         costs,
         method="exact_chain+coarsen" if chain else "cp-sat+coarsen",
-        status="optimal" if best.bottleneck_s <= lower_bound * (1 + 1e-9) else "feasible",
-        lower_bound_s=lower_bound,
         solve_time_s=time.perf_counter() - started,
     )
+    return on_bottleneck(plan, lower_bound)
 
 
 def _place_units(

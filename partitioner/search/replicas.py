@@ -65,6 +65,7 @@ from partitioner.graph import trainable_param_bytes
 from partitioner.plan import Plan
 from partitioner.search.choose import AUTO, choose
 from partitioner.simulate import simulate
+from partitioner.verdict import least_bound, on_step
 
 LAYOUTS = ("blocks", "strided")
 
@@ -235,9 +236,4 @@ def _rank(candidate: ReplicaCandidate) -> tuple[float, int, int]:
 
 def _verdict(plan: Plan, bounds: Sequence[float | None]) -> Plan:
     """``plan`` judged on its step against the least of the candidates' bounds (None where one is unknown)."""
-    if any(b is None for b in bounds):
-        return dataclasses.replace(plan, step_lower_bound_s=None, status="heuristic")
-    bound = min(b for b in bounds if b is not None)
-    bound = min(bound, plan.step_time_s)
-    status = "optimal" if plan.step_time_s <= bound * (1 + 1e-9) else "feasible"
-    return dataclasses.replace(plan, step_lower_bound_s=bound, status=status)
+    return on_step(plan, least_bound(bounds))

@@ -26,6 +26,7 @@ from partitioner.score import score_assignment, shorter_step, smaller_bottleneck
 from partitioner.search.baselines import check_stage_count
 from partitioner.search.chain import exact_chain_for
 from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
+from partitioner.search.exhaustive import least_plan
 from partitioner.search.multilevel import coarse_chain_plan, solve_coarsened
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import (
@@ -38,6 +39,7 @@ from partitioner.search.order import (
 )
 from partitioner.search.refine import refine_step
 from partitioner.search.starts import best_start, exact_chain_start, fill_start, fits_with_recompute, legal_baselines
+from partitioner.verdict import TOLERANCE, least_bound, on_bottleneck
 
 # coarsen=None coarsens above these sizes (nodes x devices). Measured in benchmarks/planner_speed:
 # below them the fine model is solved (or the chain DP runs) in a few seconds.
@@ -50,6 +52,10 @@ AUTO_COARSEN_CHAIN = 8_000
 REFINED_STARTS = 8
 MULTI_START_NODES = 64
 
+
+# Graphs of up to this many nodes are judged against every legal plan where those are few
+# (partitioner.search.exhaustive.MAX_PLANS): scoring a plan of 24 nodes takes about a millisecond.
+MAX_ENUMERATED_NODES = 24
 
 # On clusters of up to this many devices the order search tries every distinct pipeline order (3! = 6 at most).
 EVERY_ORDER_UP_TO = 3
@@ -125,6 +131,16 @@ def solve(
     )
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
+    plan = _search(costs, pins, options, started=started, time_limit_s=float(time_limit_s))
+    return _against_every_plan(plan, costs, pins, options, started=started, deadline=started + float(time_limit_s))
+
+
+def _search(
+    costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, started: float, time_limit_s: float
+) -> Plan:
+    """:func:`solve`'s search, after its arguments are checked: the chain DP, or CP-SAT (in one order or
+    several, coarsened or not) and the refinements of its plan; judged on what it minimised."""
+    graph, cluster, schedule = costs.graph, costs.cluster, costs.schedule
     chain = options.exact_chains and not pins and is_chain(graph) and not colocation_groups(graph)
     size = len(costs.order) * len(costs.devices)
     coarsen = options.coarsen
@@ -163,14 +179,36 @@ def solve(
             raise
         return with_step_bound(island_plan, costs)
     if island_plan is not None and shorter_step(island_plan, plan):
-        bound = plan.lower_bound_s  # a bound on any plan of the whole cluster holds for the island's too
-        status = "heuristic" if bound is None else "optimal" if island_plan.bottleneck_s <= bound else "feasible"
-        plan = dataclasses.replace(island_plan, lower_bound_s=bound, status=status)
+        # a bound on any plan of the whole cluster holds for the island's too
+        plan = on_bottleneck(island_plan, plan.lower_bound_s)
     if not options.shortest_step:
         return plan  # CP-SAT's least bottleneck: status and gap against its bound on the bottleneck
     if not coarsen:
         plan = _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
     return with_step_bound(plan, costs)  # chosen by its step: status and gap against the bound on the step
+
+
+def _against_every_plan(
+    plan: Plan, costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, started: float, deadline: float
+) -> Plan:
+    """``plan`` judged against the best of every legal plan (partitioner.search.exhaustive), a bound that
+    knows which splits fit in memory, where the graph has at most MAX_ENUMERATED_NODES nodes and the legal
+    plans are few: "optimal" with gap 0 where it is that best, else "feasible" with its gap to it.
+    ``plan`` unchanged where they are not enumerated. The plan stays the search's (a better one found
+    here is not returned: the planners' results stay theirs), only its verdict gains the bound.
+    """
+    if len(costs.order) > MAX_ENUMERATED_NODES or not plan.fits_memory:
+        return plan
+    objective = plan.objective
+    best = least_plan(costs, pins, objective=objective, device_order=options.device_order, deadline=deadline)
+    if best is None:
+        return plan
+    proven, searched = plan.status == "optimal", plan.status != "heuristic"
+    plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - started)
+    if objective == "step":  # the least step of every legal plan bounds the step of any
+        return with_step_bound(plan, costs, proven_s=best.step_time_s, proven_optimal=proven)
+    bound = max(plan.lower_bound_s or 0.0, best.bottleneck_s)  # the least bottleneck of every legal plan
+    return on_bottleneck(plan, bound, proven=proven, searched=searched)
 
 
 def _refined(
@@ -211,16 +249,13 @@ def _refined(
             best = start
     if best is plan:
         return plan
-    bound = plan.lower_bound_s
     refined = score_assignment(
         best.assignment,
         costs.on(reorder(costs.cluster, list(best.devices))),
         method=f"{plan.method}, then step refinement",
-        lower_bound_s=bound,
         solve_time_s=time.perf_counter() - called,
     )
-    status = "heuristic" if bound is None else "optimal" if refined.bottleneck_s <= bound else "feasible"
-    return dataclasses.replace(refined, status=status)
+    return on_bottleneck(refined, plan.lower_bound_s)
 
 
 def _island_plan(
@@ -364,17 +399,17 @@ def _verdict_over_orders(best: Plan, bounds: Sequence[float | None], costs: Cost
     order. It stays "optimal" only if its own order proved it and no other order's bound is below its
     bottleneck (its own bound, rounded down by CP-SAT's time unit, is what its own proof already covers).
     """
-    if every_order and all(bound is not None for bound in bounds):
-        known = [bound for bound in bounds if bound is not None]
-        others = list(known)
+    over_orders = least_bound(bounds) if every_order else None
+    if over_orders is not None:
+        others = list(bounds)
         if best.lower_bound_s in others:  # best is one of the orders' plans
             others.remove(best.lower_bound_s)
-        bound, beaten = min(known), any(best.bottleneck_s > b * (1 + 1e-9) for b in others)
+        bound, beaten = over_orders, any(b is not None and best.bottleneck_s > b * (1 + TOLERANCE) for b in others)
     else:
         bound = costs.lower_bound_s()
-        beaten = best.bottleneck_s > bound * (1 + 1e-9)
-    status = "feasible" if best.status == "optimal" and beaten else best.status
-    return dataclasses.replace(best, lower_bound_s=bound, status=status)
+        beaten = best.bottleneck_s > bound * (1 + TOLERANCE)
+    proven = best.status == "optimal" and not beaten  # its own order proved it, and no other order beats it
+    return on_bottleneck(best, bound, proven=proven, searched=best.status != "heuristic")
 
 
 def _candidate_orders(costs: CostModel, pins: Mapping[str, str]) -> list[tuple[tuple[int, ...], Plan | None]]:
@@ -426,15 +461,13 @@ def _shortest_step(plan: Plan, costs: CostModel, legal: Sequence[Plan], started:
     best = min(others, key=lambda p: (p.step_time_s, p.bottleneck_s), default=None)
     if best is None or best.step_time_s >= plan.step_time_s * (1 - 1e-9):
         return plan
-    bound = plan.lower_bound_s
-    return score_assignment(
+    shorter = score_assignment(
         best.assignment,
         costs,
         method=f"{best.method} (shorter step than {plan.method})",
-        status="optimal" if bound is not None and best.bottleneck_s <= bound else "feasible",
-        lower_bound_s=bound,
         solve_time_s=time.perf_counter() - started,
     )
+    return on_bottleneck(shorter, plan.lower_bound_s)
 
 
 def _fitting_baseline(err: InfeasiblePlanError, costs: CostModel, legal: Sequence[Plan], started: float) -> Plan:
@@ -494,14 +527,8 @@ def _solve_fine(
     # the model's stage times leave out the fixed cost of a stage's forward and backward, which every stage pays
     fixed = 2 * min(costs.action_overhead_s)
     lower_bound = max(bound_steps * m.time_unit_s + fixed, costs.lower_bound_s())
-    return score_assignment(
-        assignment,
-        costs,
-        method="cp-sat",
-        status="optimal" if status == cp_model.OPTIMAL else "feasible",
-        lower_bound_s=lower_bound,
-        solve_time_s=time.perf_counter() - started,
-    )
+    plan = score_assignment(assignment, costs, method="cp-sat", solve_time_s=time.perf_counter() - started)
+    return on_bottleneck(plan, lower_bound, proven=status == cp_model.OPTIMAL)
 
 
 def _timeout_error(costs: CostModel, time_limit_s: float, pins: Mapping[str, str]) -> SolverTimeoutError:
