@@ -259,7 +259,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         executor = self._state.executor
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
-        loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
+        with self._first_stage():  # the batch split into micro-batches: where the cost model prices it
+            loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]
@@ -270,10 +271,17 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 compile_loss(self)(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def _first_stage(self) -> Any:
+        """The device of the step's ops that no stage places: the batch split into micro-batches (and its
+        targets) and the loop's bookkeeping. Without it TensorFlow's default device takes them (GPU:0 or
+        CPU:0), which the plan may not use; the cost model charges the split batch to the first stage."""
+        return tf.device(self._state.stages[0])
+
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
+        with self._first_stage():
+            outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
@@ -301,7 +309,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        outputs, _ = self._state.executor.forward(inputs)
+        with self._first_stage():
+            outputs, _ = self._state.executor.forward(inputs)
         with tf.device(self._state.stages[-1]):
             return _own_rows(outputs, tf.shape(inputs[0])[0])
 

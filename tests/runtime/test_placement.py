@@ -277,3 +277,15 @@ def test_with_one_microbatch_the_stage_functions_are_inlined_and_still_on_their_
     assert ("stage1_backward", canonical(virtual_devices[1])) in inlined
     report = executed_placement(wrapped, x, y)
     assert report.ok and all(f.total > 0 for f in report.forward) and all(b.total > 0 for b in report.backward)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_the_batch_is_split_into_microbatches_on_the_first_stage_device(num_microbatches, virtual_devices) -> None:
+    """The cost model charges the batch split into micro-batches (inputs and targets) to the first stage:
+    the split runs there, not on TensorFlow's default device (here a device no stage uses)."""
+    wrapped, x, y = _two_stage("mlp", virtual_devices[1:3], num_microbatches=num_microbatches)
+    specs = (tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype))
+    graph = tf.function(wrapped.train_step).get_concrete_function(specs).graph
+    splits = [op for op in graph.get_operations() if op.type == "GatherV2"]
+    assert len(splits) == 2  # the inputs and the targets, each [B, ...] -> [M, ceil(B / M), ...]
+    assert {canonical(op.device) for op in splits} == {canonical(virtual_devices[1])}
