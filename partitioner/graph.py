@@ -22,8 +22,11 @@ step), ``num_microbatches``, ``micro_batch_size`` (the samples the node costs ar
 ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers compute in, e.g.
 "float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
-rescale times to other devices). :func:`rescale_graph` turns costs measured at one batch size into
-those of another.
+rescale times to other devices), ``model_input_bytes`` and ``model_output_bytes`` (bytes of the model's
+inputs and of its outputs per micro-batch: the runtime holds the batch split into micro-batches on the
+first stage's device and collects every micro-batch's outputs on the last stage's, which the cost model
+prices; absent in profiles written before them, then priced as 0). :func:`rescale_graph` turns costs
+measured at one batch size into those of another.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ _GRAPH_KEYS = (
     "compute_dtype",
     "profiled_device",
     "profiled_flops_per_s",
+    "model_input_bytes",
+    "model_output_bytes",
 )
+_GRAPH_BYTES = ("model_input_bytes", "model_output_bytes")  # per micro-batch: they scale with its samples
 
 
 def validate_graph(graph: nx.DiGraph) -> None:
@@ -76,6 +82,13 @@ def validate_graph(graph: nx.DiGraph) -> None:
             f"The layer graph has compute_dtype={dtype!r}; expected a dtype name such as 'float32' or 'bfloat16', "
             "or no value."
         )
+    for key in _GRAPH_BYTES:
+        value = graph.graph.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise GraphError(
+                f"The layer graph has {key}={value!r}; expected bytes per micro-batch (an integer >= 0), or no "
+                "value. Profile the model again with profiles.profile_model."
+            )
     for node, data in graph.nodes(data=True):
         if not isinstance(node, str):
             raise GraphError(f"Node names must be strings. Received: {node!r}.")
@@ -176,9 +189,10 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
 
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
-    ``activation_bytes``, ``time_s`` and edge ``bytes`` are multiplied by new / measured samples per
-    micro-batch; weights (``param_bytes``, ``trainable_param_bytes``) stay. Measured times do not
-    scale exactly (small batches use a device less well), so rescale them over small factors only.
+    ``activation_bytes``, ``time_s``, edge ``bytes`` and the graph's ``model_input_bytes`` and
+    ``model_output_bytes`` are multiplied by new / measured samples per micro-batch; weights
+    (``param_bytes``, ``trainable_param_bytes``) stay. Measured times do not scale exactly (small
+    batches use a device less well), so rescale them over small factors only.
 
     Args:
         graph: a layer graph that records the batch its costs were measured at (``micro_batch_size``,
@@ -216,6 +230,9 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
         data["activation_bytes"] = round(data["activation_bytes"] * factor)
     for _, _, data in scaled.edges(data=True):
         data["bytes"] = round(data["bytes"] * factor)
+    for key in _GRAPH_BYTES:
+        if scaled.graph.get(key) is not None:
+            scaled.graph[key] = round(scaled.graph[key] * factor)
     scaled.graph.update(batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=samples)
     return scaled
 

@@ -39,7 +39,10 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
 costs are for, so ``partitioner.rescale_graph`` can scale them to another batch), and
 ``compute_dtype``: the compute dtype of the layers that do most of the forward FLOPs, from their
-Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16).
+Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16);
+``model_input_bytes`` and ``model_output_bytes``: the bytes per micro-batch of the model's distinct
+input tensors and of its distinct output tensors (dtype-aware), which the runtime holds for the step
+beside the layers' activations (partitioner.cost prices them).
 
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
 size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
@@ -174,9 +177,13 @@ def profile_model(
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
-    outputs = [sources[id(t)] for t in functional_graph(model).outputs]
+    functional = functional_graph(model)
+    outputs = [sources[id(t)] for t in functional.outputs]
     for call, num_bytes in zip(calls, profiler.activation_bytes(calls, outputs), strict=True):
         graph.nodes[call.name]["activation_bytes"] = num_bytes
+    # what the runtime holds per micro-batch beside the layers: the batch's inputs and the collected outputs
+    graph.graph["model_input_bytes"] = _boundary_bytes(functional.inputs, sources, shapes, micro_batch)
+    graph.graph["model_output_bytes"] = _boundary_bytes(functional.outputs, sources, shapes, micro_batch)
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
@@ -232,6 +239,12 @@ def _itemsize(dtype: Any) -> int:
 
 def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int:
     return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
+
+
+def _boundary_bytes(tensors: Any, sources: dict[int, Source], shapes: list[list[Shape]], micro_batch: int) -> int:
+    """Bytes per micro-batch of the model's distinct input (or output) tensors ``tensors``."""
+    seen = {(sources[id(t)].call, sources[id(t)].output): t for t in tensors}
+    return sum(_tensor_bytes(shapes[call][output], t.dtype, micro_batch, "model") for (call, output), t in seen.items())
 
 
 def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:

@@ -139,6 +139,8 @@ def test_profile_model_mlp_bytes_by_hand():
         "num_microbatches": 4,
         "micro_batch_size": 8,
         "compute_dtype": "float32",
+        "model_input_bytes": 8 * 16 * 4,  # x: the batch's inputs per micro-batch, held by the runtime
+        "model_output_bytes": 8 * 8 * 4,  # logits: collected per micro-batch for the loss and metrics
     }
 
 
@@ -208,6 +210,16 @@ def test_profile_model_two_inputs_two_outputs():
     assert graph.edges["b", "db"]["bytes"] == 2 * 6 * 4
     assert graph.edges["join", "out2"]["bytes"] == 2 * 10 * 4
     assert [n for n in graph if graph.in_degree(n) == 0] == ["a", "b"]
+    assert graph.graph["model_input_bytes"] == 2 * (4 + 6) * 4  # both inputs, per micro-batch of 2
+    assert graph.graph["model_output_bytes"] == 2 * (3 + 1) * 4  # both outputs
+
+
+def test_profile_model_output_read_twice_counts_once():
+    inputs = keras.Input((4,), name="x")
+    hidden = layers.Dense(5, name="hidden")(inputs)
+    model = keras.Model(inputs, [hidden, hidden], name="twice")
+    graph = _profile(model, batch_size=6, num_microbatches=3)
+    assert graph.graph["model_output_bytes"] == 2 * 5 * 4
 
 
 def test_profile_model_keras_op_becomes_node():
