@@ -53,6 +53,10 @@ RECOMPUTE = ("never", "always", "auto")
 # Backward FLOPs per forward FLOP: gradients for the inputs and the trainable weights (2x), or for the
 # inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
 BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
+# Gradient copies of a trainable weight beyond its gradient, with M > 1: the runtime sums each stage's
+# weight gradients over the micro-batches in the loop (runtime/train_step.py), so while a micro-batch's
+# backward runs its stage holds the sum so far and the micro-batch's gradient being added to it.
+ACCUMULATING_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,11 @@ class ModeCost:
 
     forward_s: float  # seconds of the forward pass
     backward_s: float  # seconds of the backward pass (with the forward again when recomputed)
-    weight_bytes: int  # weights, and gradients and optimizer slots of the trainable ones
+    weight_bytes: int  # weights, and gradients (and their sums) and optimizer slots of the trainable ones
     held_bytes: int  # bytes held per micro-batch in flight
     once_bytes: int  # bytes held once, while a backward runs
+    step_bytes: int = 0  # a stage's bytes held all step long: the batch's inputs, the collected outputs
+    finish_bytes: int = 0  # bytes held after the last micro-batch (none in flight): the outputs stacked
 
     @property
     def compute_s(self) -> float:
@@ -71,8 +77,16 @@ class ModeCost:
         return self.forward_s + self.backward_s
 
     def memory_bytes(self, in_flight: int) -> int:
-        """Peak bytes with ``in_flight`` micro-batches held: weights + in_flight * held + held once."""
-        return self.weight_bytes + in_flight * self.held_bytes + (self.once_bytes if in_flight > 0 else 0)
+        """Peak bytes with ``in_flight`` micro-batches held: weights + step + the larger of
+        (in_flight * held + held once), in the loop, and finish, after it.
+
+        Example:
+            >>> cost = ModeCost(0.0, 0.0, weight_bytes=100, held_bytes=10, once_bytes=0, step_bytes=8, finish_bytes=64)
+            >>> cost.memory_bytes(2)  # the stacked outputs (64) outweigh 2 micro-batches' activations (20)
+            172
+        """
+        in_loop = in_flight * self.held_bytes + (self.once_bytes if in_flight > 0 else 0)
+        return self.weight_bytes + self.step_bytes + max(in_loop, self.finish_bytes)
 
 
 def mode_cost(
@@ -83,21 +97,28 @@ def mode_cost(
     weight_bytes: int = 0,
     activation_bytes: int = 0,
     input_bytes: int = 0,
+    step_bytes: int = 0,
+    finish_bytes: int = 0,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
     Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
     the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
-    (a kept stage's received buffers are not counted, docs/cost-model.md).
+    (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes`` and
+    ``finish_bytes`` are a stage's, in either mode: what the runtime holds all step long (the batch's
+    inputs, the collected outputs) and after its last micro-batch (:meth:`CostModel.boundary_bytes`).
 
     Example:
-        >>> mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
-        ModeCost(forward_s=1.0, backward_s=3.0, weight_bytes=0, held_bytes=8, once_bytes=80)
+        >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
+        >>> cost.backward_s, cost.held_bytes, cost.once_bytes
+        (3.0, 8, 80)
     """
     if mode == "kept":
-        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0)
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0, step_bytes, finish_bytes)
     if mode == "recomputed":
-        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes)
+        return ModeCost(
+            forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes, step_bytes, finish_bytes
+        )
     raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
 
 
@@ -222,10 +243,16 @@ class CostModel:
         self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
         self.backward_s = {v: [t * (1 - shares[v]) for t in self.compute_s[v]] for v in self.order}
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
+        # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
+        self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
         self._weights = {
-            v: int(graph.nodes[v]["param_bytes"]) + trainable_param_bytes(graph.nodes[v]) * (1 + optimizer_slots)
+            v: int(graph.nodes[v]["param_bytes"])
+            + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
             for v in self.order
         }
+        # the model's inputs and outputs per micro-batch (0 where a profile predates them: not priced)
+        self.model_input_bytes = int(graph.graph.get("model_input_bytes") or 0)
+        self.model_output_bytes = int(graph.graph.get("model_output_bytes") or 0)
         self.out_bytes = {
             u: max((int(b) for _, _, b in graph.out_edges(u, data="bytes")), default=0) for u in self.order
         }
@@ -306,8 +333,36 @@ class CostModel:
 
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
-        param_bytes + trainable_param_bytes * (1 + optimizer_slots)."""
+        param_bytes + trainable_param_bytes * (gradient_copies + optimizer_slots), with gradient_copies
+        1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added)."""
         return self._weights[node]
+
+    def boundary_bytes(self, stage: int, num_stages: int) -> tuple[int, int]:
+        """(step_bytes, finish_bytes) of stage ``stage`` of ``num_stages``: what the runtime holds beside
+        the layers' own bytes, from the graph's ``model_input_bytes`` (in) and ``model_output_bytes``
+        (out) per micro-batch (docs/cost-model.md, "What the step holds beside the layers").
+
+        The first stage holds the batch split into M micro-batches, M x in, all step long. The last
+        holds every micro-batch's outputs collected for the loss and the metrics, M x out all step long
+        (a micro-batch in flight holds the loss's gradient of its outputs instead: their buffer is among
+        its activations), and after the last micro-batch (none in flight) stacks them into one tensor:
+        finish M x out, for M > 1 (at M = 1 the one micro-batch's outputs are the step's).
+
+        Example:
+            >>> import partitioner as pt
+            >>> graph = pt.chain_graph([1e9, 1e9])
+            >>> graph.graph.update(model_input_bytes=40, model_output_bytes=8)
+            >>> costs = pt.CostModel(graph, pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=4)
+            >>> costs.boundary_bytes(0, 2), costs.boundary_bytes(1, 2), costs.boundary_bytes(0, 1)
+            ((160, 0), (32, 32), (192, 32))
+        """
+        m = self.num_microbatches
+        step = m * self.model_input_bytes if stage == 0 else 0
+        finish = 0
+        if stage == num_stages - 1:
+            step += m * self.model_output_bytes
+            finish = m * self.model_output_bytes if m > 1 else 0
+        return step, finish
 
     def receive_s(self, node: str, sender: int, receiver: int) -> float:
         """Seconds per micro-batch that ``node``'s output costs the link between ``sender`` and ``receiver``.
@@ -515,6 +570,7 @@ class CostModel:
                 sent[(k, receiver)] = sent.get((k, receiver), 0) + self.out_bytes[v]
         used = sorted(set(where.values()))
         num_stages = len(used)
+        position = {k: s for s, k in enumerate(used)}
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
@@ -522,6 +578,7 @@ class CostModel:
         def cost_of(k: int, mode: str) -> ModeCost:
             # Each pass a stage runs per micro-batch (forward, backward) pays the device's fixed overhead once;
             # a recomputed stage's backward runs the forward again, overhead included (mode_cost adds it).
+            step, finish = self.boundary_bytes(position[k], num_stages)
             return mode_cost(
                 mode,
                 forward_s=forward[k] + self.action_overhead_s[k],
@@ -529,6 +586,8 @@ class CostModel:
                 weight_bytes=weights[k],
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],
+                step_bytes=step,
+                finish_bytes=finish,
             )
 
         recomputed = self._stage_modes(
@@ -542,7 +601,6 @@ class CostModel:
             memory[k] = c.memory_bytes(held[k])
         stage = [compute[k] + receive[k] for k in range(k_total)]
         bottleneck = max(stage[k] for k in used)
-        position = {k: s for s, k in enumerate(used)}
         return Evaluation(
             compute_times=dict(zip(self.devices, compute, strict=False)),
             receive_times=dict(zip(self.devices, receive, strict=False)),

@@ -12,6 +12,7 @@ from partitioner.cluster import Cluster, Device, load_device_profile
 from partitioner.cost import CostModel, bubble_fraction, relative_gap
 from partitioner.errors import ClusterError, GraphError, InputError, PlanError
 from partitioner.graph import load_graph, rescale_graph
+from partitioner.simulate import simulate_assignment
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -43,12 +44,72 @@ def test_costmodel_stage_times_by_hand():
 def test_costmodel_memory_by_hand():
     costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    # param_bytes * (2 + slots) + M * activation_bytes
-    assert ev.memory_bytes == {G0: (100 + 200) * 4 + 4 * (10 + 20), G1: 300 * 4 + 4 * 30}
+    # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20), G1: 300 * 5 + 4 * 30}
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
     assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}
+
+
+def test_costmodel_gradient_sums_need_a_second_copy_only_with_microbatches():
+    # M = 1: the one micro-batch's gradients are the step's; M > 1: the sum so far and the micro-batch's
+    for m, copies in ((1, 1), (2, 2), (8, 2)):
+        costs = CostModel(_abc(), _slow_cluster(), num_microbatches=m, optimizer_slots=0)
+        assert costs.weight_bytes("l1") == 200 * (1 + copies)
+
+
+def _abc_with_boundary() -> nx.DiGraph:
+    """_abc with 1000 B of model inputs and 50 B of model outputs per micro-batch."""
+    graph = _abc()
+    graph.graph.update(model_input_bytes=1000, model_output_bytes=50)
+    return graph
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations
+        # G1: weights 300 x 5 + the collected outputs 4 x 50 + max(4 x 30 in flight, 4 x 50 stacked after the loop)
+        ("gpipe", {G0: 1500 + 4000 + 4 * 30, G1: 1500 + 200 + 200}),
+        ("1f1b", {G0: 1500 + 4000 + 2 * 30, G1: 1500 + 200 + 200}),
+    ],
+)
+def test_costmodel_prices_the_batch_on_the_first_stage_and_the_outputs_on_the_last(schedule, expected):
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, schedule=schedule)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.memory_bytes == expected
+
+
+def test_costmodel_outputs_in_flight_outweigh_the_stacked_ones():
+    graph = _abc_with_boundary()
+    graph.nodes["l2"]["activation_bytes"] = 80  # 4 in flight x 80 > 4 x 50 stacked
+    ev = CostModel(graph, _slow_cluster(), num_microbatches=4).evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.memory_bytes[G1] == 1500 + 4 * 50 + 4 * 80
+
+
+def test_costmodel_one_stage_holds_batch_and_outputs_and_stacks_none_at_one_microbatch():
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=1, optimizer_slots=0)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G0})
+    # weights and gradients, the batch (1 x 1000), the outputs (1 x 50), one micro-batch's activations
+    assert ev.memory_bytes[G0] == 600 * 2 + 1000 + 50 + 60
+
+
+def test_costmodel_graph_without_boundary_bytes_prices_none():
+    # profiles written before model_input_bytes / model_output_bytes: today's figures
+    costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4)
+    assert costs.boundary_bytes(0, 2) == (0, 0) and costs.boundary_bytes(1, 2) == (0, 0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_simulated_peak_memory_is_evaluates(schedule, recompute):
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(3), num_microbatches=4, schedule=schedule)
+    assignment = {"l0": G0, "l1": G1, "l2": G2}
+    ev = costs.evaluate(assignment, recompute)
+    sim = simulate_assignment(costs, assignment, recompute=recompute)
+    assert sim.peak_memory_bytes == {d: ev.memory_bytes[d] for d in ev.stages}
+    assert sim.peak_memory_bytes[G0] >= 4 * 1000 and sim.peak_memory_bytes[G2] >= 2 * 4 * 50
 
 
 def test_costmodel_one_device_holds_everything():
