@@ -15,6 +15,11 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     layer_type          str     the Keras class name (optional)
     config_digest       str     a digest of the layer's config without names (optional; structure)
     colocation_group    str     nodes sharing a group share weights: one device (optional)
+    model_input_bytes   int     bytes of the model inputs the node holds, per micro-batch: an InputLayer's
+                                output (optional; 0). The runtime splits each input into micro-batches
+                                on its InputLayer's device and holds them all step (partitioner.cost)
+    model_output_bytes  int     bytes of the node's outputs that are model outputs, per micro-batch
+                                (optional; 0): the runtime collects every micro-batch's (partitioner.cost)
     edge bytes          int     bytes of the tensor sent from u to v per micro-batch
 
 Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size`` (samples per
@@ -22,11 +27,10 @@ step), ``num_microbatches``, ``micro_batch_size`` (the samples the node costs ar
 ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers compute in, e.g.
 "float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
-rescale times to other devices), ``model_input_bytes`` and ``model_output_bytes`` (bytes of the model's
-inputs and of its outputs per micro-batch: the runtime holds the batch split into micro-batches on the
-first stage's device and collects every micro-batch's outputs on the last stage's, which the cost model
-prices; absent in profiles written before them, then priced as 0). :func:`rescale_graph` turns costs
-measured at one batch size into those of another.
+rescale times to other devices). Profiles written before the node attributes ``model_input_bytes`` and
+``model_output_bytes`` lack them (priced as 0); graph-level ones of the same names, from a development
+version, are dropped on loading. :func:`rescale_graph` turns costs measured at one batch size into those
+of another.
 """
 
 from __future__ import annotations
@@ -53,10 +57,8 @@ _GRAPH_KEYS = (
     "compute_dtype",
     "profiled_device",
     "profiled_flops_per_s",
-    "model_input_bytes",
-    "model_output_bytes",
 )
-_GRAPH_BYTES = ("model_input_bytes", "model_output_bytes")  # per micro-batch: they scale with its samples
+_NODE_BYTES = ("model_input_bytes", "model_output_bytes")  # optional, per micro-batch: they scale with its samples
 
 
 def validate_graph(graph: nx.DiGraph) -> None:
@@ -82,13 +84,6 @@ def validate_graph(graph: nx.DiGraph) -> None:
             f"The layer graph has compute_dtype={dtype!r}; expected a dtype name such as 'float32' or 'bfloat16', "
             "or no value."
         )
-    for key in _GRAPH_BYTES:
-        value = graph.graph.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise GraphError(
-                f"The layer graph has {key}={value!r}; expected bytes per micro-batch (an integer >= 0), or no "
-                "value. Profile the model again with profiles.profile_model."
-            )
     for node, data in graph.nodes(data=True):
         if not isinstance(node, str):
             raise GraphError(f"Node names must be strings. Received: {node!r}.")
@@ -119,6 +114,13 @@ def validate_graph(graph: nx.DiGraph) -> None:
                 f"Node '{node}' has forward_flops={forward!r}; expected FLOPs between 0 and its flops "
                 f"({data['flops']!r}), or no value."
             )
+        for key in _NODE_BYTES:
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise GraphError(
+                    f"Node '{node}' has {key}={value!r}; expected bytes per micro-batch (an integer >= 0), or no "
+                    "value. Profile the model again with profiles.profile_model."
+                )
         time_s = data.get("time_s")
         if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
             raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
@@ -189,8 +191,8 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
 
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
-    ``activation_bytes``, ``time_s``, edge ``bytes`` and the graph's ``model_input_bytes`` and
-    ``model_output_bytes`` are multiplied by new / measured samples per micro-batch; weights
+    ``activation_bytes``, ``model_input_bytes``, ``model_output_bytes``, ``time_s`` and edge ``bytes``
+    are multiplied by new / measured samples per micro-batch; weights
     (``param_bytes``, ``trainable_param_bytes``) stay. Measured times do not scale exactly (small
     batches use a device less well), so rescale them over small factors only.
 
@@ -227,12 +229,11 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
         for key in ("flops", "forward_flops", "time_s"):
             if data.get(key) is not None:
                 data[key] = float(data[key]) * factor
-        data["activation_bytes"] = round(data["activation_bytes"] * factor)
+        for key in ("activation_bytes", *_NODE_BYTES):
+            if data.get(key) is not None:
+                data[key] = round(data[key] * factor)
     for _, _, data in scaled.edges(data=True):
         data["bytes"] = round(data["bytes"] * factor)
-    for key in _GRAPH_BYTES:
-        if scaled.graph.get(key) is not None:
-            scaled.graph[key] = round(scaled.graph[key] * factor)
     scaled.graph.update(batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=samples)
     return scaled
 

@@ -34,15 +34,16 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     time_s             measured forward + backward seconds (profiles.timing), measure_time only
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
+    model_input_bytes  an InputLayer's output bytes: the model input the runtime splits into
+                       micro-batches on that node's device (other nodes: absent)
+    model_output_bytes bytes of the node's distinct outputs that are model outputs, which the runtime
+                       collects for the loss and the metrics (other nodes: absent)
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
 costs are for, so ``partitioner.rescale_graph`` can scale them to another batch), and
 ``compute_dtype``: the compute dtype of the layers that do most of the forward FLOPs, from their
-Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16);
-``model_input_bytes`` and ``model_output_bytes``: the bytes per micro-batch of the model's distinct
-input tensors and of its distinct output tensors (dtype-aware), which the runtime holds for the step
-beside the layers' activations (partitioner.cost prices them).
+Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16).
 
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
 size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
@@ -181,9 +182,11 @@ def profile_model(
     outputs = [sources[id(t)] for t in functional.outputs]
     for call, num_bytes in zip(calls, profiler.activation_bytes(calls, outputs), strict=True):
         graph.nodes[call.name]["activation_bytes"] = num_bytes
-    # what the runtime holds per micro-batch beside the layers: the batch's inputs and the collected outputs
-    graph.graph["model_input_bytes"] = _boundary_bytes(functional.inputs, sources, shapes, micro_batch)
-    graph.graph["model_output_bytes"] = _boundary_bytes(functional.outputs, sources, shapes, micro_batch)
+    # what the runtime holds per micro-batch beside the layers, on the node that makes it: the batch's
+    # inputs and the collected outputs
+    for key, tensors in (("model_input_bytes", functional.inputs), ("model_output_bytes", functional.outputs)):
+        for call, num_bytes in _boundary_bytes(tensors, sources, shapes, micro_batch).items():
+            graph.nodes[calls[call].name][key] = num_bytes
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
@@ -241,10 +244,15 @@ def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int
     return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
 
 
-def _boundary_bytes(tensors: Any, sources: dict[int, Source], shapes: list[list[Shape]], micro_batch: int) -> int:
-    """Bytes per micro-batch of the model's distinct input (or output) tensors ``tensors``."""
+def _boundary_bytes(
+    tensors: Any, sources: dict[int, Source], shapes: list[list[Shape]], micro_batch: int
+) -> dict[int, int]:
+    """{producing call index: bytes per micro-batch} of the model's distinct input (or output) tensors."""
     seen = {(sources[id(t)].call, sources[id(t)].output): t for t in tensors}
-    return sum(_tensor_bytes(shapes[call][output], t.dtype, micro_batch, "model") for (call, output), t in seen.items())
+    by_call: dict[int, int] = {}
+    for (call, output), t in seen.items():
+        by_call[call] = by_call.get(call, 0) + _tensor_bytes(shapes[call][output], t.dtype, micro_batch, "model")
+    return by_call
 
 
 def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:
