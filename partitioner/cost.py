@@ -16,8 +16,10 @@ figures are a node's, a coarsened unit's or a stage's alike (every term is a sum
     receive(d)    = sum over nodes u on another device with a successor on d of
                     out_bytes(u) / bw(dev(u), d) + out_bytes(u) / bw(d, dev(u))   (activation, then its gradient)
     stage_time(d) = compute(d) + receive(d)           bottleneck = max over used devices
-    weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (1 + optimizer_slots)
-    memory(s)     = weights + in_flight(s) * held + held once
+    weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (gradient_copies + optimizer_slots)
+    step(v)       = M * model_input_bytes(v) + M * model_output_bytes(v) * (2 if M > 1 else 1)
+                    (the batch split into micro-batches, the outputs collected and, M > 1, stacked: held all step)
+    memory(s)     = weights + step + in_flight(s) * held + held once
     in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe, min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
 
@@ -68,8 +70,7 @@ class ModeCost:
     weight_bytes: int  # weights, and gradients (and their sums) and optimizer slots of the trainable ones
     held_bytes: int  # bytes held per micro-batch in flight
     once_bytes: int  # bytes held once, while a backward runs
-    step_bytes: int = 0  # a stage's bytes held all step long: the batch's inputs, the collected outputs
-    finish_bytes: int = 0  # bytes held after the last micro-batch (none in flight): the outputs stacked
+    step_bytes: int = 0  # bytes held all step whatever is in flight: the split inputs, the collected outputs
 
     @property
     def compute_s(self) -> float:
@@ -77,16 +78,19 @@ class ModeCost:
         return self.forward_s + self.backward_s
 
     def memory_bytes(self, in_flight: int) -> int:
-        """Peak bytes with ``in_flight`` micro-batches held: weights + step + the larger of
-        (in_flight * held + held once), in the loop, and finish, after it.
+        """Peak bytes with ``in_flight`` micro-batches held: weights + step + in_flight * held + held once.
+        Every term is a sum over nodes, so a stage's figure is the sum of its nodes'.
 
         Example:
-            >>> cost = ModeCost(0.0, 0.0, weight_bytes=100, held_bytes=10, once_bytes=0, step_bytes=8, finish_bytes=64)
-            >>> cost.memory_bytes(2)  # the stacked outputs (64) outweigh 2 micro-batches' activations (20)
-            172
+            >>> ModeCost(0.0, 0.0, weight_bytes=100, held_bytes=10, once_bytes=0, step_bytes=8).memory_bytes(2)
+            128
         """
-        in_loop = in_flight * self.held_bytes + (self.once_bytes if in_flight > 0 else 0)
-        return self.weight_bytes + self.step_bytes + max(in_loop, self.finish_bytes)
+        return (
+            self.weight_bytes
+            + self.step_bytes
+            + in_flight * self.held_bytes
+            + (self.once_bytes if in_flight > 0 else 0)
+        )
 
 
 def mode_cost(
@@ -98,15 +102,13 @@ def mode_cost(
     activation_bytes: int = 0,
     input_bytes: int = 0,
     step_bytes: int = 0,
-    finish_bytes: int = 0,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
     Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
     the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
-    (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes`` and
-    ``finish_bytes`` are a stage's, in either mode: what the runtime holds all step long (the batch's
-    inputs, the collected outputs) and after its last micro-batch (:meth:`CostModel.boundary_bytes`).
+    (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes``, the same in
+    either mode, is what the runtime holds all step long beside the layers (:meth:`CostModel.step_bytes`).
 
     Example:
         >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
@@ -114,11 +116,9 @@ def mode_cost(
         (3.0, 8, 80)
     """
     if mode == "kept":
-        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0, step_bytes, finish_bytes)
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0, step_bytes)
     if mode == "recomputed":
-        return ModeCost(
-            forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes, step_bytes, finish_bytes
-        )
+        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes, step_bytes)
     raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
 
 
@@ -250,9 +250,15 @@ class CostModel:
             + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
             for v in self.order
         }
-        # the model's inputs and outputs per micro-batch (0 where a profile predates them: not priced)
-        self.model_input_bytes = int(graph.graph.get("model_input_bytes") or 0)
-        self.model_output_bytes = int(graph.graph.get("model_output_bytes") or 0)
+        # what the runtime holds all step beside the layers, per node (0 where a profile predates the attributes)
+        self._collected = {
+            v: num_microbatches * int(graph.nodes[v].get("model_output_bytes") or 0) * (1 + (num_microbatches > 1))
+            for v in self.order
+        }
+        self._step = {
+            v: num_microbatches * int(graph.nodes[v].get("model_input_bytes") or 0) + self._collected[v]
+            for v in self.order
+        }
         self.out_bytes = {
             u: max((int(b) for _, _, b in graph.out_edges(u, data="bytes")), default=0) for u in self.order
         }
@@ -302,6 +308,7 @@ class CostModel:
             backward_s=self.backward_s[node][device],
             weight_bytes=self.weight_bytes(node),
             activation_bytes=self.activation_bytes[node],
+            step_bytes=self._step[node],
         )
 
     def node_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
@@ -337,32 +344,25 @@ class CostModel:
         1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added)."""
         return self._weights[node]
 
-    def boundary_bytes(self, stage: int, num_stages: int) -> tuple[int, int]:
-        """(step_bytes, finish_bytes) of stage ``stage`` of ``num_stages``: what the runtime holds beside
-        the layers' own bytes, from the graph's ``model_input_bytes`` (in) and ``model_output_bytes``
-        (out) per micro-batch (docs/cost-model.md, "What the step holds beside the layers").
-
-        The first stage holds the batch split into M micro-batches, M x in, all step long. The last
-        holds every micro-batch's outputs collected for the loss and the metrics, M x out all step long
-        (a micro-batch in flight holds the loss's gradient of its outputs instead: their buffer is among
-        its activations), and after the last micro-batch (none in flight) stacks them into one tensor:
-        finish M x out, for M > 1 (at M = 1 the one micro-batch's outputs are the step's).
+    def step_bytes(self, node: str) -> int:
+        """Bytes the runtime holds for ``node`` all step long beside the layers, whatever the micro-batches
+        in flight (docs/cost-model.md, "What the step holds beside the layers"): M x its
+        ``model_input_bytes`` (the batch split into M micro-batches where the plan puts its InputLayer) and
+        M x its ``model_output_bytes`` (every micro-batch's outputs collected for the loss and the metrics),
+        and with M > 1 M x ``model_output_bytes`` again for those outputs stacked into one tensor after
+        the loop. The stack comes when no micro-batch is in flight, so the step's peak is at most
+        max(in the loop, after it); adding both is an upper bound that keeps every term a sum over nodes.
 
         Example:
             >>> import partitioner as pt
             >>> graph = pt.chain_graph([1e9, 1e9])
-            >>> graph.graph.update(model_input_bytes=40, model_output_bytes=8)
+            >>> graph.nodes["layer_0"]["model_input_bytes"] = 40
+            >>> graph.nodes["layer_1"]["model_output_bytes"] = 8
             >>> costs = pt.CostModel(graph, pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=4)
-            >>> costs.boundary_bytes(0, 2), costs.boundary_bytes(1, 2), costs.boundary_bytes(0, 1)
-            ((160, 0), (32, 32), (192, 32))
+            >>> costs.step_bytes("layer_0"), costs.step_bytes("layer_1")  # 4 x 40; 4 x 8 collected, 4 x 8 stacked
+            (160, 64)
         """
-        m = self.num_microbatches
-        step = m * self.model_input_bytes if stage == 0 else 0
-        finish = 0
-        if stage == num_stages - 1:
-            step += m * self.model_output_bytes
-            finish = m * self.model_output_bytes if m > 1 else 0
-        return step, finish
+        return self._step[node]
 
     def receive_s(self, node: str, sender: int, receiver: int) -> float:
         """Seconds per micro-batch that ``node``'s output costs the link between ``sender`` and ``receiver``.
@@ -554,6 +554,7 @@ class CostModel:
         weights = [0] * k_total
         activations = [0] * k_total
         inputs = [0] * k_total
+        steps = [0] * k_total
         sent: dict[tuple[int, int], int] = {}
         successors = self.graph.succ
         for v in self.order:
@@ -562,6 +563,7 @@ class CostModel:
             backward[k] += self.backward_s[v][k]
             weights[k] += self._weights[v]
             activations[k] += self.activation_bytes[v]
+            steps[k] += self._step[v]
             receivers = {where[s] for s in successors[v]}
             receivers.discard(k)
             for receiver in sorted(receivers):
@@ -571,6 +573,9 @@ class CostModel:
         used = sorted(set(where.values()))
         num_stages = len(used)
         position = {k: s for s, k in enumerate(used)}
+        # the runtime collects every model output on the last stage, where the loss is: one produced on an
+        # earlier stage is charged there too (its node's charge, which the planners see, stays on its stage)
+        steps[used[-1]] += sum(self._collected[v] for v in self.order if where[v] != used[-1])
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
@@ -578,7 +583,6 @@ class CostModel:
         def cost_of(k: int, mode: str) -> ModeCost:
             # Each pass a stage runs per micro-batch (forward, backward) pays the device's fixed overhead once;
             # a recomputed stage's backward runs the forward again, overhead included (mode_cost adds it).
-            step, finish = self.boundary_bytes(position[k], num_stages)
             return mode_cost(
                 mode,
                 forward_s=forward[k] + self.action_overhead_s[k],
@@ -586,8 +590,7 @@ class CostModel:
                 weight_bytes=weights[k],
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],
-                step_bytes=step,
-                finish_bytes=finish,
+                step_bytes=steps[k],
             )
 
         recomputed = self._stage_modes(
