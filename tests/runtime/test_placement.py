@@ -289,3 +289,24 @@ def test_the_batch_is_split_into_microbatches_on_the_first_stage_device(num_micr
     splits = [op for op in graph.get_operations() if op.type == "GatherV2"]
     assert len(splits) == 2  # the inputs and the targets, each [B, ...] -> [M, ceil(B / M), ...]
     assert {canonical(op.device) for op in splits} == {canonical(virtual_devices[1])}
+
+
+def test_each_input_is_split_on_its_input_layers_device(virtual_devices) -> None:
+    """The cost model charges each input's M micro-batches to the device of its InputLayer node: with
+    input "b" on the second stage, its split runs there; input "a" and the targets split on the first."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["two_in_two_out"]()
+    x, y = make_batch(8, 1)
+    graph = profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
+    first, second = virtual_devices[1:3]
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in (first, second)])
+    pins = {"a": first, "b": second, **{v: second for v in graph.successors("b")}}
+    plan = pt.solve(graph, cluster, num_microbatches=4, pins=pins, time_limit_s=5)
+    assert plan.num_stages == 2 and plan.assignment["a"] == first and plan.assignment["b"] == second
+    wrapped = wrap(model, plan)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    specs = keras.tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), (x, y))
+    step = tf.function(wrapped.train_step).get_concrete_function(specs).graph
+    splits = [canonical(op.device) for op in step.get_operations() if op.type == "GatherV2"]
+    assert len(splits) == 4  # inputs a and b, the targets of both outputs
+    assert sorted(splits) == sorted([canonical(first)] * 3 + [canonical(second)])
