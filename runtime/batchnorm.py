@@ -93,12 +93,29 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
     x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
     axes = reduction_axes(layer)  # every axis but the layer's
     rank = len(x.shape)
-    weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
-    weights = tf.broadcast_to(weights, tf.shape(x))
-    count = tf.reduce_sum(weights, axis=axes, keepdims=True)
+    row_weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
+    if 0 in axes:
+        # each row summed over the other axes first, then the rows weighted: no tensor of x's size is made
+        # for the weights, and the work on x is what tf.nn.moments does (a sum, a squared difference, a sum)
+        within = [a for a in axes if a != 0]
+        per_row = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), within)), x.dtype) if within else tf.ones([], x.dtype)
+
+        def row_sum(t: tf.Tensor) -> tf.Tensor:
+            inner = tf.reduce_sum(t, axis=within, keepdims=True) if within else t
+            return tf.reduce_sum(row_weights * inner, axis=0, keepdims=True)
+
+        total = row_sum(x)
+        count = tf.broadcast_to(tf.reduce_sum(row_weights) * per_row, tf.shape(total))  # one per channel
+    else:  # a layer that does not average over the batch axis: weights of x's size
+        weights = tf.broadcast_to(row_weights, tf.shape(x))
+
+        def row_sum(t: tf.Tensor) -> tf.Tensor:
+            return tf.reduce_sum(weights * t, axis=axes, keepdims=True)
+
+        total, count = row_sum(x), row_sum(tf.ones_like(x))
     n = tf.maximum(count, 1.0)  # a micro-batch of repeated rows only: zeros, not NaN
-    mean = tf.reduce_sum(weights * x, axis=axes, keepdims=True) / n  # kept dims: broadcasts over x on any axis
-    variance = tf.reduce_sum(weights * tf.square(x - tf.stop_gradient(mean)), axis=axes, keepdims=True) / n
+    mean = total / n  # kept dims: broadcasts over x on any axis
+    variance = row_sum(tf.square(x - tf.stop_gradient(mean))) / n
     count, mean, variance = (tf.reshape(t, [-1]) for t in (count, mean, variance))  # one value per channel
     gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
     beta = tf.cast(layer.beta, x.dtype) if layer.center else None
