@@ -105,10 +105,8 @@ class TrainStep:
             collectors.append([[collector(spec, executor.num_microbatches) for spec in moments] for moments in stats])
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
-            "backward": [
-                [_token(s.device)] if looped and executor.options.recomputes(s.index) and p.shadow_seeds else []
-                for s, p in zip(executor.stages, executor.programs)
-            ],
+            # a recomputing stage's backwards one after the other: each holds a micro-batch's activations
+            "backward": [[_token(s.device)] if looped and executor.options.recomputes(s.index) else [] for s in executor.stages],
             "window": [
                 [_token(s.device) for _ in range(w)] if looped and w < executor.num_microbatches else []
                 for s, w in zip(executor.stages, self.windows)
