@@ -354,9 +354,10 @@ def _without_automatic_control_dependencies() -> Any:
     most one micro-batch between a stage's forward and its backward, under GPipe and M = 8). The body
     orders itself instead: every call's results are consumed (tokens, sums, collected outputs); each
     stage's forwards, and a recomputing stage's backwards, are chained by tokens (they write seed states
-    and statistics; a recomputing backward holds a micro-batch's activations); no variable the loop reads is written before the loop ends (the optimizer runs
-    after it). TensorFlow has no public switch for this: the graph attribute ``while_v2`` reads is
-    private (``tests/runtime/test_loop.py`` checks that micro-batches overlap).
+    and statistics; a recomputing backward holds a micro-batch's activations); no variable the loop
+    reads is written before the loop ends (the optimizer runs after it). TensorFlow has no public switch
+    for this: the graph attribute ``while_v2`` reads is private (``tests/runtime/test_loop.py`` checks
+    that micro-batches overlap).
     """
     with automatic_control_dependencies_off():
         yield

@@ -48,9 +48,10 @@ class TrainStep:
     backward of micro-batch m - window: the loop carries, per stage, tokens made after its last forward
     and its last ``window`` backwards. A recomputing stage runs its backwards one after the other too:
     they share the seed states they draw from, and each holds a micro-batch's activations (run at once,
-    they held as many as the stage's forwards, and recomputation saved nothing). Weight gradients are summed in the loop, per stage on its device; the loss, the
-    layer losses and, with an output mask, the valid steps on the last stage's; the model outputs and
-    the batch-norm statistics of every micro-batch are collected for ``finish``.
+    they held as many as the stage's forwards, and recomputation saved nothing). Weight gradients are
+    summed in the loop, per stage on its device; the loss, the layer losses and, with an output mask, the
+    valid steps on the last stage's; the model outputs and the batch-norm statistics of every
+    micro-batch are collected for ``finish``.
     """
 
     def __init__(
@@ -107,7 +108,9 @@ class TrainStep:
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
             # a recomputing stage's backwards one after the other: each holds a micro-batch's activations
-            "backward": [[_token(s.device)] if looped and executor.options.recomputes(s.index) else [] for s in executor.stages],
+            "backward": [
+                [_token(s.device)] if looped and executor.options.recomputes(s.index) else [] for s in executor.stages
+            ],
             "window": [
                 [_token(s.device) for _ in range(w)] if looped and w < executor.num_microbatches else []
                 for s, w in zip(executor.stages, self.windows)

@@ -194,9 +194,8 @@ def test_recomputing_stage_holds_its_window_and_one_microbatchs_activations(sche
     plan = pt.baselines.uniform(graph, cluster, num_microbatches=8)
     assert plan.num_stages == 2
     assert [plan.assignment[n] for n in ("first", "second")] == list(virtual_devices[:2])
-    wrapped = wrap(
-        model, plan, validate=False, schedule=_custom_schedule() if schedule == "custom" else schedule, recompute="always"
-    )
+    order = _custom_schedule() if schedule == "custom" else schedule
+    wrapped = wrap(model, plan, validate=False, schedule=order, recompute="always")
     assert wrapped.executor.options.recomputes(0) and not wrapped.executor.options.recomputes(1)
     window = {"gpipe": 8, "1f1b": 2, "custom": 3}[schedule]
     assert wrapped.executor.windows() == [window, 1]
