@@ -43,13 +43,15 @@ class TrainStep:
     (``Executor._loop``), then what follows the last (``finish``).
 
     The iterations overlap: stage s + 1 of micro-batch m runs beside stage s of micro-batch m + 1. Each
-    stage runs its forwards in micro-batch order and, where the schedule holds fewer than M micro-batches
-    on it (``Executor.windows``: 1F1B's K - s), the forward of micro-batch m only after the backward of
-    micro-batch m - window: the loop carries, per stage, tokens made after its last forward and its last
-    ``window`` backwards. A recomputing stage runs its backwards in order too (they share the seed states
-    they draw from). Weight gradients are summed in the loop, per stage on its device; the loss, the
-    layer losses and, with an output mask, the valid steps on the last stage's; the model outputs and
-    the batch-norm statistics of every micro-batch are collected for ``finish``.
+    stage runs its forwards in micro-batch order and, where it holds fewer than M micro-batches
+    (``Executor.windows``: 1F1B's K - s, the last stage's 1), the forward of micro-batch m only after the
+    backward of micro-batch m - window: the loop carries, per stage, tokens made after its last forward
+    and its last ``window`` backwards. A recomputing stage runs its backwards one after the other too:
+    they share the seed states they draw from, and each holds a micro-batch's activations (run at once,
+    they held as many as the stage's forwards, and recomputation saved nothing). Weight gradients are
+    summed in the loop, per stage on its device; the loss, the layer losses and, with an output mask, the
+    valid steps on the last stage's; the model outputs and the batch-norm statistics of every
+    micro-batch are collected for ``finish``.
     """
 
     def __init__(
@@ -105,9 +107,9 @@ class TrainStep:
             collectors.append([[collector(spec, executor.num_microbatches) for spec in moments] for moments in stats])
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
+            # a recomputing stage's backwards one after the other: each holds a micro-batch's activations
             "backward": [
-                [_token(s.device)] if looped and executor.options.recomputes(s.index) and p.shadow_seeds else []
-                for s, p in zip(executor.stages, executor.programs)
+                [_token(s.device)] if looped and executor.options.recomputes(s.index) else [] for s in executor.stages
             ],
             "window": [
                 [_token(s.device) for _ in range(w)] if looped and w < executor.num_microbatches else []
