@@ -149,6 +149,9 @@ class Evaluation:
 class CostModel:
     """Precomputes per-node costs of a layer graph on a cluster and scores placements.
 
+    The keywords make a :class:`partitioner.Problem`, which checks them; ``CostModel.from_problem(problem)``
+    takes one already made, and ``costs.problem`` is the problem priced.
+
     Args:
         graph: a layer graph (see partitioner.graph); its ``compute_dtype`` picks each device's speed
             (``Device.flops_per_s_for``).
