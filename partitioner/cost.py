@@ -16,8 +16,10 @@ figures are a node's, a coarsened unit's or a stage's alike (every term is a sum
     receive(d)    = sum over nodes u on another device with a successor on d of
                     out_bytes(u) / bw(dev(u), d) + out_bytes(u) / bw(d, dev(u))   (activation, then its gradient)
     stage_time(d) = compute(d) + receive(d)           bottleneck = max over used devices
-    weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (1 + optimizer_slots)
-    memory(s)     = weights + in_flight(s) * held + held once
+    weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (gradient_copies + optimizer_slots)
+    step(v)       = M * model_input_bytes(v) + M * model_output_bytes(v) * (2 if M > 1 else 1)
+                    (the batch split into micro-batches, the outputs collected and, M > 1, stacked: held all step)
+    memory(s)     = weights + step + in_flight(s) * held + held once
     in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe, min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
 
@@ -53,6 +55,10 @@ MODES = ("kept", "recomputed")
 # Backward FLOPs per forward FLOP: gradients for the inputs and the trainable weights (2x), or for the
 # inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
 BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
+# Gradient copies of a trainable weight beyond its gradient, with M > 1: the runtime sums each stage's
+# weight gradients over the micro-batches in the loop (runtime/train_step.py), so while a micro-batch's
+# backward runs its stage holds the sum so far and the micro-batch's gradient being added to it.
+ACCUMULATING_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,10 @@ class ModeCost:
 
     forward_s: float  # seconds of the forward pass
     backward_s: float  # seconds of the backward pass (with the forward again when recomputed)
-    weight_bytes: int  # weights, and gradients and optimizer slots of the trainable ones
+    weight_bytes: int  # weights, and gradients (and their sums) and optimizer slots of the trainable ones
     held_bytes: int  # bytes held per micro-batch in flight
     once_bytes: int  # bytes held once, while a backward runs
+    step_bytes: int = 0  # bytes held all step whatever is in flight: the split inputs, the collected outputs
 
     @property
     def compute_s(self) -> float:
@@ -71,8 +78,19 @@ class ModeCost:
         return self.forward_s + self.backward_s
 
     def memory_bytes(self, in_flight: int) -> int:
-        """Peak bytes with ``in_flight`` micro-batches held: weights + in_flight * held + held once."""
-        return self.weight_bytes + in_flight * self.held_bytes + (self.once_bytes if in_flight > 0 else 0)
+        """Peak bytes with ``in_flight`` micro-batches held: weights + step + in_flight * held + held once.
+        Every term is a sum over nodes, so a stage's figure is the sum of its nodes'.
+
+        Example:
+            >>> ModeCost(0.0, 0.0, weight_bytes=100, held_bytes=10, once_bytes=0, step_bytes=8).memory_bytes(2)
+            128
+        """
+        return (
+            self.weight_bytes
+            + self.step_bytes
+            + in_flight * self.held_bytes
+            + (self.once_bytes if in_flight > 0 else 0)
+        )
 
 
 def mode_cost(
@@ -83,21 +101,24 @@ def mode_cost(
     weight_bytes: int = 0,
     activation_bytes: int = 0,
     input_bytes: int = 0,
+    step_bytes: int = 0,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
     Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
     the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
-    (a kept stage's received buffers are not counted, docs/cost-model.md).
+    (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes``, the same in
+    either mode, is what the runtime holds all step long beside the layers (:meth:`CostModel.step_bytes`).
 
     Example:
-        >>> mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
-        ModeCost(forward_s=1.0, backward_s=3.0, weight_bytes=0, held_bytes=8, once_bytes=80)
+        >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
+        >>> cost.backward_s, cost.held_bytes, cost.once_bytes
+        (3.0, 8, 80)
     """
     if mode == "kept":
-        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0)
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0, step_bytes)
     if mode == "recomputed":
-        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes)
+        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes, step_bytes)
     raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
 
 
@@ -247,8 +268,20 @@ class CostModel:
         self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
         self.backward_s = {v: [t * (1 - shares[v]) for t in self.compute_s[v]] for v in self.order}
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
+        # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
+        self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
         self._weights = {
-            v: int(graph.nodes[v]["param_bytes"]) + trainable_param_bytes(graph.nodes[v]) * (1 + optimizer_slots)
+            v: int(graph.nodes[v]["param_bytes"])
+            + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
+            for v in self.order
+        }
+        # what the runtime holds all step beside the layers, per node (0 where a profile predates the attributes)
+        self._collected = {
+            v: num_microbatches * int(graph.nodes[v].get("model_output_bytes") or 0) * (1 + (num_microbatches > 1))
+            for v in self.order
+        }
+        self._step = {
+            v: num_microbatches * int(graph.nodes[v].get("model_input_bytes") or 0) + self._collected[v]
             for v in self.order
         }
         self.out_bytes = {
@@ -300,6 +333,7 @@ class CostModel:
             backward_s=self.backward_s[node][device],
             weight_bytes=self.weight_bytes(node),
             activation_bytes=self.activation_bytes[node],
+            step_bytes=self._step[node],
         )
 
     def node_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
@@ -331,8 +365,29 @@ class CostModel:
 
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
-        param_bytes + trainable_param_bytes * (1 + optimizer_slots)."""
+        param_bytes + trainable_param_bytes * (gradient_copies + optimizer_slots), with gradient_copies
+        1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added)."""
         return self._weights[node]
+
+    def step_bytes(self, node: str) -> int:
+        """Bytes the runtime holds for ``node`` all step long beside the layers, whatever the micro-batches
+        in flight (docs/cost-model.md, "What the step holds beside the layers"): M x its
+        ``model_input_bytes`` (the batch split into M micro-batches where the plan puts its InputLayer) and
+        M x its ``model_output_bytes`` (every micro-batch's outputs collected for the loss and the metrics),
+        and with M > 1 M x ``model_output_bytes`` again for those outputs stacked into one tensor after
+        the loop. The stack comes when no micro-batch is in flight, so the step's peak is at most
+        max(in the loop, after it); adding both is an upper bound that keeps every term a sum over nodes.
+
+        Example:
+            >>> import partitioner as pt
+            >>> graph = pt.chain_graph([1e9, 1e9])
+            >>> graph.nodes["layer_0"]["model_input_bytes"] = 40
+            >>> graph.nodes["layer_1"]["model_output_bytes"] = 8
+            >>> costs = pt.CostModel(graph, pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=4)
+            >>> costs.step_bytes("layer_0"), costs.step_bytes("layer_1")  # 4 x 40; 4 x 8 collected, 4 x 8 stacked
+            (160, 64)
+        """
+        return self._step[node]
 
     def receive_s(self, node: str, sender: int, receiver: int) -> float:
         """Seconds per micro-batch that ``node``'s output costs the link between ``sender`` and ``receiver``.
@@ -517,6 +572,7 @@ class CostModel:
         weights = [0] * k_total
         activations = [0] * k_total
         inputs = [0] * k_total
+        steps = [0] * k_total
         sent: dict[tuple[int, int], int] = {}
         successors = self.graph.succ
         for v in self.order:
@@ -525,6 +581,7 @@ class CostModel:
             backward[k] += self.backward_s[v][k]
             weights[k] += self._weights[v]
             activations[k] += self.activation_bytes[v]
+            steps[k] += self._step[v]
             receivers = {where[s] for s in successors[v]}
             receivers.discard(k)
             for receiver in sorted(receivers):
@@ -533,6 +590,10 @@ class CostModel:
                 sent[(k, receiver)] = sent.get((k, receiver), 0) + self.out_bytes[v]
         used = sorted(set(where.values()))
         num_stages = len(used)
+        position = {k: s for s, k in enumerate(used)}
+        # the runtime collects every model output on the last stage, where the loss is: one produced on an
+        # earlier stage is charged there too (its node's charge, which the planners see, stays on its stage)
+        steps[used[-1]] += sum(self._collected[v] for v in self.order if where[v] != used[-1])
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
@@ -547,6 +608,7 @@ class CostModel:
                 weight_bytes=weights[k],
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],
+                step_bytes=steps[k],
             )
 
         recomputed = self._stage_modes(
@@ -560,7 +622,6 @@ class CostModel:
             memory[k] = c.memory_bytes(held[k])
         stage = [compute[k] + receive[k] for k in range(k_total)]
         bottleneck = max(stage[k] for k in used)
-        position = {k: s for s, k in enumerate(used)}
         return Evaluation(
             compute_times=dict(zip(self.devices, compute, strict=False)),
             receive_times=dict(zip(self.devices, receive, strict=False)),

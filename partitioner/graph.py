@@ -17,6 +17,11 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     layer_type          str     the Keras class name (optional)
     config_digest       str     a digest of the layer's config without names (optional; structure)
     colocation_group    str     nodes sharing a group share weights: one device (optional)
+    model_input_bytes   int     bytes of the model inputs the node holds, per micro-batch: an InputLayer's
+                                output (optional; 0). The runtime splits each input into micro-batches
+                                on its InputLayer's device and holds them all step (partitioner.cost)
+    model_output_bytes  int     bytes of the node's outputs that are model outputs, per micro-batch
+                                (optional; 0): the runtime collects every micro-batch's (partitioner.cost)
     edge bytes          int     bytes of the tensor sent from u to v per micro-batch
 
 Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size`` (samples per
@@ -24,8 +29,10 @@ step), ``num_microbatches``, ``micro_batch_size`` (the samples the node costs ar
 ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers compute in, e.g.
 "float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
-rescale times to other devices). :func:`rescale_graph` turns costs measured at one batch size into
-those of another.
+rescale times to other devices). Profiles written before the node attributes ``model_input_bytes`` and
+``model_output_bytes`` lack them (priced as 0); graph-level ones of the same names, from a development
+version, are dropped on loading. :func:`rescale_graph` turns costs measured at one batch size into those
+of another.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ _GRAPH_KEYS = (
     "profiled_device",
     "profiled_flops_per_s",
 )
+_NODE_BYTES = ("model_input_bytes", "model_output_bytes")  # optional, per micro-batch: they scale with its samples
 
 
 def validate_graph(graph: nx.DiGraph) -> None:
@@ -108,6 +116,13 @@ def validate_graph(graph: nx.DiGraph) -> None:
                 f"Node '{node}' has forward_flops={forward!r}; expected FLOPs between 0 and its flops "
                 f"({data['flops']!r}), or no value."
             )
+        for key in _NODE_BYTES:
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise GraphError(
+                    f"Node '{node}' has {key}={value!r}; expected bytes per micro-batch (an integer >= 0), or no "
+                    "value. Profile the model again with profiles.profile_model."
+                )
         time_s = data.get("time_s")
         if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
             raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
@@ -186,12 +201,13 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
 
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
-    ``activation_bytes``, ``time_s`` and edge ``bytes`` are multiplied by new / measured samples per
-    micro-batch; weights (``param_bytes``, ``trainable_param_bytes``) stay. Where a node records
-    ``fixed_time_s`` (``profiles.profile_model(measure_fixed_time=True)``), only ``time_s - fixed_time_s``
-    scales and the fixed part stays: a micro-batch of one sample costs about what it cost when measured.
-    Without it, measured times do not scale exactly (small batches use a device less well), so rescale
-    them over small factors only.
+    ``activation_bytes``, ``model_input_bytes``, ``model_output_bytes``, ``time_s`` and edge ``bytes``
+    are multiplied by new / measured samples per micro-batch; weights (``param_bytes``,
+    ``trainable_param_bytes``) stay. Where a node records ``fixed_time_s``
+    (``profiles.profile_model(measure_fixed_time=True)``), only ``time_s - fixed_time_s`` scales and the
+    fixed part stays: a micro-batch of one sample costs about what it cost when measured. Without it,
+    measured times do not scale exactly (small batches use a device less well), so rescale them over
+    small factors only.
 
     Args:
         graph: a layer graph that records the batch its costs were measured at (``micro_batch_size``,
@@ -229,7 +245,9 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
         if data.get("time_s") is not None:
             fixed = float(data.get("fixed_time_s", 0.0))
             data["time_s"] = fixed + (float(data["time_s"]) - fixed) * factor
-        data["activation_bytes"] = round(data["activation_bytes"] * factor)
+        for key in ("activation_bytes", *_NODE_BYTES):
+            if data.get(key) is not None:
+                data[key] = round(data[key] * factor)
     for _, _, data in scaled.edges(data=True):
         data["bytes"] = round(data["bytes"] * factor)
     scaled.graph.update(batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=samples)

@@ -40,6 +40,10 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        to use the device); partitioner.rescale_graph keeps it when it scales time_s.
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
+    model_input_bytes  an InputLayer's output bytes: the model input the runtime splits into
+                       micro-batches on that node's device (other nodes: absent)
+    model_output_bytes bytes of the node's distinct outputs that are model outputs, which the runtime
+                       collects for the loss and the metrics (other nodes: absent)
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
@@ -184,9 +188,15 @@ def profile_model(
             graph.add_edge(calls[source].name, call.name, bytes=num_bytes)
         if progress is not None:
             progress(done, len(calls), call.name)
-    outputs = [sources[id(t)] for t in functional_graph(model).outputs]
+    functional = functional_graph(model)
+    outputs = [sources[id(t)] for t in functional.outputs]
     for call, num_bytes in zip(calls, profiler.activation_bytes(calls, outputs), strict=True):
         graph.nodes[call.name]["activation_bytes"] = num_bytes
+    # what the runtime holds per micro-batch beside the layers, on the node that makes it: the batch's
+    # inputs and the collected outputs
+    for key, tensors in (("model_input_bytes", functional.inputs), ("model_output_bytes", functional.outputs)):
+        for call, num_bytes in _boundary_bytes(tensors, sources, shapes, micro_batch).items():
+            graph.nodes[calls[call].name][key] = num_bytes
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph
@@ -242,6 +252,17 @@ def _itemsize(dtype: Any) -> int:
 
 def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int:
     return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
+
+
+def _boundary_bytes(
+    tensors: Any, sources: dict[int, Source], shapes: list[list[Shape]], micro_batch: int
+) -> dict[int, int]:
+    """{producing call index: bytes per micro-batch} of the model's distinct input (or output) tensors."""
+    seen = {(sources[id(t)].call, sources[id(t)].output): t for t in tensors}
+    by_call: dict[int, int] = {}
+    for (call, output), t in seen.items():
+        by_call[call] = by_call.get(call, 0) + _tensor_bytes(shapes[call][output], t.dtype, micro_batch, "model")
+    return by_call
 
 
 def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:

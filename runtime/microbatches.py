@@ -2,11 +2,14 @@
 
 A batch of B rows is split into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows,
 so that every micro-batch has one static shape and each stage function is traced once; ``valid`` marks a
-micro-batch's own rows (the loss and batch normalization's statistics leave the repeats out).
+micro-batch's own rows (the loss and batch normalization's statistics leave the repeats out). Each input
+is split on the device it is on (``PipelinedModel`` puts it on its InputLayer's device, where the plan
+charges its M micro-batches: partitioner.cost, ``step_bytes``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +43,7 @@ class Microbatches:
         self.batch_rows = tf.cast(batch, tf.float32)
         self.valid = tf.reshape(tf.range(self.size * num) < batch, [num, self.size])
         self.valid.set_shape([num, self.static_size])
-        self.inputs = self.stack(list(inputs))
+        self.inputs = [self._stacked_where_it_is(t) for t in inputs]
 
     def stack(self, structure: Any) -> Any:
         """Each leaf [B, ...] -> [M, ceil(B/M), ...] (None stays None)."""
@@ -55,6 +58,12 @@ class Microbatches:
             return stacked
 
         return keras.tree.map_structure(one, structure)
+
+    def _stacked_where_it_is(self, t: Any) -> tf.Tensor:
+        """An input stacked on its own device (the enclosing device scope's where it has none)."""
+        device = getattr(t, "device", "")
+        with tf.device(device) if device else contextlib.nullcontext():
+            return self.stack(t)
 
     def rows(self, m: Any) -> tf.Tensor:
         """How many of micro-batch m's rows are the batch's own (the rest repeat them)."""

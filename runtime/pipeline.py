@@ -170,7 +170,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         return run_through_graph(staged, inputs, operation_fn=lambda op: _call_fn(op, device_of[id(op)], training))
 
     def _flat_inputs(self, x: Any) -> list[tf.Tensor]:
-        return [tf.convert_to_tensor(t) for t in standardize_inputs(self.staged, x)]
+        """The model's inputs, each on its InputLayer's device: the executor splits it into micro-batches
+        there (runtime.microbatches), where the plan charges them (partitioner.cost, ``step_bytes``)."""
+        flat = standardize_inputs(self.staged, x)
+        placed = []
+        for t, device in zip(flat, self._state.rebuilt.input_devices, strict=True):
+            with tf.device(device):
+                placed.append(tf.identity(t))
+        return placed
 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
         return microbatch_part(
@@ -259,7 +266,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         executor = self._state.executor
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
-        loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
+        with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
+            loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]
@@ -270,10 +278,17 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
                 compile_loss(self)(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def _first_stage(self) -> Any:
+        """The device of the step's ops that no stage places: the targets split into micro-batches and
+        the loop's bookkeeping. Without it TensorFlow's default device takes them (GPU:0 or CPU:0), which
+        the plan may not use. The inputs are split where their InputLayers are (``_flat_inputs``)."""
+        return tf.device(self._state.stages[0])
+
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
+        with self._first_stage():
+            outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             y_pred = _own_rows(outputs, batch)
@@ -301,7 +316,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
-        outputs, _ = self._state.executor.forward(inputs)
+        with self._first_stage():
+            outputs, _ = self._state.executor.forward(inputs)
         with tf.device(self._state.stages[-1]):
             return _own_rows(outputs, tf.shape(inputs[0])[0])
 

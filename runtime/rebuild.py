@@ -49,6 +49,7 @@ class Rebuilt:
     device_of: dict[int, str]  # id(cloned operation) -> TensorFlow device name
     origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights, seeds or kept state
     node_of: dict[int, str]  # id(cloned operation) -> the plan's node name (first call)
+    input_devices: tuple[str, ...] = ()  # per input of ``model``: its InputLayer's device, where its batch is split
 
 
 def check_plan_matches(names: list[str], assignment: Mapping[str, str]) -> None:
@@ -148,7 +149,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     outputs = keras.tree.map_structure(masks.output, outputs)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     copy_weights(origin)
-    return Rebuilt(flat, device_of, origin, node_of)
+    return Rebuilt(flat, device_of, origin, node_of, tuple(masks.device[id(t)] for t in flat.inputs))
 
 
 class _Masks:

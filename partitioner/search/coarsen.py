@@ -342,9 +342,9 @@ def chain_quotient(
     graph: nx.DiGraph, coarsening: Coarsening, *, cost: str = "flops", edge_bytes: Sequence[int] | None = None
 ) -> nx.DiGraph:
     """The layer graph of a chain's units: one node per unit (named after its first node) with the
-    summed flops, weights (and trainable weights), activations (and time_s), the forward FLOPs that
-    split the unit's work as its nodes split theirs (``cost``: by FLOPs or by measured time), and the
-    edge bytes between consecutive units.
+    summed flops, weights (and trainable weights), activations, model inputs and outputs (and time_s),
+    the forward FLOPs that split the unit's work as its nodes split theirs (``cost``: by FLOPs or by
+    measured time), and the edge bytes between consecutive units.
 
     On a chain this is exact: a unit's only output read elsewhere is its last node's. ``edge_bytes``
     (one per pair of consecutive units) replaces the edge bytes, for a DAG read as the chain of its runs
@@ -363,6 +363,9 @@ def chain_quotient(
             "param_bytes": int(sum(d["param_bytes"] for d in data)),
             "trainable_param_bytes": int(sum(trainable_param_bytes(d) for d in data)),
             "activation_bytes": int(sum(d["activation_bytes"] for d in data)),
+            # what the runtime holds for the unit's nodes all step (CostModel.step_bytes)
+            "model_input_bytes": int(sum(d.get("model_input_bytes") or 0 for d in data)),
+            "model_output_bytes": int(sum(d.get("model_output_bytes") or 0 for d in data)),
         }
         timed = all(d.get("time_s") is not None for d in data)
         if timed:

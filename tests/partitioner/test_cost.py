@@ -12,6 +12,7 @@ from partitioner.cluster import Cluster, Device, load_device_profile
 from partitioner.cost import CostModel, bubble_fraction, relative_gap
 from partitioner.errors import ClusterError, GraphError, InputError, PlanError
 from partitioner.graph import load_graph, rescale_graph
+from partitioner.simulate import simulate_assignment
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
@@ -43,12 +44,102 @@ def test_costmodel_stage_times_by_hand():
 def test_costmodel_memory_by_hand():
     costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    # param_bytes * (2 + slots) + M * activation_bytes
-    assert ev.memory_bytes == {G0: (100 + 200) * 4 + 4 * (10 + 20), G1: 300 * 4 + 4 * 30}
+    # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20), G1: 300 * 5 + 4 * 30}
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
     assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}
+
+
+def test_costmodel_gradient_sums_need_a_second_copy_only_with_microbatches():
+    # M = 1: the one micro-batch's gradients are the step's; M > 1: the sum so far and the micro-batch's
+    for m, copies in ((1, 1), (2, 2), (8, 2)):
+        costs = CostModel(_abc(), _slow_cluster(), num_microbatches=m, optimizer_slots=0)
+        assert costs.weight_bytes("l1") == 200 * (1 + copies)
+
+
+def _abc_with_boundary() -> nx.DiGraph:
+    """_abc with 1000 B of model inputs held by l0 and 50 B of model outputs from l2, per micro-batch."""
+    graph = _abc()
+    graph.nodes["l0"]["model_input_bytes"] = 1000
+    graph.nodes["l2"]["model_output_bytes"] = 50
+    return graph
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations
+        # G1: weights 300 x 5 + the collected outputs 4 x 50 + stacked after the loop 4 x 50 + 4 x 30 in flight
+        ("gpipe", {G0: 1500 + 4000 + 4 * 30, G1: 1500 + 200 + 200 + 4 * 30}),
+        ("1f1b", {G0: 1500 + 4000 + 2 * 30, G1: 1500 + 200 + 200 + 1 * 30}),
+    ],
+)
+def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule, expected):
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, schedule=schedule)
+    assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [4 * 1000, 0, 4 * 50 * 2]
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.memory_bytes == expected
+
+
+def test_costmodel_node_memory_carries_the_step_terms():
+    # what the planners budget per node is what evaluate sums per stage
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, optimizer_slots=0)
+    node = costs.node_memory_bytes("kept", 4)
+    assert node == {"l0": 100 * 3 + 4000 + 4 * 10, "l1": 200 * 3 + 4 * 20, "l2": 300 * 3 + 400 + 4 * 30}
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: node["l2"]}
+
+
+def test_costmodel_input_held_where_its_node_is():
+    # an InputLayer node on the second device: its batch is split there, not on the first stage
+    graph = _abc_with_boundary()
+    graph.nodes["l0"]["model_input_bytes"] = 0
+    graph.nodes["l1"]["model_input_bytes"] = 1000
+    ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
+        {"l0": G0, "l1": G1, "l2": G1}
+    )
+    assert ev.memory_bytes == {G0: 100 * 3 + 4 * 10, G1: 500 * 3 + 4000 + 400 + 4 * 50}
+
+
+def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
+    # the runtime collects every model output where the loss is (the last stage): an output of l0 on G0
+    # is charged on G0 (its node's charge, which the planners see) and on G1, where it is held
+    graph = _abc_with_boundary()
+    graph.nodes["l0"]["model_output_bytes"] = 7
+    ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
+        {"l0": G0, "l1": G0, "l2": G1}
+    )
+    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 56 + 4 * 30, G1: 300 * 3 + 400 + 56 + 4 * 30}
+
+
+def test_costmodel_one_stage_holds_batch_and_outputs_and_stacks_none_at_one_microbatch():
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=1, optimizer_slots=0)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G0})
+    # weights and gradients, the batch (1 x 1000), the outputs (1 x 50), one micro-batch's activations
+    assert ev.memory_bytes[G0] == 600 * 2 + 1000 + 50 + 60
+
+
+def test_costmodel_graph_without_boundary_bytes_prices_none():
+    # profiles written before model_input_bytes / model_output_bytes: today's figures; graph-level
+    # attributes of those names (a development version's) are not read
+    graph = _abc()
+    graph.graph.update(model_input_bytes=1000, model_output_bytes=50)
+    costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0)
+    assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
+    assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {G0: 300 * 3 + 4 * 30, G1: 300 * 3 + 4 * 30}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_simulated_peak_memory_is_evaluates(schedule, recompute):
+    costs = CostModel(_abc_with_boundary(), _slow_cluster(3), num_microbatches=4, schedule=schedule)
+    assignment = {"l0": G0, "l1": G1, "l2": G2}
+    ev = costs.evaluate(assignment, recompute)
+    sim = simulate_assignment(costs, assignment, recompute=recompute)
+    assert sim.peak_memory_bytes == {d: ev.memory_bytes[d] for d in ev.stages}
+    assert sim.peak_memory_bytes[G0] >= 4 * 1000 and sim.peak_memory_bytes[G2] >= 2 * 4 * 50
 
 
 def test_costmodel_one_device_holds_everything():

@@ -385,3 +385,41 @@ def test_graph_json_round_trip_keeps_batch_and_dtype(tmp_path):
     graph.graph["compute_dtype"] = "bfloat16"
     save_graph(graph, tmp_path / "g.json")
     assert load_graph(tmp_path / "g.json").graph == graph.graph
+
+
+def test_rescale_graph_scales_the_models_inputs_and_outputs():
+    graph = chain_graph([4e9, 4e9], activation_bytes=[4096, 4096])
+    graph.graph.update(batch_size=32, num_microbatches=8)
+    graph.nodes["layer_0"]["model_input_bytes"] = 400
+    graph.nodes["layer_1"]["model_output_bytes"] = 40
+    scaled = rescale_graph(graph, batch_size=64, num_microbatches=4)  # 4 -> 16 samples per micro-batch
+    assert scaled.nodes["layer_0"]["model_input_bytes"] == 1600
+    assert scaled.nodes["layer_1"]["model_output_bytes"] == 160
+    assert "model_output_bytes" not in scaled.nodes["layer_0"]  # absent stays absent
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "8"])
+def test_validate_graph_refuses_bad_model_bytes(value):
+    graph = chain_graph([1e9])
+    graph.nodes["layer_0"]["model_output_bytes"] = value
+    with pytest.raises(GraphError, match=r"'layer_0' has model_output_bytes=.*expected bytes per micro-batch"):
+        validate_graph(graph)
+
+
+def test_model_bytes_survive_a_json_round_trip(tmp_path):
+    graph = chain_graph([1e9])
+    graph.nodes["layer_0"].update(model_input_bytes=12, model_output_bytes=3)
+    save_graph(graph, tmp_path / "g.json")
+    loaded = load_graph(tmp_path / "g.json")
+    assert (loaded.nodes["layer_0"]["model_input_bytes"], loaded.nodes["layer_0"]["model_output_bytes"]) == (12, 3)
+
+
+def test_graph_level_model_bytes_load_and_are_dropped(tmp_path):
+    # a development version wrote them per graph; such a file still loads, priced as a profile without them
+    graph = chain_graph([1e9])
+    save_graph(graph, tmp_path / "g.json")
+    data = json.loads((tmp_path / "g.json").read_text())
+    data.update(model_input_bytes=12, model_output_bytes=3)
+    (tmp_path / "g.json").write_text(json.dumps(data))
+    loaded = load_graph(tmp_path / "g.json")
+    assert "model_input_bytes" not in loaded.graph and "model_output_bytes" not in loaded.graph

@@ -65,13 +65,14 @@ def test_costmodel_recomputed_stages_by_hand():
     assert ev.stage_times[G1] == pytest.approx(12.0 + 0.002)
     assert ev.compute_times[G0] == pytest.approx(1.0 + 2.0 + 1.0)
     assert ev.compute_times[G2] == pytest.approx(3.0)  # kept
-    # weights * 4 (Adam) + M * received bytes + one micro-batch's activations
-    assert ev.memory_bytes[G1] == (200 + 300) * 4 + 4 * 1000 + (20_000 + 30_000)
-    assert ev.memory_bytes[G0] == 100 * 4 + 4 * 0 + 10_000  # the first stage receives nothing
-    assert ev.memory_bytes[G2] == 400 * 4 + 4 * 40_000
+    # weights * 5 (weights, gradient, the micro-batch's beside the sum, 2 Adam slots) + M * received bytes
+    # + one micro-batch's activations
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + (20_000 + 30_000)
+    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 10_000  # the first stage receives nothing
+    assert ev.memory_bytes[G2] == 400 * 5 + 4 * 40_000
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
-    assert kept.memory_bytes[G1] == (200 + 300) * 4 + 4 * (20_000 + 30_000)
+    assert kept.memory_bytes[G1] == (200 + 300) * 5 + 4 * (20_000 + 30_000)
     assert kept.compute_times[G1] == pytest.approx(9.0)
 
 
@@ -79,14 +80,14 @@ def test_costmodel_recompute_under_1f1b_counts_each_stages_in_flight():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=8, schedule="1f1b", recompute="always")
     ev = costs.evaluate(SPLIT)
     assert ev.in_flight == {G0: 3, G1: 2, G2: 1}
-    assert ev.memory_bytes[G1] == (200 + 300) * 4 + 2 * 1000 + (20_000 + 30_000)
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + (20_000 + 30_000)
 
 
 def test_costmodel_recompute_given_per_stage():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4)
     ev = costs.evaluate(SPLIT, recompute=(False, True, False))
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G0] == 100 * 4 + 4 * 10_000
+    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 10_000
     with pytest.raises(PlanError, match=r"recompute has 2 entries but the placement has 3 stages"):
         costs.evaluate(SPLIT, recompute=(True, False))
     with pytest.raises(PlanError, match=r"the last stage is never recomputed"):
@@ -96,12 +97,12 @@ def test_costmodel_recompute_given_per_stage():
 
 
 def test_costmodel_auto_recomputes_exactly_the_stages_that_do_not_fit():
-    # Kept, G1 needs 2000 + 4 * 50,000 = 202,000 B; recomputed 2000 + 4000 + 50,000 = 56,000 B.
+    # Kept, G1 needs 2500 + 4 * 50,000 = 202,500 B; recomputed 2500 + 4000 + 50,000 = 56,500 B.
     devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=100_000), pt.Device(G2, memory=10**6)]
     costs = CostModel(_abcd(), pt.Cluster(devices, bandwidth=1e6), num_microbatches=4, recompute="auto")
     ev = costs.evaluate(SPLIT)
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G1] == 56_000 and costs.fits(ev)
+    assert ev.memory_bytes[G1] == 56_500 and costs.fits(ev)
     # The last stage stays kept even when it does not fit.
     tight_last = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=10**6), pt.Device(G2, memory=1000)]
     costs = CostModel(_abcd(), pt.Cluster(tight_last, bandwidth=1e6), num_microbatches=4, recompute="auto")
@@ -132,12 +133,12 @@ def test_simulated_recomputed_stage_by_hand(schedule):
         assert spans == pytest.approx([expected] * 4)
     held = sim.peak_in_flight[G1]
     assert held == (4 if schedule == "gpipe" else 2)
-    assert sim.peak_memory_bytes[G1] == (200 + 300) * 4 + held * 1000 + (20_000 + 30_000)
-    assert sim.peak_memory_bytes[G2] == 400 * 4 + sim.peak_in_flight[G2] * 40_000
+    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + (20_000 + 30_000)
+    assert sim.peak_memory_bytes[G2] == 400 * 5 + sim.peak_in_flight[G2] * 40_000
     # The same plan without recomputation: shorter, and it holds every activation.
     kept = pt.simulate(plan, graph, cluster, recompute="never")
     assert kept.step_time_s < sim.step_time_s
-    assert kept.peak_memory_bytes[G1] == (200 + 300) * 4 + held * (20_000 + 30_000)
+    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + held * (20_000 + 30_000)
 
 
 def test_plan_step_time_is_the_recomputed_simulation():
@@ -237,12 +238,12 @@ def test_baselines_take_the_recompute_policy(recompute):
     cluster = _tight(100_000)
     plan = pt.baselines.uniform(graph, _slow_cluster(4), num_microbatches=4, recompute=recompute)
     assert plan.recompute == ((True, True, True, False) if recompute == "always" else (False,) * 4)
-    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 800 + 8 * 20,000 B > 100,000 B on G1;
-    # recomputed 800 + 8 * 1000 + 20,000 B.
+    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1000 + 8 * 20,000 B > 100,000 B on G1;
+    # recomputed 1000 + 8 * 1000 + 20,000 B (weights 200 B x 5: with its gradient, the sum's second copy, Adam).
     plan = pt.baselines.by_time(graph, cluster, num_microbatches=8, recompute=recompute)
     assert plan.assignment == {"l0": G0, "l1": G1, "l2": G2, "l3": G2}
     assert plan.recompute == ((True, True, False) if recompute == "always" else (False, True, False))
-    assert plan.memory_bytes[G1] == 800 + 8 * 1000 + 20_000
+    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 20_000
 
 
 def _recompute_problem(draw: st.DrawFn, *, dag: bool):

@@ -131,7 +131,15 @@ def test_profile_model_mlp_bytes_by_hand():
     assert [graph.nodes[n]["param_bytes"] for n in graph] == [0, (16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
     digest = graph.nodes["x"].pop("config_digest")
     assert len(digest) == 12 and int(digest, 16) >= 0
-    assert graph.nodes["x"] == {"layer_type": "InputLayer", "flops": 0.0, "param_bytes": 0, "activation_bytes": 0}
+    assert graph.nodes["x"] == {
+        "layer_type": "InputLayer",
+        "flops": 0.0,
+        "param_bytes": 0,
+        "activation_bytes": 0,
+        "model_input_bytes": 8 * 16 * 4,  # the batch's inputs per micro-batch, held by the runtime where x is
+    }
+    assert graph.nodes["logits"]["model_output_bytes"] == 8 * 8 * 4  # collected per micro-batch for the loss
+    assert "model_output_bytes" not in graph.nodes["hidden"] and "model_input_bytes" not in graph.nodes["hidden"]
     assert graph.nodes["hidden"]["layer_type"] == "Dense"
     assert graph.graph == {
         "model_name": "mlp",
@@ -208,6 +216,23 @@ def test_profile_model_two_inputs_two_outputs():
     assert graph.edges["b", "db"]["bytes"] == 2 * 6 * 4
     assert graph.edges["join", "out2"]["bytes"] == 2 * 10 * 4
     assert [n for n in graph if graph.in_degree(n) == 0] == ["a", "b"]
+    # each input on its InputLayer node, each output on the node making it, per micro-batch of 2
+    assert {n: d["model_input_bytes"] for n, d in graph.nodes(data=True) if "model_input_bytes" in d} == {
+        "a": 2 * 4 * 4,
+        "b": 2 * 6 * 4,
+    }
+    assert {n: d["model_output_bytes"] for n, d in graph.nodes(data=True) if "model_output_bytes" in d} == {
+        "out1": 2 * 3 * 4,
+        "out2": 2 * 1 * 4,
+    }
+
+
+def test_profile_model_output_read_twice_counts_once():
+    inputs = keras.Input((4,), name="x")
+    hidden = layers.Dense(5, name="hidden")(inputs)
+    model = keras.Model(inputs, [hidden, hidden], name="twice")
+    graph = _profile(model, batch_size=6, num_microbatches=3)
+    assert graph.nodes["hidden"]["model_output_bytes"] == 2 * 5 * 4
 
 
 def test_profile_model_keras_op_becomes_node():

@@ -277,3 +277,36 @@ def test_with_one_microbatch_the_stage_functions_are_inlined_and_still_on_their_
     assert ("stage1_backward", canonical(virtual_devices[1])) in inlined
     report = executed_placement(wrapped, x, y)
     assert report.ok and all(f.total > 0 for f in report.forward) and all(b.total > 0 for b in report.backward)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_the_batch_is_split_into_microbatches_on_the_first_stage_device(num_microbatches, virtual_devices) -> None:
+    """The cost model charges the batch split into micro-batches (inputs and targets) to the first stage:
+    the split runs there, not on TensorFlow's default device (here a device no stage uses)."""
+    wrapped, x, y = _two_stage("mlp", virtual_devices[1:3], num_microbatches=num_microbatches)
+    specs = (tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype))
+    graph = tf.function(wrapped.train_step).get_concrete_function(specs).graph
+    splits = [op for op in graph.get_operations() if op.type == "GatherV2"]
+    assert len(splits) == 2  # the inputs and the targets, each [B, ...] -> [M, ceil(B / M), ...]
+    assert {canonical(op.device) for op in splits} == {canonical(virtual_devices[1])}
+
+
+def test_each_input_is_split_on_its_input_layers_device(virtual_devices) -> None:
+    """The cost model charges each input's M micro-batches to the device of its InputLayer node: with
+    input "b" on the second stage, its split runs there; input "a" and the targets split on the first."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["two_in_two_out"]()
+    x, y = make_batch(8, 1)
+    graph = profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
+    first, second = virtual_devices[1:3]
+    cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in (first, second)])
+    pins = {"a": first, "b": second, **{v: second for v in graph.successors("b")}}
+    plan = pt.solve(graph, cluster, num_microbatches=4, pins=pins, time_limit_s=5)
+    assert plan.num_stages == 2 and plan.assignment["a"] == first and plan.assignment["b"] == second
+    wrapped = wrap(model, plan)
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    specs = keras.tree.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), (x, y))
+    step = tf.function(wrapped.train_step).get_concrete_function(specs).graph
+    splits = [canonical(op.device) for op in step.get_operations() if op.type == "GatherV2"]
+    assert len(splits) == 4  # inputs a and b, the targets of both outputs
+    assert sorted(splits) == sorted([canonical(first)] * 3 + [canonical(second)])
