@@ -32,13 +32,14 @@ from partitioner.errors import (
 )
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
+from partitioner.problem import Problem
 from partitioner.schedule import Action, Schedule, ScheduleFamily, schedule_family
 from partitioner.score import score_assignment
 from partitioner.search import baselines
 from partitioner.search.chain import exact_chain
 from partitioner.search.choose import plan_for_batch
 from partitioner.search.options import SolverOptions
-from partitioner.search.solve import solve
+from partitioner.search.solve import solve, solve_problem
 from partitioner.simulate import Simulation, Span, simulate
 from partitioner.validate import validate_plan
 
@@ -54,6 +55,7 @@ __all__ = [
     "PartitionerError",
     "Plan",
     "PlanError",
+    "Problem",
     "ProfileError",
     "Schedule",
     "ScheduleError",
@@ -74,6 +76,7 @@ __all__ = [
     "score_assignment",
     "simulate",
     "solve",
+    "solve_problem",
     "validate_graph",
     "validate_plan",
 ]

@@ -36,6 +36,7 @@ min(number of devices - k, M) for 1F1B); :meth:`CostModel.evaluate` counts each 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -46,12 +47,11 @@ import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
-from partitioner.graph import topological_order, trainable_param_bytes, validate_graph
-from partitioner.schedule import check_schedule_name, schedule_family
+from partitioner.graph import topological_order, trainable_param_bytes
+from partitioner.problem import Problem, check_recompute
+from partitioner.schedule import schedule_family
 
-COST_SOURCES = ("flops", "time")
 MODES = ("kept", "recomputed")
-RECOMPUTE = ("never", "always", "auto")
 # Backward FLOPs per forward FLOP: gradients for the inputs and the trainable weights (2x), or for the
 # inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
 BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
@@ -170,6 +170,9 @@ class Evaluation:
 class CostModel:
     """Precomputes per-node costs of a layer graph on a cluster and scores placements.
 
+    The keywords make a :class:`partitioner.Problem`, which checks them; ``CostModel.from_problem(problem)``
+    takes one already made, and ``costs.problem`` is the problem priced.
+
     Args:
         graph: a layer graph (see partitioner.graph); its ``compute_dtype`` picks each device's speed
             (``Device.flops_per_s_for``).
@@ -204,17 +207,39 @@ class CostModel:
         schedule: str = "gpipe",
         recompute: str = "never",
     ) -> None:
-        validate_graph(graph)
-        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise InputError(f"num_microbatches must be an integer >= 1. Received: {num_microbatches!r}.")
-        if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 0:
-            raise InputError(
-                f"optimizer_slots must be an integer >= 0 (2 for Adam, 0 for SGD). Received: {optimizer_slots!r}."
-            )
-        if cost not in COST_SOURCES:
-            raise InputError(f"cost must be one of {COST_SOURCES}. Received: {cost!r}.")
-        check_schedule_name(schedule)
-        check_recompute(recompute)
+        problem = Problem(
+            graph,
+            cluster,
+            num_microbatches=num_microbatches,
+            optimizer_slots=optimizer_slots,
+            cost=cost,
+            schedule=schedule,
+            recompute=recompute,
+        )
+        self._price(problem)
+
+    @classmethod
+    def from_problem(cls, problem: Problem) -> CostModel:
+        """The cost model of ``problem``, validated when it was built (``costs.problem`` is ``problem``).
+
+        Example:
+            >>> import partitioner as pt
+            >>> problem = pt.Problem(pt.chain_graph([1e12] * 2), pt.Cluster.uniform(2, memory="1GiB"))
+            >>> CostModel.from_problem(problem).problem is problem
+            True
+        """
+        if not isinstance(problem, Problem):
+            raise InputError(f"Expected a partitioner.Problem. Received: {type(problem).__name__}.")
+        costs = cls.__new__(cls)
+        costs._price(problem)
+        return costs
+
+    def _price(self, problem: Problem) -> None:
+        """Precomputes every node's costs for ``problem`` (the constructor's work, once its arguments are checked)."""
+        self.problem = problem  # what is planned: graph, cluster, M, slots, cost source, schedule, recompute
+        graph, cluster, schedule = problem.graph, problem.cluster, problem.schedule
+        num_microbatches, optimizer_slots = problem.num_microbatches, problem.optimizer_slots
+        cost, recompute = problem.cost, problem.recompute
         self.graph = graph
         self.cluster = cluster
         self.num_microbatches = num_microbatches
@@ -389,15 +414,8 @@ class CostModel:
         return self._with(self.graph, self.cluster, recompute)
 
     def _with(self, graph: nx.DiGraph, cluster: Cluster, recompute: str) -> CostModel:
-        return CostModel(
-            graph,
-            cluster,
-            num_microbatches=self.num_microbatches,
-            optimizer_slots=self.optimizer_slots,
-            cost=self.cost,
-            schedule=self.schedule,
-            recompute=recompute,
-        )
+        problem = dataclasses.replace(self.problem, graph=graph, cluster=cluster, recompute=recompute)
+        return CostModel.from_problem(problem)
 
     def serial_step_s(self) -> float:
         """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory."""
@@ -658,15 +676,6 @@ class CostModel:
     def fits(self, evaluation: Evaluation) -> bool:
         """True iff every device's memory holds what the placement puts on it."""
         return all(evaluation.memory_bytes[d.name] <= d.memory_bytes for d in self.cluster.devices)
-
-
-def check_recompute(recompute: object) -> None:
-    """Raises InputError unless ``recompute`` is one of RECOMPUTE."""
-    if recompute not in RECOMPUTE:
-        raise InputError(
-            f"recompute must be one of {RECOMPUTE} ('auto' recomputes a stage only where its activations "
-            f"would not fit otherwise). Received: {recompute!r}."
-        )
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:

@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
-from partitioner.cost import check_recompute
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError
 from partitioner.plan import Plan
+from partitioner.problem import check_recompute
 from partitioner.schedule import Schedule, schedule_for
 from partitioner.search.choose import AUTO, candidate_schedules, choose
 from partitioner.search.solve import solve

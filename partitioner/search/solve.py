@@ -22,6 +22,7 @@ from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
+from partitioner.problem import Problem
 from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
 from partitioner.search.baselines import check_stage_count
 from partitioner.search.chain import exact_chain_for
@@ -113,14 +114,7 @@ def solve(
         >>> plan.status, plan.gap                                      # doctest: +SKIP
         ('optimal', 0.0)
     """
-    started = time.perf_counter()
-    options = options or SolverOptions()
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-        raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
-    if options.coarsen is not None and not isinstance(options.coarsen, bool):
-        raise InputError(f"SolverOptions.coarsen must be True, False or None (auto). Received: {options.coarsen!r}.")
-    check_device_order(options.device_order)
-    costs = CostModel(
+    problem = Problem(
         graph,
         cluster,
         num_microbatches=num_microbatches,
@@ -129,6 +123,38 @@ def solve(
         schedule=schedule,
         recompute=recompute,
     )
+    return solve_problem(problem, time_limit_s=time_limit_s, pins=pins, options=options)
+
+
+def solve_problem(
+    problem: Problem,
+    *,
+    time_limit_s: float = 10.0,
+    pins: Mapping[str, str] | None = None,
+    options: SolverOptions | None = None,
+) -> Plan:
+    """:func:`solve` for a :class:`partitioner.Problem` (graph, cluster, M, slots, cost, schedule, recompute),
+    validated when it was built; the other arguments, the search's own, are :func:`solve`'s.
+
+    Raises:
+        InfeasiblePlanError, SolverTimeoutError, InputError: as :func:`solve`.
+
+    Example:
+        >>> import partitioner as pt
+        >>> cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12)
+        >>> problem = pt.Problem(pt.chain_graph([1e12] * 4), cluster, num_microbatches=4)
+        >>> plan = solve_problem(problem, time_limit_s=5)
+        >>> plan.num_stages, plan.step_time_s, plan.status
+        (2, 10.0, 'optimal')
+    """
+    started = time.perf_counter()
+    options = options or SolverOptions()
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
+    if options.coarsen is not None and not isinstance(options.coarsen, bool):
+        raise InputError(f"SolverOptions.coarsen must be True, False or None (auto). Received: {options.coarsen!r}.")
+    check_device_order(options.device_order)
+    costs = CostModel.from_problem(problem)
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
     plan = _search(costs, pins, options, started=started, time_limit_s=float(time_limit_s))
