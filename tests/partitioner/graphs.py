@@ -155,11 +155,15 @@ def random_dag(
 
 
 def memory_need(graph: nx.DiGraph, num_microbatches: int, optimizer_slots: int = 2) -> int:
-    """Bytes the whole graph needs under the cost model (weights, gradients, slots, activations)."""
-    return sum(
-        d["param_bytes"] * (2 + optimizer_slots) + num_microbatches * d["activation_bytes"]
-        for _, d in graph.nodes(data=True)
+    """Bytes the whole graph needs on one device under the cost model (weights, gradients and their sums,
+    slots, activations of M micro-batches in flight, the step's own terms): ``CostModel.node_memory_bytes``."""
+    costs = pt.CostModel(
+        graph,
+        pt.Cluster.uniform(1, memory="1TiB"),
+        num_microbatches=num_microbatches,
+        optimizer_slots=optimizer_slots,
     )
+    return sum(costs.node_memory_bytes("kept", num_microbatches).values())
 
 
 def draw_cluster(draw: st.DrawFn, num_devices: int, need_bytes: int, headroom: float = 3.0) -> pt.Cluster:
