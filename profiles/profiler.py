@@ -195,8 +195,8 @@ def profile_model(
     # what the runtime holds per micro-batch beside the layers, on the node that makes it: the batch's
     # inputs and the collected outputs
     for key, tensors in (("model_input_bytes", functional.inputs), ("model_output_bytes", functional.outputs)):
-        for call, num_bytes in _boundary_bytes(tensors, sources, shapes, micro_batch).items():
-            graph.nodes[calls[call].name][key] = num_bytes
+        for index, num_bytes in _boundary_bytes(tensors, sources, shapes, micro_batch).items():
+            graph.nodes[calls[index].name][key] = num_bytes
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
     validate_graph(graph)
     return graph

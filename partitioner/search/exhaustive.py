@@ -123,10 +123,10 @@ def _placements(costs: CostModel, num_stages: int, most: int) -> list[dict[str, 
                 continue
             labels[v] = s
             new = group is not None and group not in shared
-            if new:
+            if group is not None and new:
                 shared[group] = s
             yield from place(i + 1)
-            if new:
+            if group is not None and new:
                 del shared[group]
         labels.pop(v, None)
 

@@ -231,7 +231,9 @@ def _against_every_plan(
     if best is None:
         return plan
     proven, searched = plan.status == "optimal", plan.status != "heuristic"
-    value = (lambda p: p.step_time_s) if objective == "step" else (lambda p: p.bottleneck_s)
+    def value(p: Plan) -> float:
+        return p.step_time_s if objective == "step" else p.bottleneck_s
+
     if value(best) < value(plan) * (1 - TOLERANCE):  # strictly better on what it was chosen by
         # the search's bound on the bottleneck holds for every plan, this one too
         replaced = dataclasses.replace(best, method=f"{best.method} (better than {plan.method})")
