@@ -88,11 +88,11 @@ def _too_long_to_dump(unread: str) -> bool:
     return len(function + suffix) > 255
 
 
-def _two_stage(name: str, devices, num_microbatches: int = 2, optimizer=None):
+def _two_stage(name: str, devices, num_microbatches: int = 2, optimizer=None, batch: int = 8):
     keras.utils.set_random_seed(0)
     model, make_batch, loss = ZOO[name]() if isinstance(name, str) else name
-    x, y = make_batch(8, 1)
-    graph = profile_model(model, batch_size=8, num_microbatches=num_microbatches, measure_time=False)
+    x, y = make_batch(batch, 1)
+    graph = profile_model(model, batch_size=batch, num_microbatches=num_microbatches, measure_time=False)
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices])
     plan = pt.baselines.uniform(graph, cluster, num_microbatches=num_microbatches)
     assert plan.num_stages == len(devices)
@@ -279,11 +279,12 @@ def test_with_one_microbatch_the_stage_functions_are_inlined_and_still_on_their_
     assert report.ok and all(f.total > 0 for f in report.forward) and all(b.total > 0 for b in report.backward)
 
 
-@pytest.mark.parametrize("num_microbatches", [1, 4])
+@pytest.mark.parametrize("num_microbatches", [2, 4])
 def test_the_batch_is_split_into_microbatches_on_the_first_stage_device(num_microbatches, virtual_devices) -> None:
     """The cost model charges the batch split into micro-batches (inputs and targets) to the first stage:
-    the split runs there, not on TensorFlow's default device (here a device no stage uses)."""
-    wrapped, x, y = _two_stage("mlp", virtual_devices[1:3], num_microbatches=num_microbatches)
+    the split runs there, not on TensorFlow's default device (here a device no stage uses). A batch of 9
+    rows, which M does not divide: the rows are gathered, repeats included (one M divides is reshaped)."""
+    wrapped, x, y = _two_stage("mlp", virtual_devices[1:3], num_microbatches=num_microbatches, batch=9)
     specs = (tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype))
     graph = tf.function(wrapped.train_step).get_concrete_function(specs).graph
     splits = [op for op in graph.get_operations() if op.type == "GatherV2"]
@@ -296,8 +297,8 @@ def test_each_input_is_split_on_its_input_layers_device(virtual_devices) -> None
     input "b" on the second stage, its split runs there; input "a" and the targets split on the first."""
     keras.utils.set_random_seed(0)
     model, make_batch, loss = ZOO["two_in_two_out"]()
-    x, y = make_batch(8, 1)
-    graph = profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
+    x, y = make_batch(9, 1)  # M = 4 does not divide 9: each input's rows are gathered
+    graph = profile_model(model, batch_size=9, num_microbatches=4, measure_time=False)
     first, second = virtual_devices[1:3]
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in (first, second)])
     pins = {"a": first, "b": second, **{v: second for v in graph.successors("b")}}
