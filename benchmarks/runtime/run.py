@@ -823,7 +823,8 @@ def tables(results: dict[str, Any]) -> list[str]:
         f"**Peak memory** ({r['models']['memory']}; 2 devices, 2 inter-op threads, M = {MEMORY_MICROBATCHES}, "
         f"uniform plan, SGD; each configuration in {memory['repeats']} process(es) of {memory['steps']} timed steps; "
         "measured = TensorFlow's CPU allocator, all devices together: the highest and the lowest step peak; "
-        "simulator = weights, gradients and the activations of the micro-batches in flight, per device; with "
+        "simulator = weights, gradients (and their sums, M > 1), the activations of the micro-batches in flight, "
+        "the batch's inputs and the outputs kept for the loss, per device; with "
         "recomputation stage 0 holds only its inputs per micro-batch in flight, plus one micro-batch's "
         "activations):",
         "",
