@@ -8,7 +8,8 @@ or tokens, zero targets). After two warm-up steps (the Adam slots exist), ``rese
 more step; *measured* is ``get_memory_info("CPU:0")["peak"]``: weights, slots, gradients, activations,
 temporaries, the batch and its targets. *Planner* is ``CostModel.evaluate``'s memory for the profiled graph
 on one device, M = 1, Adam (2 slots): weights, gradients, slots, the activations the profiler counts, the
-batch's inputs and the outputs kept for the loss (docs/cost-model.md; at batch 16 about 10 MB for ResNet50). The models are the bundled graphs' (benchmarks/planner_quality): GPT2-12 (keras-hub
+batch's inputs and the outputs kept for the loss (docs/cost-model.md; at batch 16 about 10 MB for ResNet50).
+The models are the bundled graphs' (benchmarks/planner_quality): GPT2-12 (keras-hub
 backbone, 128 tokens) and ResNet50 (keras.applications). Writes results.json and README.md's table.
 
     .venv/bin/python benchmarks/memory_model/run.py            # about 5 minutes on 2 cores
