@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
-from partitioner.errors import InfeasiblePlanError, InputError, PlanError
+from partitioner.errors import InfeasiblePlanError, InputError, PlanError, ProfileError
 from partitioner.plan import Plan
 from partitioner.problem import check_recompute
 from partitioner.schedule import Schedule, schedule_for
@@ -145,16 +146,27 @@ def plan_and_wrap(
     # auto M on devices calibrated here: the layers timed where they run, their fixed part too (each M is
     # priced by rescaling); a worker of several does not time (the replicas must agree on one plan)
     timed = num_microbatches == AUTO and not isinstance(devices, Cluster) and current_worker() is None
-    graph = profile_model(
-        model,
-        batch_size=batch_size,
-        num_microbatches=1 if num_microbatches == AUTO else num_microbatches,  # auto: rescaled to each M tried
-        measure_time=timed,
-        device=cluster.devices[0].name if timed else None,
-        measure_fixed_time=timed,
-        input_shapes=input_shapes,
-        sequence_length=sequence_length,
-    )
+
+    def profile(timed: bool) -> Any:
+        return profile_model(
+            model,
+            batch_size=batch_size,
+            num_microbatches=1 if num_microbatches == AUTO else num_microbatches,  # auto: rescaled to each M tried
+            measure_time=timed,
+            device=cluster.devices[0].name if timed else None,
+            measure_fixed_time=timed,
+            input_shapes=input_shapes,
+            sequence_length=sequence_length,
+        )
+
+    try:
+        graph = profile(timed)
+    except ProfileError as error:
+        if not timed or not str(error).startswith("Timing "):
+            raise
+        warnings.warn(f"{error} Planning num_microbatches='auto' by FLOPs instead of measured times.", stacklevel=2)
+        timed = False
+        graph = profile(timed)
     solve_options: dict[str, Any] = {
         "cost": "time" if timed else "flops",
         "optimizer_slots": optimizer_slots,

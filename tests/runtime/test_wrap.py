@@ -483,6 +483,40 @@ def test_plan_and_wrap_chooses_microbatches_and_schedule(virtual_devices) -> Non
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+def _small_mlp() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Dense(16, activation="relu", name=f"d{i}")(h)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+
+
+def test_auto_microbatches_on_local_devices_plan_by_timed_layers(virtual_devices) -> None:
+    """Local devices given by name: the layers are timed (at the batch and at one sample) and M is chosen by
+    those times; a Cluster passed in keeps FLOP-based costs."""
+    model = _small_mlp()
+    timed = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
+    assert timed.plan.cost == "time"
+    cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[:2]])
+    assert plan_and_wrap(model, devices=cluster, batch_size=8, num_microbatches="auto").plan.cost == "flops"
+    fixed = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
+    assert fixed.plan.cost == "flops"  # a fixed M needs no timing
+
+
+def test_auto_microbatches_fall_back_to_flops_when_timing_fails(virtual_devices, monkeypatch) -> None:
+    """A layer that cannot be timed on the device: one warning, and M is planned by FLOPs."""
+    import profiles.timing
+
+    def fails(*args, **kwargs):
+        raise ValueError("no kernel for this device")
+
+    monkeypatch.setattr(profiles.timing, "forward_backward_seconds", fails)
+    with pytest.warns(UserWarning, match=r"Timing 'd0' .* failed: ValueError: no kernel.*by FLOPs instead"):
+        wrapped = plan_and_wrap(_small_mlp(), devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
+    assert wrapped.plan.cost == "flops"
+
+
 def test_outputs_log_under_the_original_names(virtual_devices) -> None:
     """Two outputs, per-output losses and metrics, a dict of losses: fit's history has the original's keys
     and values, so callbacks that monitor them (EarlyStopping, ModelCheckpoint, CSVLogger) find them."""
