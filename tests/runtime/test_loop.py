@@ -98,6 +98,25 @@ def _counts(wrapped) -> dict[str, dict[str, float]]:
     return {name: {k: float(getattr(c, k).numpy()) for k in names} for name, c in counters.items()}
 
 
+def _slow_second_stage() -> keras.Model:
+    """Dense, Dense, InFlight "first" | Dense(1024), Dense, InFlight "second": the uniform plan cuts it in two,
+    and the slow second stage lets the first run ahead."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(64, activation="relu")(inputs)
+    h = InFlight(name="first")(keras.layers.Dense(64, activation="relu")(h))
+    h = keras.layers.Dense(1024, activation="relu")(h)  # a slow second stage: the first could run ahead
+    outputs = InFlight(name="second")(keras.layers.Dense(4)(h))
+    return keras.Model(inputs, outputs)
+
+
+def _custom_schedule() -> pt.Schedule:
+    """K = 2, M = 8: stage 0 holds up to 3 micro-batches (between 1F1B's 2 and GPipe's 8), stage 1 one."""
+    first = ["0F0", "0F1", "0F2"] + [a for m in range(5) for a in (f"0B{m}", f"0F{m + 3}")] + ["0B5", "0B6", "0B7"]
+    second = [a for m in range(8) for a in (f"1F{m}", f"1B{m}")]
+    return pt.Schedule.parse(f"0: {' '.join(first)}\n1: {' '.join(second)}")
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_microbatches_overlap_up_to_the_schedules_bound(schedule: str, virtual_devices) -> None:
     """The loop's iterations overlap: under GPipe (M = 8, K = 2) the first stage runs the forwards of
@@ -105,13 +124,7 @@ def test_microbatches_overlap_up_to_the_schedules_bound(schedule: str, virtual_d
     TensorFlow's automatic control dependencies, the iterations ran one after the other: 1 at most);
     1F1B holds at most K - s: 2 on stage 0, 1 on stage 1, counted where each stage's forward ends. The
     last stage holds one under either schedule: its backward runs right after its forward."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    h = keras.layers.Dense(64, activation="relu")(inputs)
-    h = InFlight(name="first")(keras.layers.Dense(64, activation="relu")(h))
-    h = keras.layers.Dense(1024, activation="relu")(h)  # a slow second stage: the first could run ahead
-    outputs = InFlight(name="second")(keras.layers.Dense(4)(h))
-    model = keras.Model(inputs, outputs)
+    model = _slow_second_stage()
     wrapped = _wrapped(model, virtual_devices[:2], 8, schedule, batch=32)
     assert [wrapped.plan.assignment[n] for n in ("first", "second")] == list(virtual_devices[:2])
     wrapped.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
@@ -132,16 +145,8 @@ def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
     """A custom schedule the loop can follow runs as written: stage 0 holds up to 3 micro-batches (more than
     1F1B's 2, fewer than GPipe's 8), stage 1 one; the loop keeps to those windows, and one training step
     gives the original model's loss and weights."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    h = keras.layers.Dense(64, activation="relu")(inputs)
-    h = InFlight(name="first")(keras.layers.Dense(64, activation="relu")(h))
-    h = keras.layers.Dense(1024, activation="relu")(h)  # a slow second stage: the first could run ahead
-    outputs = InFlight(name="second")(keras.layers.Dense(4)(h))
-    model = keras.Model(inputs, outputs)
-    first = ["0F0", "0F1", "0F2"] + [a for m in range(5) for a in (f"0B{m}", f"0F{m + 3}")] + ["0B5", "0B6", "0B7"]
-    second = [a for m in range(8) for a in (f"1F{m}", f"1B{m}")]
-    schedule = pt.Schedule.parse(f"0: {' '.join(first)}\n1: {' '.join(second)}")
+    model = _slow_second_stage()
+    schedule = _custom_schedule()
     assert schedule.name == "custom" and schedule.windows() == (3, 1)
     graph = profile_model(model, batch_size=32, num_microbatches=8, measure_time=False)
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in virtual_devices[:2]])
@@ -165,13 +170,6 @@ def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
     counters = _counters(wrapped)
     most = {name: float(c.most.numpy()) for name, c in counters.items()}
     assert 1.0 <= most["first"] <= 3.0 and most["second"] == 1.0, most
-
-
-def _custom_schedule() -> pt.Schedule:
-    """K = 2, M = 8: stage 0 holds up to 3 micro-batches (between 1F1B's 2 and GPipe's 8), stage 1 one."""
-    first = ["0F0", "0F1", "0F2"] + [a for m in range(5) for a in (f"0B{m}", f"0F{m + 3}")] + ["0B5", "0B6", "0B7"]
-    second = [a for m in range(8) for a in (f"1F{m}", f"1B{m}")]
-    return pt.Schedule.parse(f"0: {' '.join(first)}\n1: {' '.join(second)}")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "custom"])

@@ -415,12 +415,13 @@ def test_custom_schedule_the_loop_cannot_follow_is_refused(text, message, virtua
         wrap(model, _uniform_plan(model, virtual_devices), validate=False, schedule=pt.Schedule.parse(text))
 
 
-def _deep_mlp() -> keras.Model:
+def _mlp(width: int, depth: int) -> keras.Model:
+    """``depth`` Dense(width, relu) layers "d0", "d1", ... on ``width`` features and a Dense(1) "out"."""
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
+    inputs = keras.Input((width,))
     h = inputs
-    for i in range(6):
-        h = keras.layers.Dense(64, activation="relu", name=f"d{i}")(h)
+    for i in range(depth):
+        h = keras.layers.Dense(width, activation="relu", name=f"d{i}")(h)
     return keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
 
 
@@ -428,7 +429,7 @@ def test_auto_recompute_runs_the_stages_the_plan_recomputes(virtual_devices) -> 
     """Activations that do not fit kept: 'never' is refused with a pointer to 'auto'; 'auto' plans
     recomputation where needed, and the wrapped model recomputes exactly those stages (same loss
     and gradients as keeping every activation)."""
-    model = _deep_mlp()
+    model = _mlp(64, 6)
     settings = {"devices": virtual_devices[:2], "batch_size": 256, "num_microbatches": 4, "memory": "400KiB"}
     with pytest.raises(pt.InfeasiblePlanError, match="recompute='auto'"):
         plan_and_wrap(model, optimizer_slots=0, recompute="never", **settings)
@@ -469,12 +470,7 @@ def test_plan_and_wrap_accepts_a_cluster(virtual_devices) -> None:
 def test_plan_and_wrap_chooses_microbatches_and_schedule(virtual_devices) -> None:
     """M and schedule "auto": without a fixed cost per micro-batch (action_overhead_s = 0) the
     planner takes the most micro-batches the batch splits into, and the runtime runs the plan's M and schedule."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    h = inputs
-    for i in range(3):
-        h = keras.layers.Dense(16, activation="relu", name=f"d{i}")(h)
-    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    model = _mlp(16, 3)
     cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[:2]])
     wrapped = plan_and_wrap(model, devices=cluster, batch_size=8, num_microbatches="auto", schedule="auto")
     assert wrapped.plan.num_microbatches == 8 and wrapped.plan.schedule in ("gpipe", "1f1b")
@@ -483,19 +479,10 @@ def test_plan_and_wrap_chooses_microbatches_and_schedule(virtual_devices) -> Non
     np.testing.assert_allclose(wrapped(x), model(x), rtol=1e-6, atol=1e-6)
 
 
-def _small_mlp() -> keras.Model:
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    h = inputs
-    for i in range(3):
-        h = keras.layers.Dense(16, activation="relu", name=f"d{i}")(h)
-    return keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
-
-
 def test_auto_microbatches_on_local_devices_plan_by_timed_layers(virtual_devices) -> None:
     """Local devices given by name: the layers are timed (at the batch and at one sample) and M is chosen by
     those times; a Cluster passed in keeps FLOP-based costs."""
-    model = _small_mlp()
+    model = _mlp(16, 3)
     timed = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
     assert timed.plan.cost == "time"
     cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[:2]])
@@ -513,7 +500,7 @@ def test_auto_microbatches_fall_back_to_flops_when_timing_fails(virtual_devices,
 
     monkeypatch.setattr(profiles.timing, "forward_backward_seconds", fails)
     with pytest.warns(UserWarning, match=r"Timing 'd0' .* failed: ValueError: no kernel.*by FLOPs instead"):
-        wrapped = plan_and_wrap(_small_mlp(), devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
+        wrapped = plan_and_wrap(_mlp(16, 3), devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
     assert wrapped.plan.cost == "flops"
 
 
