@@ -29,6 +29,7 @@ from partitioner.errors import (
     ProfileError,
     ScheduleError,
     SolverTimeoutError,
+    TimingError,
 )
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
@@ -64,6 +65,7 @@ __all__ = [
     "SolverOptions",
     "SolverTimeoutError",
     "Span",
+    "TimingError",
     "baselines",
     "chain_graph",
     "exact_chain",

@@ -30,6 +30,10 @@ class ProfileError(PartitionerError):
     """A Keras model cannot be profiled (subclassed without a functional graph, not built, ...)."""
 
 
+class TimingError(ProfileError):
+    """A layer traced but could not be run and timed on the timing device (profile without timing instead)."""
+
+
 class PlanError(PartitionerError, ValueError):
     """A plan is malformed or does not match the graph or cluster it is used with."""
 

@@ -88,7 +88,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner.cost import training_flops
-from partitioner.errors import InputError, ProfileError
+from partitioner.errors import InputError, ProfileError, TimingError
 from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
 from profiles.internals import flatten_layers
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
@@ -454,7 +454,7 @@ class _CallProfiler:
                 warmup=self._warmup,
             )
         except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
-            raise ProfileError(
+            raise TimingError(
                 f"Timing '{call.operation.name}' ({type(call.operation).__name__}) forward + backward on "
                 f"{self._device} failed: {_summary(err)}. Expected a differentiable layer that "
                 "fits on the device; profile with measure_time=False to skip timing."

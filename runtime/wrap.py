@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
-from partitioner.errors import InfeasiblePlanError, InputError, PlanError, ProfileError
+from partitioner.errors import InfeasiblePlanError, InputError, PlanError, TimingError
 from partitioner.plan import Plan
 from partitioner.problem import check_recompute
 from partitioner.schedule import Schedule, schedule_for
@@ -161,8 +161,8 @@ def plan_and_wrap(
 
     try:
         graph = profile(timed)
-    except ProfileError as error:
-        if not timed or not str(error).startswith("Timing "):
+    except TimingError as error:
+        if not timed:
             raise
         warnings.warn(f"{error} Planning num_microbatches='auto' by FLOPs instead of measured times.", stacklevel=2)
         timed = False
