@@ -102,6 +102,7 @@ def mode_cost(
     activation_bytes: int = 0,
     input_bytes: int = 0,
     step_bytes: int = 0,
+    looped: bool = False,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
@@ -110,15 +111,27 @@ def mode_cost(
     (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes``, the same in
     either mode, is what the runtime holds all step long beside the layers (:meth:`CostModel.step_bytes`).
 
+    With ``looped`` (M > 1: the runtime's loop calls each stage's backward as a function it does not
+    inline, so the activations the call reads stay alive until it returns) a running backward also holds
+    one micro-batch's activation gradients (``activation_bytes`` more), in either mode: the backward's
+    working set (docs/cost-model.md, "Stage modes").
+
     Example:
         >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
-        >>> cost.backward_s, cost.held_bytes, cost.once_bytes
+        >>> cost.backward_s, cost.held_bytes, cost.once_bytes  # one micro-batch's recomputed activations
         (3.0, 8, 80)
+        >>> mode_cost("recomputed", activation_bytes=80, input_bytes=8, looped=True).once_bytes  # + their gradients
+        160
+        >>> mode_cost("kept", activation_bytes=80, looped=True).once_bytes
+        80
     """
+    working = activation_bytes if looped else 0  # the activation gradients a backward makes in the loop
     if mode == "kept":
-        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, 0, step_bytes)
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, working, step_bytes)
     if mode == "recomputed":
-        return ModeCost(forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes, step_bytes)
+        return ModeCost(
+            forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes + working, step_bytes
+        )
     raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
 
 
@@ -270,6 +283,8 @@ class CostModel:
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
         # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
         self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
+        # M > 1: the runtime runs the micro-batches in a loop whose stage calls it does not inline (mode_cost)
+        self.looped = num_microbatches > 1
         self._weights = {
             v: int(graph.nodes[v]["param_bytes"])
             + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
@@ -334,6 +349,7 @@ class CostModel:
             weight_bytes=self.weight_bytes(node),
             activation_bytes=self.activation_bytes[node],
             step_bytes=self._step[node],
+            looped=self.looped,
         )
 
     def node_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
@@ -609,6 +625,7 @@ class CostModel:
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],
                 step_bytes=steps[k],
+                looped=self.looped,
             )
 
         recomputed = self._stage_modes(

@@ -42,6 +42,8 @@ def _what(costs: CostModel) -> str:
     least = _least_in_flight(costs)
     rule = schedule_family(costs.schedule).in_flight_rule(costs.num_microbatches)
     held = f"activations of {least} micro-batch(es) in flight under {costs.schedule} ({rule})"
+    if costs.looped:
+        held += " and one micro-batch's activation gradients while a backward runs"
     if costs.recompute != "never":
         held += f", in the mode that needs least, recompute={costs.recompute!r}"
     return f"weights, gradients and {costs.optimizer_slots} optimizer slot(s) of trainable weights, {held}"

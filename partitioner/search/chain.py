@@ -42,6 +42,7 @@ from partitioner.schedule import schedule_family
 from partitioner.score import score_assignment, shorter_step, with_step_bound
 from partitioner.search.baselines import BASELINES, check_stage_count, split_with
 from partitioner.search.bottleneck_dp import _dynamic_program, _prefix_tables, _rebuild, _solve_chain, _Tables, _tables
+from partitioner.search.exhaustive import against_every_plan
 from partitioner.search.local_search import _local_search
 from partitioner.search.order import (
     candidate_orders,
@@ -156,15 +157,19 @@ def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
     if objective == "step":
-        return _shortest_step(costs, device_order, started)
-    if device_order == "search":
-        return _search_orders(costs, started)
-    found = _solve_chain(costs)
-    if found is None:
-        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
-    assignment, optimum = found
-    plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
-    return on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
+        plan = _shortest_step(costs, device_order, started)
+    elif device_order == "search":
+        plan = _search_orders(costs, started)
+    else:
+        found = _solve_chain(costs)
+        if found is None:
+            raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+        assignment, optimum = found
+        plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
+        plan = on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
+    # 1F1B's step search is not exact (local moves): on a small chain the best of every legal plan decides;
+    # MAX_PLANS bounds that work, so no deadline
+    return against_every_plan(plan, costs, {}, device_order, started=started, deadline=float("inf"))
 
 
 def _search_orders(costs: CostModel, started: float) -> Plan:

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,10 +39,46 @@ from partitioner.cluster import reorder
 from partitioner.cost import CostModel
 from partitioner.graph import colocation_groups
 from partitioner.plan import Plan
-from partitioner.score import score_assignment, shorter_step, smaller_bottleneck
+from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
 from partitioner.search.order import _devices, _label_sequences, device_classes
+from partitioner.verdict import TOLERANCE, on_bottleneck
 
 MAX_PLANS = 2_000  # placements x pipelines enumerated at most: about a second of scoring on 10-node graphs
+# Graphs of up to this many nodes are judged against every legal plan where those are few (MAX_PLANS):
+# scoring a plan of 24 nodes takes about a millisecond.
+MAX_ENUMERATED_NODES = 24
+
+
+def against_every_plan(
+    plan: Plan, costs: CostModel, pins: Mapping[str, str], device_order: str, *, started: float, deadline: float
+) -> Plan:
+    """``plan`` judged against the best of every legal plan (partitioner.search.exhaustive), a bound that
+    knows which splits fit in memory, where the graph has at most MAX_ENUMERATED_NODES nodes and the legal
+    plans are few: "optimal" with gap 0 where it is that best. Where the enumeration found a better plan
+    (shorter step, or smaller bottleneck, as ``plan`` was chosen by), that plan is returned instead,
+    optimal: the search's plan is not the best a user can have. ``plan`` unchanged where they are not
+    enumerated. Used by :func:`partitioner.solve` and :func:`partitioner.exact_chain`.
+    """
+    if len(costs.order) > MAX_ENUMERATED_NODES or not plan.fits_memory:
+        return plan
+    objective = plan.objective
+    best = least_plan(costs, pins, objective=objective, device_order=device_order, deadline=deadline)
+    if best is None:
+        return plan
+    proven, searched = plan.status == "optimal", plan.status != "heuristic"
+
+    def value(p: Plan) -> float:
+        return p.step_time_s if objective == "step" else p.bottleneck_s
+
+    if value(best) < value(plan) * (1 - TOLERANCE):  # strictly better on what it was chosen by
+        # the search's bound on the bottleneck holds for every plan, this one too
+        replaced = dataclasses.replace(best, method=f"{best.method} (better than {plan.method})")
+        plan, proven = dataclasses.replace(replaced, lower_bound_s=plan.lower_bound_s), True
+    plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - started)
+    if objective == "step":  # the least step of every legal plan bounds the step of any
+        return with_step_bound(plan, costs, proven_s=best.step_time_s, proven_optimal=proven)
+    bound = max(plan.lower_bound_s or 0.0, best.bottleneck_s)  # the least bottleneck of every legal plan
+    return on_bottleneck(plan, bound, proven=proven, searched=searched)
 
 
 def least_plan(

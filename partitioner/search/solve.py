@@ -27,7 +27,7 @@ from partitioner.score import score_assignment, shorter_step, smaller_bottleneck
 from partitioner.search.baselines import check_stage_count
 from partitioner.search.chain import exact_chain_for
 from partitioner.search.cpsat import add_hint, build_model, cp_model, decode, solve_model
-from partitioner.search.exhaustive import least_plan
+from partitioner.search.exhaustive import against_every_plan
 from partitioner.search.multilevel import coarse_chain_plan, solve_coarsened
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import (
@@ -53,10 +53,6 @@ AUTO_COARSEN_CHAIN = 8_000
 REFINED_STARTS = 8
 MULTI_START_NODES = 64
 
-
-# Graphs of up to this many nodes are judged against every legal plan where those are few
-# (partitioner.search.exhaustive.MAX_PLANS): scoring a plan of 24 nodes takes about a millisecond.
-MAX_ENUMERATED_NODES = 24
 
 # On clusters of up to this many devices the order search tries every distinct pipeline order (3! = 6 at most).
 EVERY_ORDER_UP_TO = 3
@@ -158,7 +154,8 @@ def solve_problem(
     check_stage_count(costs)
     pins = _check_pins(pins, costs)
     plan = _search(costs, pins, options, started=started, time_limit_s=float(time_limit_s))
-    return _against_every_plan(plan, costs, pins, options, started=started, deadline=started + float(time_limit_s))
+    deadline = started + float(time_limit_s)
+    return against_every_plan(plan, costs, pins, options.device_order, started=started, deadline=deadline)
 
 
 def _search(
@@ -212,37 +209,6 @@ def _search(
     if not coarsen:
         plan = _refined(plan, costs, pins, options, called, deadline=called + call_limit_s)
     return with_step_bound(plan, costs)  # chosen by its step: status and gap against the bound on the step
-
-
-def _against_every_plan(
-    plan: Plan, costs: CostModel, pins: Mapping[str, str], options: SolverOptions, *, started: float, deadline: float
-) -> Plan:
-    """``plan`` judged against the best of every legal plan (partitioner.search.exhaustive), a bound that
-    knows which splits fit in memory, where the graph has at most MAX_ENUMERATED_NODES nodes and the legal
-    plans are few: "optimal" with gap 0 where it is that best. Where the enumeration found a better plan
-    (shorter step, or smaller bottleneck, as ``plan`` was chosen by), that plan is returned instead,
-    optimal: the search's plan is not the best a user can have. ``plan`` unchanged where they are not
-    enumerated.
-    """
-    if len(costs.order) > MAX_ENUMERATED_NODES or not plan.fits_memory:
-        return plan
-    objective = plan.objective
-    best = least_plan(costs, pins, objective=objective, device_order=options.device_order, deadline=deadline)
-    if best is None:
-        return plan
-    proven, searched = plan.status == "optimal", plan.status != "heuristic"
-    def value(p: Plan) -> float:
-        return p.step_time_s if objective == "step" else p.bottleneck_s
-
-    if value(best) < value(plan) * (1 - TOLERANCE):  # strictly better on what it was chosen by
-        # the search's bound on the bottleneck holds for every plan, this one too
-        replaced = dataclasses.replace(best, method=f"{best.method} (better than {plan.method})")
-        plan, proven = dataclasses.replace(replaced, lower_bound_s=plan.lower_bound_s), True
-    plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - started)
-    if objective == "step":  # the least step of every legal plan bounds the step of any
-        return with_step_bound(plan, costs, proven_s=best.step_time_s, proven_optimal=proven)
-    bound = max(plan.lower_bound_s or 0.0, best.bottleneck_s)  # the least bottleneck of every legal plan
-    return on_bottleneck(plan, bound, proven=proven, searched=searched)
 
 
 def _refined(

@@ -45,11 +45,12 @@ def test_costmodel_memory_by_hand():
     costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20), G1: 300 * 5 + 4 * 30}
+    # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (4 + 1) * 30}
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}
+    assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}  # M = 1: no loop, no gradients' copy
 
 
 def test_costmodel_gradient_sums_need_a_second_copy_only_with_microbatches():
@@ -70,10 +71,11 @@ def _abc_with_boundary() -> nx.DiGraph:
 @pytest.mark.parametrize(
     ("schedule", "expected"),
     [
-        # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations
-        # G1: weights 300 x 5 + the collected outputs 4 x 50 + stacked after the loop 4 x 50 + 4 x 30 in flight
-        ("gpipe", {G0: 1500 + 4000 + 4 * 30, G1: 1500 + 200 + 200 + 4 * 30}),
-        ("1f1b", {G0: 1500 + 4000 + 2 * 30, G1: 1500 + 200 + 200 + 1 * 30}),
+        # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
+        # gradients in a backward; G1: weights 300 x 5 + the collected outputs 4 x 50 + stacked after the
+        # loop 4 x 50 + 4 x 30 in flight + 30
+        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 200 + 5 * 30}),
+        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 200 + 2 * 30}),
     ],
 )
 def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule, expected):
@@ -87,7 +89,7 @@ def test_costmodel_node_memory_carries_the_step_terms():
     # what the planners budget per node is what evaluate sums per stage
     costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     node = costs.node_memory_bytes("kept", 4)
-    assert node == {"l0": 100 * 3 + 4000 + 4 * 10, "l1": 200 * 3 + 4 * 20, "l2": 300 * 3 + 400 + 4 * 30}
+    assert node == {"l0": 100 * 3 + 4000 + 5 * 10, "l1": 200 * 3 + 5 * 20, "l2": 300 * 3 + 400 + 5 * 30}
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: node["l2"]}
 
@@ -100,7 +102,7 @@ def test_costmodel_input_held_where_its_node_is():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G1, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 100 * 3 + 4 * 10, G1: 500 * 3 + 4000 + 400 + 4 * 50}
+    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 400 + 5 * 50}
 
 
 def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
@@ -111,7 +113,7 @@ def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 56 + 4 * 30, G1: 300 * 3 + 400 + 56 + 4 * 30}
+    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 56 + 5 * 30, G1: 300 * 3 + 400 + 56 + 5 * 30}
 
 
 def test_costmodel_one_stage_holds_batch_and_outputs_and_stacks_none_at_one_microbatch():
@@ -128,7 +130,7 @@ def test_costmodel_graph_without_boundary_bytes_prices_none():
     graph.graph.update(model_input_bytes=1000, model_output_bytes=50)
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
-    assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {G0: 300 * 3 + 4 * 30, G1: 300 * 3 + 4 * 30}
+    assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {G0: 300 * 3 + 5 * 30, G1: 300 * 3 + 5 * 30}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

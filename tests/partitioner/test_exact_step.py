@@ -264,3 +264,24 @@ def test_local_searches_side_by_side_take_the_paths_they_take_alone(schedule):
     together = _local_search(tables, schedule, 4, starts)
     assert together == [_local_search(tables, schedule, 4, [start])[0] for start in starts]
     assert all(f.step < start.step for f, start in zip(together, starts, strict=True))  # every search moved
+
+
+def test_exact_chain_1f1b_takes_the_best_legal_plan_of_a_small_chain():
+    # Found by test_exact_chain_step_equals_brute_force: 1F1B's step search (threshold search and local
+    # moves, not exact) stopped at 0.0145 s with two stages, where fast, slow, fast devices step in 0.013 s.
+    # On a chain this small every legal plan is enumerated (partitioner.search.exhaustive), as solve does.
+    graph = chain(
+        [1e9, 1e9, 3e9, 1e9, 1e9, 2e9],
+        param_bytes=[0, 0, 0, 2 * KIB, 0, KIB],
+        activation_bytes=[0, KIB, 2 * KIB, 0, 0, 0],
+        edge_bytes=[0] * 5,
+    )
+    devices = [pt.Device("/GPU:0", memory=18 * KIB, flops_per_s=1e12)]
+    devices += [pt.Device(f"/GPU:{i}", memory=9 * KIB, flops_per_s=2e12) for i in (1, 2)]
+    cluster = pt.Cluster(devices, bandwidth=1e9)
+    plan = pt.exact_chain(graph, cluster, num_microbatches=3, schedule="1f1b")
+    best = min(every_plan(graph, cluster, num_microbatches=3, schedule="1f1b"))
+    assert plan.step_time_s == pytest.approx(best, rel=1e-12) and best == pytest.approx(0.013)
+    assert plan.num_stages == 3 and plan.stages[1] == "/GPU:0"  # the slow device in the middle
+    assert (plan.status, plan.method) == ("optimal", "every legal plan enumerated (better than exact_chain)")
+    pt.validate_plan(plan, graph, cluster)

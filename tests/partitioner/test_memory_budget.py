@@ -76,15 +76,15 @@ def test_exact_chain_1f1b_tight_memory_equals_brute_force(problem):
 
 
 def test_exact_chain_1f1b_last_stage_holds_one_microbatch():
-    # l1's activations (10 KiB) fit a 14 KiB device only on the last stage, which holds 1 micro-batch
-    # under 1F1B; l0 holds 2 x 5 KiB on the first; one stage would hold 15 KiB. Budgeting both stages
-    # for the fullest (2 micro-batches) fits nothing.
+    # l1's activations (10 KiB, and 10 KiB of their gradients in a backward) fit a 20 KiB device only on
+    # the last stage, which holds 1 micro-batch under 1F1B; l0 holds 2 x 5 + 5 KiB on the first; one stage
+    # would hold 30 KiB. Budgeting both stages for the fullest (2 micro-batches) fits nothing.
     graph = chain([1e12, 1e12], activation_bytes=[5 * KIB, 10 * KIB])
-    cluster = pt.Cluster.uniform(2, memory=14 * KIB, flops_per_s=1e12)
+    cluster = pt.Cluster.uniform(2, memory=20 * KIB, flops_per_s=1e12)
     assert fullest_budget_bottleneck(graph, cluster, 2) is None
     plan = pt.exact_chain(graph, cluster, num_microbatches=2, schedule="1f1b")
     assert plan.assignment == {"l0": "/GPU:0", "l1": "/GPU:1"}
-    assert plan.memory_bytes == {"/GPU:0": 10 * KIB, "/GPU:1": 10 * KIB}
+    assert plan.memory_bytes == {"/GPU:0": 15 * KIB, "/GPU:1": 20 * KIB}
     pt.validate_plan(plan, graph, cluster)
     with pytest.raises(pt.InfeasiblePlanError):  # GPipe holds 2 micro-batches on every stage
         pt.exact_chain(graph, cluster, num_microbatches=2)
@@ -92,16 +92,17 @@ def test_exact_chain_1f1b_last_stage_holds_one_microbatch():
 
 def test_exact_chain_1f1b_counts_stages_to_the_end_not_devices():
     # Three devices, two used: the first used stage holds min(2, M) = 2, not min(3, M) = 3. Devices 0 and
-    # 2 hold 13 KiB, device 1 only 1 KiB; l0 needs 3 x 6 KiB = 18 KiB at 3 in flight, 12 KiB at 2, and
-    # l2's 8 KiB fit only on device 2 (one stage of all three layers would hold 14 KiB).
+    # 2 hold 19 KiB, device 1 only 1 KiB; l0 needs (3 + 1) x 6 KiB = 24 KiB at 3 in flight (one more for
+    # the gradients in a backward), 18 KiB at 2, and l2's 8 + 8 KiB fit only on device 2 (one stage of all
+    # three layers would hold 28 KiB).
     graph = chain([1e12] * 3, activation_bytes=[6 * KIB, 0, 8 * KIB])
     cluster = pt.Cluster(
-        [pt.Device(f"/GPU:{i}", memory=kib * KIB, flops_per_s=1e12) for i, kib in enumerate([13, 1, 13])]
+        [pt.Device(f"/GPU:{i}", memory=kib * KIB, flops_per_s=1e12) for i, kib in enumerate([19, 1, 19])]
     )
     plan = pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b", device_order="given")
     assert plan.stages == ("/GPU:0", "/GPU:2")
-    assert plan.memory_bytes["/GPU:0"] == 12 * KIB and plan.memory_bytes["/GPU:2"] == 8 * KIB
-    assert fullest_budget_bottleneck(graph, cluster, 4) is None  # 3 x 6 KiB > 13 KiB
+    assert plan.memory_bytes["/GPU:0"] == 18 * KIB and plan.memory_bytes["/GPU:2"] == 16 * KIB
+    assert fullest_budget_bottleneck(graph, cluster, 4) is None  # (4 + 1) x 6 KiB > 19 KiB
 
 
 def test_device_in_flight_never_below_what_a_stage_holds():
@@ -134,10 +135,11 @@ def _skip_dag() -> nx.DiGraph:
 
 
 def test_solve_dag_1f1b_fits_only_with_the_per_position_budget():
-    # c (10 KiB) fits a 15 KiB device only on the last stage (1 micro-batch in flight), a and b (3 + 3 KiB)
-    # twice over on the first: the fullest stage's budget, 2 micro-batches everywhere, fits nothing.
+    # c (10 KiB, and 10 KiB of gradients in a backward) fits a 20 KiB device only on the last stage (1
+    # micro-batch in flight), a and b (3 + 3 KiB) twice over and once more on the first: the fullest stage's
+    # budget, 2 micro-batches everywhere, fits nothing.
     graph = _skip_dag()
-    cluster = pt.Cluster.uniform(2, memory=15 * KIB, flops_per_s=1e12)
+    cluster = pt.Cluster.uniform(2, memory=20 * KIB, flops_per_s=1e12)
     assert fullest_budget_bottleneck(graph, cluster, 2) is None
     assert CostModel(graph, cluster, num_microbatches=2, schedule="1f1b").device_in_flight == [2, 1]
     for options in (pt.SolverOptions(), pt.SolverOptions(shortest_step=False, device_order="given")):
@@ -175,12 +177,13 @@ def test_solve_dag_1f1b_plans_fit_as_evaluate_charges(m, memory_kib, num_devices
 
 
 def test_infeasible_1f1b_message_states_the_per_stage_rule():
-    # One layer of 10 KiB activations on 8 KiB devices: too large even on the last stage (1 in flight).
+    # One layer of 10 KiB activations on 8 KiB devices: too large even on the last stage (1 in flight, and
+    # its gradients in a backward).
     graph = chain([1e12, 1e12], activation_bytes=[KIB, 10 * KIB])
     cluster = pt.Cluster.uniform(2, memory=8 * KIB, flops_per_s=1e12)
     with pytest.raises(
         pt.InfeasiblePlanError,
-        match=r"layer 'l1' alone needs 10.0 KiB .*activations of 1 micro-batch\(es\) in flight under 1f1b "
+        match=r"layer 'l1' alone needs 20.0 KiB .*activations of 1 micro-batch\(es\) in flight under 1f1b "
         r"\(the fewest a stage holds: stage s of K holds min\(K - s, M\), M = 4, so 1 on the last stage\)",
     ):
         pt.exact_chain(graph, cluster, num_microbatches=4, schedule="1f1b")
@@ -227,8 +230,9 @@ def test_solve_budgets_the_inputs_and_the_collected_outputs(output_bytes, cut):
     plan = pt.solve(graph, cluster, num_microbatches=4, optimizer_slots=0, time_limit_s=5)
     pt.validate_plan(plan, graph, cluster)
     assert plan.assignment == {f"layer_{i}": cluster.names[int(i >= cut)] for i in range(6)}
-    # the last stage: weights and gradient sums 3 x 80 MB each, 4 in flight x 1 MB, the outputs 2 x 4 x out
-    assert plan.memory_bytes[cluster.names[1]] == (6 - cut) * (240_000_000 + 4 * 10**6) + 8 * output_bytes
+    # the last stage: weights and gradient sums 3 x 80 MB each, 4 in flight x 1 MB and 1 MB of gradients in a
+    # backward, the outputs 2 x 4 x out
+    assert plan.memory_bytes[cluster.names[1]] == (6 - cut) * (240_000_000 + 5 * 10**6) + 8 * output_bytes
     costs = CostModel(graph, cluster, num_microbatches=4, optimizer_slots=0)
     best = brute_force(graph, cluster, num_microbatches=4, optimizer_slots=0)
     assert costs.evaluate(plan.assignment).bottleneck_s == best

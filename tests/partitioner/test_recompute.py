@@ -52,6 +52,11 @@ def test_mode_cost_by_hand():
     assert again == ModeCost(forward_s=1.0, backward_s=3.0, weight_bytes=7, held_bytes=8, once_bytes=80)
     assert again.compute_s == 4.0
     assert again.memory_bytes(4) == 7 + 4 * 8 + 80  # inputs x in flight + one micro-batch's activations
+    # in the runtime's loop (M > 1) a backward also holds one micro-batch's activation gradients
+    looped = mode_cost("kept", weight_bytes=7, activation_bytes=80, input_bytes=8, looped=True)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (80, 80, 7 + 5 * 80)
+    looped = mode_cost("recomputed", weight_bytes=7, activation_bytes=80, input_bytes=8, looped=True)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (8, 160, 7 + 4 * 8 + 2 * 80)
     with pytest.raises(InputError, match=r"mode must be one of \('kept', 'recomputed'\). Received: 'offloaded'"):
         mode_cost("offloaded")
 
@@ -66,13 +71,13 @@ def test_costmodel_recomputed_stages_by_hand():
     assert ev.compute_times[G0] == pytest.approx(1.0 + 2.0 + 1.0)
     assert ev.compute_times[G2] == pytest.approx(3.0)  # kept
     # weights * 5 (weights, gradient, the micro-batch's beside the sum, 2 Adam slots) + M * received bytes
-    # + one micro-batch's activations
-    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + (20_000 + 30_000)
-    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 10_000  # the first stage receives nothing
-    assert ev.memory_bytes[G2] == 400 * 5 + 4 * 40_000
+    # + one micro-batch's activations and, in the loop (M > 1), their gradients
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000)
+    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
+    assert ev.memory_bytes[G2] == 400 * 5 + (4 + 1) * 40_000  # kept: M in flight + the gradients
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
-    assert kept.memory_bytes[G1] == (200 + 300) * 5 + 4 * (20_000 + 30_000)
+    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000)
     assert kept.compute_times[G1] == pytest.approx(9.0)
 
 
@@ -80,14 +85,14 @@ def test_costmodel_recompute_under_1f1b_counts_each_stages_in_flight():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=8, schedule="1f1b", recompute="always")
     ev = costs.evaluate(SPLIT)
     assert ev.in_flight == {G0: 3, G1: 2, G2: 1}
-    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + (20_000 + 30_000)
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000)
 
 
 def test_costmodel_recompute_given_per_stage():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4)
     ev = costs.evaluate(SPLIT, recompute=(False, True, False))
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 10_000
+    assert ev.memory_bytes[G0] == 100 * 5 + (4 + 1) * 10_000
     with pytest.raises(PlanError, match=r"recompute has 2 entries but the placement has 3 stages"):
         costs.evaluate(SPLIT, recompute=(True, False))
     with pytest.raises(PlanError, match=r"the last stage is never recomputed"):
@@ -97,12 +102,12 @@ def test_costmodel_recompute_given_per_stage():
 
 
 def test_costmodel_auto_recomputes_exactly_the_stages_that_do_not_fit():
-    # Kept, G1 needs 2500 + 4 * 50,000 = 202,500 B; recomputed 2500 + 4000 + 50,000 = 56,500 B.
-    devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=100_000), pt.Device(G2, memory=10**6)]
+    # Kept, G1 needs 2500 + (4 + 1) * 50,000 = 252,500 B; recomputed 2500 + 4000 + 2 * 50,000 = 106,500 B.
+    devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=150_000), pt.Device(G2, memory=10**6)]
     costs = CostModel(_abcd(), pt.Cluster(devices, bandwidth=1e6), num_microbatches=4, recompute="auto")
     ev = costs.evaluate(SPLIT)
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G1] == 56_500 and costs.fits(ev)
+    assert ev.memory_bytes[G1] == 106_500 and costs.fits(ev)
     # The last stage stays kept even when it does not fit.
     tight_last = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=10**6), pt.Device(G2, memory=1000)]
     costs = CostModel(_abcd(), pt.Cluster(tight_last, bandwidth=1e6), num_microbatches=4, recompute="auto")
@@ -133,12 +138,12 @@ def test_simulated_recomputed_stage_by_hand(schedule):
         assert spans == pytest.approx([expected] * 4)
     held = sim.peak_in_flight[G1]
     assert held == (4 if schedule == "gpipe" else 2)
-    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + (20_000 + 30_000)
-    assert sim.peak_memory_bytes[G2] == 400 * 5 + sim.peak_in_flight[G2] * 40_000
+    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000)
+    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000
     # The same plan without recomputation: shorter, and it holds every activation.
     kept = pt.simulate(plan, graph, cluster, recompute="never")
     assert kept.step_time_s < sim.step_time_s
-    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + held * (20_000 + 30_000)
+    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000)
 
 
 def test_plan_step_time_is_the_recomputed_simulation():
@@ -185,7 +190,7 @@ def test_plan_json_with_bad_recompute_is_corrupt(recompute):
 
 def test_validate_plan_checks_recompute_and_memory_in_its_mode():
     graph = _abcd()
-    devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=100_000), pt.Device(G2, memory=10**6)]
+    devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=150_000), pt.Device(G2, memory=10**6)]
     cluster = pt.Cluster(devices, bandwidth=1e6)
     kept = score_assignment(SPLIT, CostModel(graph, cluster, num_microbatches=4), method="manual")
     with pytest.raises(PlanError, match=r"Device /GPU:1 needs .* or recompute='auto'"):
@@ -238,12 +243,13 @@ def test_baselines_take_the_recompute_policy(recompute):
     cluster = _tight(100_000)
     plan = pt.baselines.uniform(graph, _slow_cluster(4), num_microbatches=4, recompute=recompute)
     assert plan.recompute == ((True, True, True, False) if recompute == "always" else (False,) * 4)
-    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1000 + 8 * 20,000 B > 100,000 B on G1;
-    # recomputed 1000 + 8 * 1000 + 20,000 B (weights 200 B x 5: with its gradient, the sum's second copy, Adam).
+    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1000 + (8 + 1) * 20,000 B > 100,000 B on G1;
+    # recomputed 1000 + 8 * 1000 + 2 * 20,000 B (weights 200 B x 5: with its gradient, the sum's second
+    # copy, Adam; one micro-batch's activations and, in the loop, their gradients).
     plan = pt.baselines.by_time(graph, cluster, num_microbatches=8, recompute=recompute)
     assert plan.assignment == {"l0": G0, "l1": G1, "l2": G2, "l3": G2}
     assert plan.recompute == ((True, True, False) if recompute == "always" else (False, True, False))
-    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 20_000
+    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 2 * 20_000
 
 
 def _recompute_problem(draw: st.DrawFn, *, dag: bool):

@@ -299,8 +299,9 @@ def test_1f1b_memory_is_each_stages_own_and_at_most_gpipes(num_stages, num_micro
     weights = KIB * (3 + gpipe.optimizer_slots)  # weights, gradient and its micro-batch's beside the sum (M > 1), slots
     for s, device in enumerate(gpipe.stages):
         held = min(num_stages - s, num_microbatches)
-        assert one_f_one_b.memory_bytes[device] == weights + held * 64 * KIB
-        assert gpipe.memory_bytes[device] == weights + num_microbatches * 64 * KIB
+        # the micro-batches held, and one micro-batch's activation gradients while a backward runs (M > 1)
+        assert one_f_one_b.memory_bytes[device] == weights + (held + 1) * 64 * KIB
+        assert gpipe.memory_bytes[device] == weights + (num_microbatches + 1) * 64 * KIB
         assert one_f_one_b.memory_bytes[device] <= gpipe.memory_bytes[device]
     sim = pt.simulate(one_f_one_b, graph, cluster)  # the plan's own schedule
     assert sim.schedule == "1f1b"
@@ -314,13 +315,13 @@ def test_cost_model_budgets_the_fullest_stage_and_evaluates_each_stage():
     assert CostModel(graph, cluster, num_microbatches=8).max_in_flight == 8
     one_f_one_b = CostModel(graph, cluster, num_microbatches=8, schedule="1f1b")
     assert one_f_one_b.max_in_flight == 4  # min(number of devices, M): what the planners budget per node
-    assert one_f_one_b.memory["l0"] == 4 * KIB
+    assert one_f_one_b.memory["l0"] == (4 + 1) * KIB  # 4 held, and the gradients of one in a backward
     # Three used devices: stage s holds min(3 - s, 8); the unused device holds nothing.
     ev = one_f_one_b.evaluate(
         {"l0": "/GPU:0", "l1": "/GPU:0", "l2": "/GPU:1", "l3": "/GPU:3", "l4": "/GPU:3", "l5": "/GPU:3"}
     )
     assert ev.in_flight == {"/GPU:0": 3, "/GPU:1": 2, "/GPU:2": 0, "/GPU:3": 1}
-    assert ev.memory_bytes == {"/GPU:0": 6 * KIB, "/GPU:1": 2 * KIB, "/GPU:2": 0, "/GPU:3": 3 * KIB}
+    assert ev.memory_bytes == {"/GPU:0": (6 + 2) * KIB, "/GPU:1": (2 + 1) * KIB, "/GPU:2": 0, "/GPU:3": (3 + 3) * KIB}
     assert in_flight("1f1b", 3, 8, 0) == 3 and in_flight("gpipe", 3, 8, 2) == 8
     with pytest.raises(InputError, match=r"schedule must be one of \('gpipe', '1f1b'\). Received: 'zb'"):
         CostModel(graph, cluster, schedule="zb")
@@ -328,7 +329,8 @@ def test_cost_model_budgets_the_fullest_stage_and_evaluates_each_stage():
 
 def test_1f1b_fits_where_gpipe_does_not():
     # Activations dominate: 4 layers of 8 KiB activations, M = 8, two devices of 80 KiB. GPipe holds
-    # 8 micro-batches (2 layers x 64 KiB = 128 KiB per device); 1F1B at most min(2, 8) = 2 (32 KiB).
+    # 8 micro-batches (2 layers x 64 KiB = 128 KiB per device); 1F1B at most min(2, 8) = 2 (32 KiB); each
+    # 16 KiB more for one micro-batch's activation gradients in a backward.
     graph = chain([1e12] * 4, param_bytes=[KIB] * 4, activation_bytes=[8 * KIB] * 4)
     cluster = pt.Cluster.uniform(2, memory=80 * KIB, flops_per_s=1e12)
     with pytest.raises(InfeasiblePlanError, match=r"activations of 8 micro-batch\(es\) in flight under gpipe.*1f1b"):
@@ -341,7 +343,7 @@ def test_1f1b_fits_where_gpipe_does_not():
         assert all(plan.memory_bytes[d] <= gpipe.memory_bytes[d] for d in plan.devices)
         assert not gpipe.fits_memory
         with pytest.raises(
-            pt.PlanError, match=r"needs 138.0 KiB but holds 80.0 KiB \(with 8 micro-batches in flight under gpipe"
+            pt.PlanError, match=r"needs 154.0 KiB but holds 80.0 KiB \(with 8 micro-batches in flight under gpipe"
         ):
             pt.validate_plan(gpipe, graph, cluster)
 

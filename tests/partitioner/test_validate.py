@@ -146,10 +146,10 @@ def test_validate_plan_check_memory_false_skips_only_memory():
 def test_validate_plan_memory_counts_the_plans_microbatches():
     graph = chain([1e9] * 2, activation_bytes=[100 * KIB] * 2)
     cluster = _cluster(2, memory="1MiB")
-    plan = pt.baselines.uniform(graph, cluster, num_microbatches=8)  # 800 KiB per device
+    plan = pt.baselines.uniform(graph, cluster, num_microbatches=8)  # 800 KiB per device + 100 in a backward
     pt.validate_plan(plan, graph, cluster)
-    more = dataclasses.replace(plan, num_microbatches=11)  # 1100 KiB: over
-    with pytest.raises(PlanError, match=r"needs 1.1 MiB but holds 1.0 MiB \(with 11 micro-batches in flight"):
+    more = dataclasses.replace(plan, num_microbatches=11)  # 1100 + 100 KiB: over
+    with pytest.raises(PlanError, match=r"needs 1.2 MiB but holds 1.0 MiB \(with 11 micro-batches in flight"):
         pt.validate_plan(more, graph, cluster)
 
 
