@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 from runtime.devices import make_virtual_devices, resolve_devices
+from runtime.memory import StepMemory, step_memory
 from runtime.pipeline import PipelinedModel
 from runtime.placement import executed_placement, placement_report, synthetic_batch
 from runtime.workers import Worker, current_worker, start_worker
@@ -18,6 +19,7 @@ from runtime.wrap import plan_and_wrap, wrap
 
 __all__ = [
     "PipelinedModel",
+    "StepMemory",
     "Worker",
     "current_worker",
     "executed_placement",
@@ -26,6 +28,7 @@ __all__ = [
     "plan_and_wrap",
     "resolve_devices",
     "start_worker",
+    "step_memory",
     "synthetic_batch",
     "wrap",
 ]
