@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# `make bench` runs every benchmark in quick mode (about 15 minutes on 2 cores) and rewrites their tables;
+# `make bench` runs every benchmark in quick mode (about 20 minutes on 2 cores) and rewrites their tables;
 # `make bench FULL=1` runs the long sweeps. Each benchmarks/*/README.md says what it measures.
 BENCH_MODE := $(if $(FULL),--full,--quick)
 
