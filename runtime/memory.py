@@ -38,6 +38,7 @@ before TensorFlow starts, so in a child process, and without the function runs.)
 from __future__ import annotations
 
 import glob
+import os
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -147,8 +148,10 @@ def _from_records(model: Any, x: Any, y: Any, sample_weight: Any) -> StepMemory:
     import tensorflow as tf
 
     # TensorFlow's default CPU allocator keeps no statistics: it reports 0 bytes in use (its BFC allocator,
-    # chosen by TF_CPU_ALLOCATOR_USE_BFC before TensorFlow starts, keeps them, as a GPU's does)
-    if tf.config.experimental.get_memory_info("CPU:0")["current"] == 0:
+    # chosen by TF_CPU_ALLOCATOR_USE_BFC before TensorFlow starts, keeps them, as a GPU's does). The
+    # variable decides: once a profiler has run in the process the default allocator may report bytes too
+    chosen = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true")
+    if not chosen or tf.config.experimental.get_memory_info("CPU:0")["current"] == 0:
         raise InputError(
             "TensorFlow's CPU allocator keeps no statistics (it reports 0 bytes in use), so the step's memory "
             "cannot be measured. Set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow starts "
