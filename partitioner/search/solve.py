@@ -34,6 +34,7 @@ from partitioner.search.order import (
     by_speed,
     candidate_orders,
     check_device_order,
+    device_classes,
     fast_island,
     fastest_on_heaviest,
     signature,
@@ -387,7 +388,9 @@ def _search_orders(
     best = dataclasses.replace(best, solve_time_s=time.perf_counter() - started)
     if options.shortest_step:
         return best
-    every_order = len(costs.devices) <= EVERY_ORDER_UP_TO  # _candidate_orders then lists every distinct order
+    # _candidate_orders lists every distinct order on up to EVERY_ORDER_UP_TO devices, and on interchangeable
+    # devices (one class: every order has one signature) the one order it solves is every order
+    every_order = len(costs.devices) <= EVERY_ORDER_UP_TO or len(device_classes(costs.cluster)) == 1
     return _verdict_over_orders(best, bounds, costs, every_order=every_order)
 
 
