@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import ClusterError, InfeasiblePlanError, InputError
-from partitioner.units import parse_bytes, parse_rate
+from partitioner.units import format_bytes, parse_bytes, parse_rate
 
 CLUSTER_SCHEMA_VERSION = 1
 DEFAULT_FLOPS_PER_S = 100e12  # a mid-range accelerator
@@ -207,6 +207,9 @@ class Cluster:
     name: str = "cluster"
     _index: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
     memory_headroom: float = field(default=0.0, compare=False)  # set by with_headroom: the share left free
+    # set by with_reserved: (device name, bytes) held outside the plan on that device, and what holds them
+    memory_reserved: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    reserved_for: str = field(default="", compare=False)
 
     def __init__(
         self,
@@ -338,33 +341,65 @@ class Cluster:
             )
         if fraction == 0:
             return self
+        cut = self._with_memory([int(d.memory_bytes * (1.0 - fraction)) for d in self.devices])
+        object.__setattr__(cut, "memory_headroom", 1.0 - (1.0 - self.memory_headroom) * (1.0 - fraction))
+        return cut
+
+    def with_reserved(self, reserved: Mapping[str, int], reason: str) -> Cluster:
+        """This cluster with each device named in ``reserved`` holding that many bytes less (at least 1 byte
+        is left, so a plan that needs it is refused by the planner with the figures): memory that something
+        outside the plan holds there, ``reason`` saying what (for errors, :meth:`headroom_note`).
+
+        Example:
+            >>> c = Cluster.uniform(2, memory="10GiB").with_reserved({"/GPU:0": 2**30}, "the model's weights")
+            >>> [d.memory_bytes / 2**30 for d in c.devices]
+            [9.0, 10.0]
+        """
+        held = [0] * self.num_devices
+        for name, num_bytes in reserved.items():
+            held[self.index(name)] += int(num_bytes)
+        if not any(held):
+            return self
+        cut = self._with_memory([max(d.memory_bytes - h, 1) for d, h in zip(self.devices, held, strict=True)])
+        object.__setattr__(cut, "memory_headroom", self.memory_headroom)
+        kept = dict(self.memory_reserved)
+        for d, h in zip(self.devices, held, strict=True):
+            if h:
+                kept[d.name] = kept.get(d.name, 0) + h
+        object.__setattr__(cut, "memory_reserved", tuple(kept.items()))
+        object.__setattr__(cut, "reserved_for", reason)
+        return cut
+
+    def _with_memory(self, memory_bytes: Sequence[int]) -> Cluster:
+        """This cluster with the devices' memory replaced, all else kept (names, speeds, links)."""
         devices = [
             Device(
                 d.name,
-                memory_bytes=int(d.memory_bytes * (1.0 - fraction)),
+                memory_bytes=m,
                 flops_per_s=d.flops_per_s,
                 hardware=d.hardware,
                 peak_flops_per_s=dict(d.peak_flops_per_s),
                 efficiency=d.efficiency,
                 action_overhead_s=d.action_overhead_s,
             )
-            for d in self.devices
+            for d, m in zip(self.devices, memory_bytes, strict=True)
         ]
-        rows = [list(row) for row in self.bandwidth_bytes_per_s]
-        cut = Cluster(devices, bandwidth=rows, name=self.name)
-        object.__setattr__(cut, "memory_headroom", 1.0 - (1.0 - self.memory_headroom) * (1.0 - fraction))
-        return cut
+        return Cluster(devices, bandwidth=[list(row) for row in self.bandwidth_bytes_per_s], name=self.name)
 
     def headroom_note(self, error: InfeasiblePlanError) -> InfeasiblePlanError:
         """``error`` with a sentence saying the capacities in it leave this cluster's headroom free
         (unchanged for a cluster without headroom)."""
-        if self.memory_headroom == 0:
-            return error
-        return type(error)(
-            f"{error} Those capacities leave {self.memory_headroom:.0%} of each device's memory free (memory "
-            f"headroom {self.memory_headroom:g}, for what the planner does not price); a smaller headroom gives "
-            "the plan more."
-        )
+        notes = []
+        if self.memory_reserved:
+            held = ", ".join(f"{format_bytes(n)} on {name}" for name, n in self.memory_reserved)
+            notes.append(f"Those capacities leave out {held}: {self.reserved_for}.")
+        if self.memory_headroom:
+            notes.append(
+                f"Those capacities leave {self.memory_headroom:.0%} of each device's memory free (memory "
+                f"headroom {self.memory_headroom:g}, for what the planner does not price); a smaller headroom "
+                "gives the plan more."
+            )
+        return type(error)(" ".join([str(error), *notes])) if notes else error
 
     @classmethod
     def uniform(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import tensorflow as tf
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError, TimingError
@@ -143,6 +146,11 @@ def plan_and_wrap(
         batch_norm=batch_norm,
     )
     cluster = resolve_devices(devices, memory=memory).with_headroom(memory_headroom)
+    # the model being wrapped keeps its weights where it was built (the PipelinedModel keeps it, and so
+    # does the user): on a device of the plan (GPU:0 by default) they are memory the stages cannot have
+    cluster = cluster.with_reserved(
+        _weights_on(model, cluster), "the weights of the model being wrapped, which stay where it was built"
+    )
     # auto M on devices calibrated here: the layers timed where they run, their fixed part too (each M is
     # priced by rescaling); a worker of several does not time (the replicas must agree on one plan)
     timed = num_microbatches == AUTO and not isinstance(devices, Cluster) and current_worker() is None
@@ -311,3 +319,14 @@ def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:
     compile_like(model, wrapped, pairs)
     join_replicas(wrapped, options.num_replicas)
     return wrapped
+
+
+def _weights_on(model: Any, cluster: Cluster) -> dict[str, int]:
+    """{device of ``cluster``: bytes of ``model``'s weights held there} (weights elsewhere: not counted)."""
+    held: dict[str, int] = {}
+    names = {canonical(name) for name in cluster.names}
+    for weight in model.weights:
+        device = canonical(getattr(getattr(weight, "value", weight), "device", "") or "")
+        if device in names:
+            held[device] = held.get(device, 0) + math.prod(weight.shape) * tf.as_dtype(weight.dtype).size
+    return held

@@ -5,11 +5,13 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from zoo import ZOO
 
 import partitioner as pt
 from profiles import profile_model
 from runtime import PipelinedModel, placement_report, plan_and_wrap, wrap
+from runtime.devices import canonical
 
 
 def _model_and_data(name: str = "mlp", batch: int = 32):
@@ -321,12 +323,30 @@ def test_memory_headroom_reaches_the_plan(virtual_devices) -> None:
     """By default plan_and_wrap plans into 90% of each device, with memory_headroom=0.25 into three
     quarters; a share outside [0, 1) is refused before profiling."""
     model, _, _, _ = _model_and_data()
+    weights = sum(int(w.value.numpy().nbytes) for w in model.weights)  # on the default device, CPU:0
     wrapped = plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB")
-    assert set(wrapped.plan.capacity_bytes.values()) == {int(0.9 * 4 * 2**30)}
+    assert sorted(wrapped.plan.capacity_bytes.values()) == [int(0.9 * 4 * 2**30) - weights, int(0.9 * 4 * 2**30)]
     wrapped = plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB", memory_headroom=0.25)
-    assert set(wrapped.plan.capacity_bytes.values()) == {3 * 2**30}
+    assert sorted(wrapped.plan.capacity_bytes.values()) == [3 * 2**30 - weights, 3 * 2**30]
     with pytest.raises(pt.ClusterError, match=r"memory headroom is the share .* in \[0, 1\), e.g. 0.1. Received: 1.5"):
         plan_and_wrap(model, devices=2, batch_size=16, memory="4GiB", memory_headroom=1.5)
+
+
+def test_the_wrapped_models_weights_are_memory_the_stages_cannot_have(virtual_devices) -> None:
+    """The model being wrapped keeps its weights where it was built (the PipelinedModel keeps it, the user
+    too): on a device of the plan they are left out of what the stages may fill, and an error says so."""
+    with tf.device(virtual_devices[1]):
+        model = _mlp(64, 4)
+    weights = sum(int(w.value.numpy().nbytes) for w in model.weights)
+    wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=32, memory="1MiB", memory_headroom=0)
+    assert wrapped.plan.capacity_bytes == {
+        canonical(virtual_devices[0]): 2**20,
+        canonical(virtual_devices[1]): 2**20 - weights,
+    }
+    with pytest.raises(
+        pt.InfeasiblePlanError, match=r"leave out [0-9.]+ KiB on /device:CPU:1: the weights of the model being wrapped"
+    ):
+        plan_and_wrap(model, devices=virtual_devices[1:2], batch_size=4096, memory="1MiB", memory_headroom=0)
 
 
 @pytest.mark.parametrize(
