@@ -250,6 +250,11 @@ def _itemsize(dtype: Any) -> int:
         return 0
 
 
+def weight_bytes(weight: Any) -> int:
+    """Bytes of one Keras weight: size * itemsize (0 for a dtype without a fixed size)."""
+    return math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+
+
 def _tensor_bytes(shape: Shape, dtype: Any, micro_batch: int, owner: str) -> int:
     return math.prod(_micro_shape(shape, micro_batch, owner)) * _itemsize(dtype)
 
@@ -344,7 +349,7 @@ class _CallProfiler:
         for weight in getattr(call.operation, "weights", []):
             if id(weight) not in counted:
                 counted.add(id(weight))
-                size = math.prod(int(d) for d in weight.shape) * _itemsize(weight.dtype)
+                size = weight_bytes(weight)
                 param_bytes += size
                 trainable_bytes += size if id(weight) in trainable_ids else 0
         specs = self._specs(call, self._micro_batch)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import tensorflow as tf
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError, TimingError
@@ -17,6 +14,7 @@ from partitioner.schedule import Schedule, schedule_for
 from partitioner.search.choose import AUTO, candidate_schedules, choose
 from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
+from profiles.profiler import weight_bytes
 from profiles.shapes import InputShapes
 from runtime.devices import canonical, resolve_devices
 from runtime.executor import ExecutionOptions
@@ -328,5 +326,5 @@ def _weights_on(model: Any, cluster: Cluster) -> dict[str, int]:
     for weight in model.weights:
         device = canonical(getattr(getattr(weight, "value", weight), "device", "") or "")
         if device in names:
-            held[device] = held.get(device, 0) + math.prod(weight.shape) * tf.as_dtype(weight.dtype).size
+            held[device] = held.get(device, 0) + weight_bytes(weight)
     return held
