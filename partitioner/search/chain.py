@@ -113,7 +113,6 @@ def exact_chain(
     Example:
         >>> plan = exact_chain(pt.chain_graph([1e9] * 8), pt.Cluster.uniform(4, memory="1GiB"))  # doctest: +SKIP
     """
-    started = time.perf_counter()
     costs = CostModel(
         graph,
         cluster,
@@ -123,11 +122,7 @@ def exact_chain(
         schedule=schedule,
         recompute=recompute,
     )
-    plan = exact_chain_for(costs, device_order=device_order, objective=objective)
-    # 1F1B's step search is not exact (local moves): on a small chain the best of every legal plan decides,
-    # as in solve (here, not in exact_chain_for, which solve's starts and coarsening call); MAX_PLANS bounds
-    # that work, so no deadline
-    return against_every_plan(plan, costs, {}, device_order, started=started, deadline=float("inf"))
+    return exact_chain_for(costs, device_order=device_order, objective=objective)
 
 
 def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective: str = "step") -> Plan:
@@ -162,15 +157,19 @@ def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective
         raise InputError("exact_chain does not handle shared layers (colocation groups); use partitioner.solve.")
     check_stage_count(costs)
     if objective == "step":
-        return _shortest_step(costs, device_order, started)
-    if device_order == "search":
-        return _search_orders(costs, started)
-    found = _solve_chain(costs)
-    if found is None:
-        raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
-    assignment, optimum = found
-    plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
-    return on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
+        plan = _shortest_step(costs, device_order, started)
+    elif device_order == "search":
+        plan = _search_orders(costs, started)
+    else:
+        found = _solve_chain(costs)
+        if found is None:
+            raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
+        assignment, optimum = found
+        plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
+        plan = on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
+    # 1F1B's step search is not exact (local moves): on a small chain the best of every legal plan decides;
+    # MAX_PLANS bounds that work, so no deadline
+    return against_every_plan(plan, costs, {}, device_order, started=started, deadline=float("inf"))
 
 
 def _search_orders(costs: CostModel, started: float) -> Plan:
