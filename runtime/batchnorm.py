@@ -90,7 +90,8 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
     Returns:
         (the normalised outputs, [mean, variance, number of values counted per channel]).
     """
-    x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+    # the statistics take no gradient of their own here: ``_normalized``'s closed form carries theirs
+    x = tf.stop_gradient(tf.cast(inputs, keras.backend.result_type(inputs.dtype, "float32")))
     axes = reduction_axes(layer)  # every axis but the layer's
     rank = len(x.shape)
     row_weights = tf.cast(tf.reshape(valid, tf.concat([tf.shape(valid), tf.ones([rank - 1], tf.int32)], 0)), x.dtype)
@@ -115,14 +116,78 @@ def normalize(layer: Any, inputs: tf.Tensor, valid: tf.Tensor) -> tuple[tf.Tenso
         total, count = row_sum(x), row_sum(tf.ones_like(x))
     n = tf.maximum(count, 1.0)  # a micro-batch of repeated rows only: zeros, not NaN
     mean = total / n  # kept dims: broadcasts over x on any axis
-    variance = row_sum(tf.square(x - tf.stop_gradient(mean))) / n
-    count, mean, variance = (tf.reshape(t, [-1]) for t in (count, mean, variance))  # one value per channel
-    gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
-    beta = tf.cast(layer.beta, x.dtype) if layer.center else None
-    outputs = keras.ops.batch_normalization(
-        x, mean=mean, variance=variance, axis=layer.axis, offset=beta, scale=gamma, epsilon=layer.epsilon
-    )
-    return tf.cast(outputs, layer.compute_dtype), [mean, variance, count]
+    variance = row_sum(tf.square(x - mean)) / n
+    gamma = tf.reshape(tf.cast(layer.gamma, x.dtype), tf.shape(mean)) if layer.scale else None
+    beta = tf.reshape(tf.cast(layer.beta, x.dtype), tf.shape(mean)) if layer.center else None
+    outputs = _normalized(inputs, gamma, beta, mean, variance, n, row_weights, axes, layer)
+    # one value per channel; a stop at the outputs too, else the function's gradient would read the
+    # moments' intermediates (x - mean, of x's size) and the forward would keep them for it
+    count, mean, variance = (tf.stop_gradient(tf.reshape(t, [-1])) for t in (count, mean, variance))
+    return outputs, [mean, variance, count]
+
+
+def _normalized(
+    inputs: tf.Tensor,
+    gamma: tf.Tensor | None,
+    beta: tf.Tensor | None,
+    mean: tf.Tensor,
+    variance: tf.Tensor,
+    n: tf.Tensor,
+    row_weights: tf.Tensor,
+    axes: list[int],
+    layer: Any,
+) -> tf.Tensor:
+    """``gamma * (x - mean) / sqrt(variance + epsilon) + beta`` of ``inputs`` (in float32 at least), with
+    the gradient of batch normalization in closed form: the gradient keeps only ``inputs`` and the
+    per-channel statistics, as Keras' layer does (the profiler's price for it), where TensorFlow's
+    autodiff of the same ops kept x - mean, the normalized tensor and the broadcasts (two to three
+    tensors of the input's size per micro-batch, traced in benchmarks/runtime's CNN).
+
+    ``mean`` and ``variance`` (kept dims) are the ``row_weights``-weighted moments of x over ``axes``,
+    ``n`` the weighted count; the gradient takes their dependence on x into account:
+
+        dx = gamma inv (dy - w sum(dy) / n - w (x - mean) inv^2 sum(dy (x - mean)) / n),
+
+    the sums over the layer's reduction axes, inv = 1 / sqrt(variance + epsilon), and w the row weights (0
+    on the repeated rows that pad a remainder batch, which the statistics leave out).
+    """
+    dtype = mean.dtype
+    epsilon = layer.epsilon
+    mean, variance = tf.stop_gradient(mean), tf.stop_gradient(variance)
+    inv = tf.math.rsqrt(variance + epsilon)
+    params = [p for p in (gamma, beta) if p is not None]
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
+    def forward(x_in: tf.Tensor, *weights: tf.Tensor) -> Any:
+        scale = inv * gamma_of(weights)
+        shift = beta_of(weights) - mean * scale
+        y = tf.cast(x_in, dtype) * scale + shift
+
+        def backward(dy: tf.Tensor) -> list[tf.Tensor]:
+            # per-channel sums first, then two passes of x's size: few temporaries of x's size at once
+            dy = tf.cast(dy, dtype)
+            centered = tf.cast(x_in, dtype) - mean
+            sum_dy = tf.reduce_sum(dy, axis=axes, keepdims=True)
+            sum_dy_centered = tf.reduce_sum(dy * centered, axis=axes, keepdims=True)
+            per_row_shift = row_weights * (scale * sum_dy / n)
+            per_row_slope = row_weights * (scale * inv * inv * sum_dy_centered / n)
+            dx = scale * dy - (centered * per_row_slope + per_row_shift)
+            grads = [tf.cast(dx, x_in.dtype)]
+            if gamma is not None:  # sum(dy * xhat) = inv * sum(dy * (x - mean))
+                grads.append(tf.reshape(inv * sum_dy_centered, tf.shape(gamma)))
+            if beta is not None:
+                grads.append(tf.reshape(sum_dy, tf.shape(beta)))
+            return grads
+
+        return tf.cast(y, layer.compute_dtype), backward
+
+    def gamma_of(weights: Sequence[tf.Tensor]) -> Any:
+        return weights[0] if gamma is not None else 1.0
+
+    def beta_of(weights: Sequence[tf.Tensor]) -> Any:
+        return weights[-1] if beta is not None else 0.0
+
+    return forward(inputs, *params)
 
 
 def combine(stats: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
