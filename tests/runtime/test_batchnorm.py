@@ -47,6 +47,7 @@ def _by_autodiff(layer: keras.layers.Layer, x: tf.Tensor, valid: tf.Tensor) -> t
         (-1, (6, 5, 4, 3), True, True, 2),  # a remainder batch's repeated rows, left out of the statistics
         (1, (6, 3, 4, 5), True, False, 1),  # channels first
         (-1, (7, 8), False, True, 3),
+        (-1, (7, 8), False, False, 1),  # no weights: the input's gradient alone
         (0, (5, 4, 3), True, True, 0),  # statistics over every axis but the batch's
     ],
 )
