@@ -166,7 +166,9 @@ def exact_chain_for(costs: CostModel, *, device_order: str = "search", objective
             raise explain_infeasible(costs, fits_with_recompute=_fits_with_recompute(costs))
         assignment, optimum = found
         plan = score_assignment(assignment, costs, method="exact_chain", solve_time_s=time.perf_counter() - started)
-        plan = on_bottleneck(plan, optimum, proven=True)  # the DP's least bottleneck in the cluster's order
+        # the DP's least bottleneck in the cluster's order, over every split that fits: proven, so not judged
+        # again (solve's starts and coarsening call this once per candidate order)
+        return on_bottleneck(plan, optimum, proven=True)
     # 1F1B's step search is not exact (local moves): on a small chain the best of every legal plan decides;
     # MAX_PLANS bounds that work, so no deadline
     return against_every_plan(plan, costs, {}, device_order, started=started, deadline=float("inf"))
