@@ -103,3 +103,25 @@ def test_gradient_keeps_only_the_input_and_per_channel_statistics() -> None:
     assert saved.inputs_read == (True,)
     channel_bytes = shape[-1] * 4
     assert saved.internal_bytes <= 8 * channel_bytes < np.prod(shape) * 4
+
+
+def test_stage_function_keeps_no_tensor_of_the_inputs_size_for_the_moments() -> None:
+    """A stage function returns the moments beside its outputs, and TensorFlow keeps for the function's
+    backward whatever the gradient of any of its outputs reads: the moments' own gradient would read
+    x - mean (of the input's size) unless they are returned behind a stop. What the function's forward
+    hands to its backward (TensorFlow's split of a function into the two, a private API, read on
+    TensorFlow 2.21): of the input's size only the input, its views and the ReLU's output."""
+    shape = (16, 8, 8, 4)
+    layer = _layer(-1, shape)
+    valid = tf.ones([shape[0]], tf.bool)
+
+    @tf.function
+    def stage(x: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        outputs, moments = normalize(layer, x, valid)
+        return tf.nn.relu(outputs), moments
+
+    forward, _ = stage.get_concrete_function(
+        tf.TensorSpec(shape, tf.float32)
+    )._delayed_rewrite_functions.forward_backward()
+    kept = {t.op.type for t in forward.graph.outputs if t.shape == shape}
+    assert kept <= {"Placeholder", "Identity", "IdentityN", "Relu"}, kept
