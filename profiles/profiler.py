@@ -14,8 +14,10 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     trainable_param_bytes  the part of param_bytes in the layer's trainable weights (0 for a frozen
                        layer, ``trainable=False``; a batch normalization's moving statistics are
                        never trainable): only these get gradients and optimizer slots.
-    activation_bytes   bytes kept for the backward pass, as TensorFlow keeps them: a forward
-                       tensor lives on only if a gradient op reads it. Each call (a layer with
+    activation_bytes   bytes kept for the backward pass, as TensorFlow keeps them in a function
+                       (the runtime's stages are functions): a forward tensor lives on if any
+                       gradient op TensorFlow builds reads it, one whose result no gradient
+                       uses too (a product's gradient for a constant factor). Each call (a layer with
                        or without sublayers, a Keras op) is traced with its gradient, which
                        gives the call's internal tensors the gradient reads (a view such as a
                        reshape counted as the tensor it views; weights and constants hold no
@@ -539,10 +541,14 @@ def _saved(
     cannot be differentiated (declared without being allocated, as in keras.StatelessScope; then every
     input counts as read, since the weights' gradient would read them). A tensor the gradient reads
     through views (a reshape, an identity) counts as the tensor it views: an input, an output, or one
-    of the call's internal tensors (weights and constants hold no activation). Only the ops that the
-    gradients depend on count, as TensorFlow prunes the rest. None where the reads cannot be sized (a
-    loop keeps its steps in TensorLists, a variant) or there is no gradient at all, and where the
-    traced outputs do not match the call's ``num_outputs``: the caller keeps the upper bound.
+    of the call's internal tensors (weights and constants hold no activation). The gradient is built
+    as TensorFlow builds a function's (``tf.gradients``: the runtime's stages are functions, whose
+    forward hands its backward every tensor a gradient op reads), and every gradient op counts, those
+    whose result no gradient uses too (a product's gradient for its constant factor reads the other
+    factor): TensorFlow decides what the forward keeps before it prunes them. An exact GELU keeps five
+    tensors of its output's size so, where the gradients depend on three. None where the reads cannot
+    be sized (a loop keeps its steps in TensorLists, a variant) or there is no gradient at all, and
+    where the traced outputs do not match the call's ``num_outputs``: the caller keeps the upper bound.
     """
     from profiles.flops import num_elements
 
@@ -557,14 +563,13 @@ def _saved(
     def forward_backward(weights: list[Any], *values: Any) -> Any:
         inputs, seed = values[: len(specs)], values[len(specs) :]
         sources = [v for v in inputs if v.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(sources)
-            results = tf.nest.flatten(forward(*inputs))
+        results = tf.nest.flatten(forward(*inputs))
         input_names.extend(v.name for v in inputs)
         output_names.extend(t.name for t in results)
         forward_ops.update(op.name for op in tf.compat.v1.get_default_graph().get_operations())
         ys = [t for t in results if t.dtype.is_floating]
-        return tape.gradient(ys, sources + weights, output_gradients=list(seed), unconnected_gradients="zero")
+        variables = [getattr(w, "value", w) for w in weights]  # a Keras variable's tf.Variable
+        return tf.gradients(ys, sources + variables, grad_ys=list(seed), unconnected_gradients="zero")
 
     graph = None
     inputs_only = False  # True when the weights' gradient could not be traced
@@ -585,7 +590,8 @@ def _saved(
     def base(tensor: Any) -> Any:
         """The tensor that ``tensor`` views (itself when it is no view)."""
         while tensor.op.type in _ALIAS_OPS and tensor.op.inputs:
-            tensor = tensor.op.inputs[0]
+            # IdentityN's k-th output is its k-th input (a custom gradient's outputs and inputs)
+            tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
         return tensor
 
     inputs = {name: position for position, name in enumerate(input_names)}
@@ -595,7 +601,9 @@ def _saved(
     inputs_read = [inputs_only and bool(weights)] * len(input_names)  # the weights' gradient would read them
     outputs_read = [False] * num_outputs
     internal: dict[str, int] = {}
-    for op in _gradient_ops(graph, forward_ops):
+    for op in graph.get_operations():
+        if op.name in forward_ops:
+            continue
         for tensor in op.inputs:
             viewed = base(tensor)
             if viewed.name in inputs:
@@ -608,22 +616,6 @@ def _saved(
                     return None  # a variant or resource
                 internal[viewed.name] = num_elements(viewed.shape) * viewed.dtype.size
     return _Saved(int(sum(internal.values())), tuple(outputs_read), tuple(inputs_read))
-
-
-def _gradient_ops(graph: Any, forward_ops: set[str]) -> list[Any]:
-    """The ops of ``graph`` made by the backward that its outputs (the gradients) depend on."""
-    seen: set[str] = set()
-    stack = [t.op for t in graph.outputs]
-    found = []
-    while stack:
-        op = stack.pop()
-        if op.name in seen or op.name in forward_ops:
-            continue
-        seen.add(op.name)
-        found.append(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
 
 
 def _op_output_bytes(op: Any) -> float:

@@ -328,14 +328,18 @@ def test_profile_model_charges_the_outputs_that_gradients_read():
 
 
 @pytest.mark.parametrize("trainable", [True, False])
-def test_profile_model_frozen_consumer_does_not_keep_its_input(trainable):
+def test_profile_model_frozen_consumer_keeps_its_input_at_a_function_boundary(trainable):
+    """The kernel's gradient reads linear's output. A frozen consumer's gradient is its input's alone, but
+    TensorFlow builds a matmul's gradient for both factors when it splits a function into forward and
+    backward (the runtime's stages are functions), and its forward keeps what either reads: linear's
+    output stays for the frozen kernel's gradient too (read from a stage function's split on TensorFlow
+    2.21: a frozen Dense after a linear one keeps the linear output)."""
     inputs = keras.Input((4,), name="x")
     h = layers.Dense(6, name="linear")(inputs)  # a Dense's gradient does not read its own output
     consumer = layers.Dense(3, name="consumer")
     consumer.trainable = trainable
     graph = _profile(keras.Model(inputs, consumer(h)), batch_size=2, num_microbatches=1)
-    # The kernel's gradient reads linear's output; a frozen layer's gradient (its input's) reads the kernel only.
-    assert graph.nodes["linear"]["activation_bytes"] == (2 * 6 * 4 if trainable else 0)
+    assert graph.nodes["linear"]["activation_bytes"] == 2 * 6 * 4
 
 
 def test_profile_model_unanalysed_consumer_keeps_its_inputs():
@@ -599,3 +603,47 @@ def test_forward_backward_seconds_leaves_out_the_call_from_python():
     with_call = forward_backward_seconds(tf.identity, spec, device="/CPU:0", repeats=21, exclude_call=False)
     without = forward_backward_seconds(tf.identity, spec, device="/CPU:0", repeats=21)
     assert 0 <= without < with_call
+
+
+def _kept_by_tensorflow(layer, shape) -> tuple[int, bool]:
+    """What TensorFlow's split of a function calling ``layer`` into forward and backward hands the backward
+    (a private API, read on TensorFlow 2.21): the bytes of the layer's own tensors (not its input, not its
+    weights), and whether its input is among them."""
+    tf = pytest.importorskip("tensorflow")
+    function = tf.function(lambda x: layer(x, training=True))
+    concrete = function.get_concrete_function(tf.TensorSpec(shape, "float32"))
+    forward, _ = concrete._delayed_rewrite_functions.forward_backward()
+    num_returns = len(tf.nest.flatten(concrete.structured_outputs))
+    own, input_kept = {}, False
+    for tensor in forward.graph.outputs[num_returns:]:
+        while tensor.op.type in ("Identity", "Reshape") and tensor.op.inputs:  # views
+            tensor = tensor.op.inputs[0]
+        if tensor.op.type == "Placeholder":
+            input_kept = True
+        elif tensor.op.type not in ("ReadVariableOp", "Const"):  # weights and constants hold no activation
+            own[tensor.name] = tensor.shape.num_elements() * tensor.dtype.size
+    return sum(own.values()), input_kept
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "shape"),
+    [
+        ("gelu", lambda: layers.Dense(16, activation="gelu"), (8, 4, 8)),  # five tensors, three read by the gradients
+        ("relu", lambda: layers.Dense(16, activation="relu"), (8, 4, 8)),
+        ("norm", lambda: layers.LayerNormalization(), (8, 4, 8)),
+        ("dropout", lambda: layers.Dropout(0.5), (8, 4, 8)),  # the input too, for the mask's (unused) gradient
+        ("softmax", lambda: layers.Softmax(), (8, 4, 8)),
+        ("conv", lambda: layers.Conv2D(4, 3, padding="same", activation="relu"), (8, 6, 6, 3)),
+    ],
+)
+def test_activation_bytes_are_what_a_functions_forward_keeps(name, make, shape):
+    """A node's activation bytes (its own tensors and outputs) and its input's charge are what TensorFlow's
+    forward keeps for the backward when the layer runs in a function, as the runtime's stages do."""
+    layer = make()
+    inputs = keras.Input(shape[1:], name="x")
+    source = layers.Identity(name="source")(inputs)  # a node for the input, charged if the layer reads it
+    model = keras.Model(inputs, layers.Identity(name="sink")(layer(source)))
+    graph = _profile(model, batch_size=shape[0], num_microbatches=1)
+    own, input_kept = _kept_by_tensorflow(layer, shape)
+    assert graph.nodes[layer.name]["activation_bytes"] == own
+    assert (graph.nodes["source"]["activation_bytes"] > 0) == input_kept
