@@ -389,12 +389,10 @@ def _search_orders(
     # _candidate_orders lists every distinct order on up to EVERY_ORDER_UP_TO devices, and on interchangeable
     # devices (one class: every order has one signature) the one order it solves is every order
     every_order = len(costs.devices) <= EVERY_ORDER_UP_TO or len(device_classes(costs.cluster)) == 1
-    if options.shortest_step:  # judged on its step after; its bound on the bottleneck must hold in every order
-        over_orders = least_bound(bounds) if every_order else None
-        return dataclasses.replace(
-            best, lower_bound_s=over_orders if over_orders is not None else costs.lower_bound_s()
-        )
-    return _verdict_over_orders(best, bounds, costs, every_order=every_order)
+    judged = _verdict_over_orders(best, bounds, costs, every_order=every_order)
+    if options.shortest_step:  # judged on its step after; its bound on the bottleneck, over orders, stays
+        return dataclasses.replace(best, lower_bound_s=judged.lower_bound_s)
+    return judged
 
 
 def _verdict_over_orders(best: Plan, bounds: Sequence[float | None], costs: CostModel, *, every_order: bool) -> Plan:
