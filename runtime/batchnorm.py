@@ -144,7 +144,8 @@ def _normalized(
     tensors of the input's size per micro-batch, traced in benchmarks/runtime's CNN).
 
     ``mean`` and ``variance`` (kept dims) are the ``row_weights``-weighted moments of x over ``axes``,
-    ``n`` the weighted count; the gradient takes their dependence on x into account:
+    ``n`` the weighted count, made from the stopped input (``normalize``), so no gradient of theirs is
+    built; the closed form takes their dependence on x into account:
 
         dx = gamma inv (dy - w sum(dy) / n - w (x - mean) inv^2 sum(dy (x - mean)) / n),
 
@@ -152,9 +153,7 @@ def _normalized(
     on the repeated rows that pad a remainder batch, which the statistics leave out).
     """
     dtype = mean.dtype
-    epsilon = layer.epsilon
-    mean, variance = tf.stop_gradient(mean), tf.stop_gradient(variance)
-    inv = tf.math.rsqrt(variance + epsilon)
+    inv = tf.math.rsqrt(variance + layer.epsilon)
     params = [p for p in (gamma, beta) if p is not None]
 
     @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
