@@ -47,7 +47,7 @@ import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
-from partitioner.graph import topological_order, trainable_param_bytes
+from partitioner.graph import gradient_bytes, topological_order, trainable_param_bytes
 from partitioner.problem import Problem, check_recompute
 from partitioner.schedule import schedule_family
 
@@ -102,6 +102,7 @@ def mode_cost(
     activation_bytes: int = 0,
     input_bytes: int = 0,
     step_bytes: int = 0,
+    gradient_bytes: int = 0,
     looped: bool = False,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
@@ -113,19 +114,21 @@ def mode_cost(
 
     With ``looped`` (M > 1: the runtime's loop calls each stage's backward as a function it does not
     inline, so the activations the call reads stay alive until it returns) a running backward also holds
-    one micro-batch's activation gradients (``activation_bytes`` more), in either mode: the backward's
-    working set (docs/cost-model.md, "Stage modes").
+    the gradients it makes of one micro-batch's outputs of the nodes (``gradient_bytes`` more,
+    :func:`partitioner.graph.gradient_bytes`), in either mode: the backward's working set
+    (docs/cost-model.md, "Stage modes").
 
     Example:
         >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
         >>> cost.backward_s, cost.held_bytes, cost.once_bytes  # one micro-batch's recomputed activations
         (3.0, 8, 80)
-        >>> mode_cost("recomputed", activation_bytes=80, input_bytes=8, looped=True).once_bytes  # + their gradients
-        160
-        >>> mode_cost("kept", activation_bytes=80, looped=True).once_bytes
-        80
+        >>> cost = mode_cost("recomputed", activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
+        >>> cost.once_bytes  # + the gradients the backward makes
+        110
+        >>> mode_cost("kept", activation_bytes=80, gradient_bytes=30, looped=True).once_bytes
+        30
     """
-    working = activation_bytes if looped else 0  # the activation gradients a backward makes in the loop
+    working = gradient_bytes if looped else 0  # the gradients a backward makes in the loop
     if mode == "kept":
         return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, working, step_bytes)
     if mode == "recomputed":
@@ -281,6 +284,7 @@ class CostModel:
         self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
         self.backward_s = {v: [t * (1 - shares[v]) for t in self.compute_s[v]] for v in self.order}
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
+        self.gradient_bytes = {v: gradient_bytes(graph.nodes[v]) for v in self.order}  # a backward's working set
         # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
         self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
         # M > 1: the runtime runs the micro-batches in a loop whose stage calls it does not inline (mode_cost)
@@ -349,6 +353,7 @@ class CostModel:
             weight_bytes=self.weight_bytes(node),
             activation_bytes=self.activation_bytes[node],
             step_bytes=self._step[node],
+            gradient_bytes=self.gradient_bytes[node],
             looped=self.looped,
         )
 
@@ -587,6 +592,7 @@ class CostModel:
         receive = [0.0] * k_total
         weights = [0] * k_total
         activations = [0] * k_total
+        gradients = [0] * k_total
         inputs = [0] * k_total
         steps = [0] * k_total
         sent: dict[tuple[int, int], int] = {}
@@ -597,6 +603,7 @@ class CostModel:
             backward[k] += self.backward_s[v][k]
             weights[k] += self._weights[v]
             activations[k] += self.activation_bytes[v]
+            gradients[k] += self.gradient_bytes[v]
             steps[k] += self._step[v]
             receivers = {where[s] for s in successors[v]}
             receivers.discard(k)
@@ -625,6 +632,7 @@ class CostModel:
                 activation_bytes=activations[k],
                 input_bytes=inputs[k],
                 step_bytes=steps[k],
+                gradient_bytes=gradients[k],
                 looped=self.looped,
             )
 

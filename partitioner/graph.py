@@ -22,6 +22,8 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
                                 on its InputLayer's device and holds them all step (partitioner.cost)
     model_output_bytes  int     bytes of the node's outputs that are model outputs, per micro-batch
                                 (optional; 0): the runtime collects every micro-batch's (partitioner.cost)
+    output_bytes        int     bytes of the node's outputs that get gradients, per micro-batch: what its
+                                backward makes (optional; activation_bytes when absent, gradient_bytes)
     edge bytes          int     bytes of the tensor sent from u to v per micro-batch
 
 Graph-level attributes (``graph.graph``) are optional: ``model_name``, ``batch_size`` (samples per
@@ -30,9 +32,10 @@ ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers co
 "float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
 rescale times to other devices). Profiles written before the node attributes ``model_input_bytes`` and
-``model_output_bytes`` lack them (priced as 0); graph-level ones of the same names, from a development
-version, are dropped on loading. :func:`rescale_graph` turns costs measured at one batch size into those
-of another.
+``model_output_bytes`` lack them (priced as 0), those before ``output_bytes`` lack it (the backward's
+gradients priced as the node's activations, :func:`gradient_bytes`); graph-level ones of the same names,
+from a development version, are dropped on loading. :func:`rescale_graph` turns costs measured at one
+batch size into those of another.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ _GRAPH_KEYS = (
     "profiled_device",
     "profiled_flops_per_s",
 )
-_NODE_BYTES = ("model_input_bytes", "model_output_bytes")  # optional, per micro-batch: they scale with its samples
+# optional, per micro-batch: they scale with its samples
+_NODE_BYTES = ("model_input_bytes", "model_output_bytes", "output_bytes")
 
 
 def validate_graph(graph: nx.DiGraph) -> None:
@@ -160,6 +164,18 @@ def trainable_param_bytes(data: Any) -> int:
     return int(data.get("param_bytes", 0) if value is None else value)
 
 
+def gradient_bytes(data: Any) -> int:
+    """Bytes of the gradients a node's backward makes per micro-batch, those of its outputs:
+    ``output_bytes``, or ``activation_bytes`` where the profile predates it (the old charge).
+
+    Example:
+        >>> gradient_bytes({"activation_bytes": 80, "output_bytes": 30}), gradient_bytes({"activation_bytes": 80})
+        (30, 80)
+    """
+    value = data.get("output_bytes")
+    return int(data.get("activation_bytes", 0) if value is None else value)
+
+
 def micro_batch_size(graph: nx.DiGraph) -> int | None:
     """Samples per micro-batch that the graph's node costs are for, or None when the graph does not say.
 
@@ -201,8 +217,8 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     """A copy of ``graph`` with costs per micro-batch of ceil(batch_size / num_microbatches) samples.
 
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
-    ``activation_bytes``, ``model_input_bytes``, ``model_output_bytes``, ``time_s`` and edge ``bytes``
-    are multiplied by new / measured samples per micro-batch; weights (``param_bytes``,
+    ``activation_bytes``, ``model_input_bytes``, ``model_output_bytes``, ``output_bytes``, ``time_s`` and
+    edge ``bytes`` are multiplied by new / measured samples per micro-batch; weights (``param_bytes``,
     ``trainable_param_bytes``) stay. Where a node records ``fixed_time_s``
     (``profiles.profile_model(measure_fixed_time=True)``), only ``time_s - fixed_time_s`` scales and the
     fixed part stays: a micro-batch of one sample costs about what it cost when measured. Without it,

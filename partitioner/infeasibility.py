@@ -43,7 +43,7 @@ def _what(costs: CostModel) -> str:
     rule = schedule_family(costs.schedule).in_flight_rule(costs.num_microbatches)
     held = f"activations of {least} micro-batch(es) in flight under {costs.schedule} ({rule})"
     if costs.looped:
-        held += " and one micro-batch's activation gradients while a backward runs"
+        held += " and the gradients a backward makes of one micro-batch's outputs while it runs"
     if costs.recompute != "never":
         held += f", in the mode that needs least, recompute={costs.recompute!r}"
     return f"weights, gradients and {costs.optimizer_slots} optimizer slot(s) of trainable weights, {held}"

@@ -46,6 +46,9 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        micro-batches on that node's device (other nodes: absent)
     model_output_bytes bytes of the node's distinct outputs that are model outputs, which the runtime
                        collects for the loss and the metrics (other nodes: absent)
+    output_bytes       bytes of the node's floating-point outputs (0 for an InputLayer): the gradients
+                       its backward makes of them, the working set of a running backward
+                       (partitioner.cost.mode_cost)
     edge bytes         bytes of the distinct tensors the consumer reads from the producer
 
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
@@ -194,6 +197,8 @@ def profile_model(
     outputs = [sources[id(t)] for t in functional.outputs]
     for call, num_bytes in zip(calls, profiler.activation_bytes(calls, outputs), strict=True):
         graph.nodes[call.name]["activation_bytes"] = num_bytes
+    for call, shape in zip(calls, shapes, strict=True):
+        graph.nodes[call.name]["output_bytes"] = _gradient_output_bytes(call, shape, micro_batch)
     # what the runtime holds per micro-batch beside the layers, on the node that makes it: the batch's
     # inputs and the collected outputs
     for key, tensors in (("model_input_bytes", functional.inputs), ("model_output_bytes", functional.outputs)):
@@ -270,6 +275,20 @@ def _boundary_bytes(
     for (call, output), t in seen.items():
         by_call[call] = by_call.get(call, 0) + _tensor_bytes(shapes[call][output], t.dtype, micro_batch, "model")
     return by_call
+
+
+def _gradient_output_bytes(call: LayerCall, shapes: list[Shape], micro_batch: int) -> int:
+    """Bytes of the call's floating-point outputs, ``shapes`` theirs: the gradients its backward
+    makes of them (an InputLayer's: none, a model input gets no gradient)."""
+    if call.is_input:
+        return 0
+    import tensorflow as tf
+
+    return sum(
+        _tensor_bytes(shape, t.dtype, micro_batch, call.operation.name)
+        for t, shape in zip(call.node.output_tensors, shapes, strict=True)
+        if tf.as_dtype(t.dtype).is_floating
+    )
 
 
 def _input_edges(call: LayerCall, shapes: list[list[Shape]], micro_batch: int) -> dict[int, int]:

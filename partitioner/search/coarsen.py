@@ -37,7 +37,7 @@ import networkx as nx
 
 from partitioner.cost import CostModel, forward_share
 from partitioner.errors import InputError
-from partitioner.graph import trainable_param_bytes
+from partitioner.graph import gradient_bytes, trainable_param_bytes
 
 __all__ = [
     "Coarsening",
@@ -366,6 +366,9 @@ def chain_quotient(
             # what the runtime holds for the unit's nodes all step (CostModel.step_bytes)
             "model_input_bytes": int(sum(d.get("model_input_bytes") or 0 for d in data)),
             "model_output_bytes": int(sum(d.get("model_output_bytes") or 0 for d in data)),
+            # the gradients the unit's backward makes: its nodes' (gradient_bytes: where a node's profile does
+            # not say its output bytes, its activations, as the cost model prices the node alone)
+            "output_bytes": int(sum(gradient_bytes(d) for d in data)),
         }
         timed = all(d.get("time_s") is not None for d in data)
         if timed:

@@ -172,6 +172,20 @@ def test_chain_quotient_keeps_the_models_inputs_and_outputs():
     assert (q.nodes["l0"]["model_input_bytes"], q.nodes["l2"]["model_output_bytes"]) == (100, 10)
 
 
+def test_chain_quotient_sums_the_gradients_each_unit_makes():
+    # a unit's output_bytes: its nodes' (a node that does not say: its activations, as CostModel prices it)
+    graph = chain([1e9] * 4, activation_bytes=[40, 50, 60, 70])
+    graph.nodes["l0"]["output_bytes"] = 4
+    graph.nodes["l2"]["output_bytes"] = 6
+    graph.nodes["l3"]["output_bytes"] = 7
+    q = coarsen.chain_quotient(graph, coarsen.Coarsening((("l0", "l1"), ("l2", "l3")), ((0, 1), (0, 1))))
+    assert (q.nodes["l0"]["output_bytes"], q.nodes["l2"]["output_bytes"]) == (4 + 50, 6 + 7)
+    cluster = _cluster(2)
+    nodes = CostModel(graph, cluster, num_microbatches=4)
+    units = CostModel(q, cluster, num_microbatches=4)
+    assert units.node_cost("l0", "kept").once_bytes == sum(nodes.node_cost(v, "kept").once_bytes for v in ("l0", "l1"))
+
+
 def test_chain_quotient_needs_runs_of_a_chain():
     c = coarsen.Coarsening((("a", "b"), ("c", "d")), ((0, 1), (0, 1)))  # diamond: b does not feed c
     with pytest.raises(InputError, match=r"chain_quotient needs units that follow a chain; 'b' does not feed 'c'"):

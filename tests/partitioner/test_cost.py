@@ -53,6 +53,18 @@ def test_costmodel_memory_by_hand():
     assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}  # M = 1: no loop, no gradients' copy
 
 
+def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
+    # profiled graphs say each node's output bytes: a running backward (M > 1) holds their gradients, not its
+    # activations (l1 keeps 20 B for its backward but outputs 5 B); a node without the attribute: its activations
+    graph = _abc()
+    graph.nodes["l0"]["output_bytes"] = 3
+    graph.nodes["l1"]["output_bytes"] = 5
+    costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=2)
+    ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (4 + 1) * 30}
+    assert costs.node_cost("l1", "kept").once_bytes == 5  # a node alone prices it alike
+
+
 def test_costmodel_gradient_sums_need_a_second_copy_only_with_microbatches():
     # M = 1: the one micro-batch's gradients are the step's; M > 1: the sum so far and the micro-batch's
     for m, copies in ((1, 1), (2, 2), (8, 2)):

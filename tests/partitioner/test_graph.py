@@ -299,7 +299,7 @@ def test_chain_graph_lengths_must_match():
 def _profiled() -> nx.DiGraph:
     """Costs per micro-batch of 4 samples (batch 32 in 8 micro-batches), as the profiler records them."""
     graph = chain_graph([3e9, 6e9], param_bytes=[400, 800], activation_bytes=[1024, 2048], edge_bytes=[512])
-    graph.nodes["layer_0"].update(forward_flops=1e9, trainable_param_bytes=0, time_s=0.5)
+    graph.nodes["layer_0"].update(forward_flops=1e9, trainable_param_bytes=0, time_s=0.5, output_bytes=512)
     graph.graph.update(model_name="m", batch_size=32, num_microbatches=8, micro_batch_size=4)
     return graph
 
@@ -310,6 +310,7 @@ def test_rescale_graph_scales_per_sample_costs_and_keeps_weights():
     assert (first["flops"], first["forward_flops"], first["time_s"]) == (24e9, 8e9, 4.0)
     assert (first["activation_bytes"], second["activation_bytes"]) == (8 * 1024, 8 * 2048)
     assert scaled.edges["layer_0", "layer_1"]["bytes"] == 8 * 512
+    assert (first["output_bytes"], "output_bytes" in second) == (8 * 512, False)
     assert (first["param_bytes"], first["trainable_param_bytes"], second["param_bytes"]) == (400, 0, 800)
     assert scaled.graph == {"model_name": "m", "batch_size": 64, "num_microbatches": 2, "micro_batch_size": 32}
     validate_graph(scaled)
@@ -404,14 +405,19 @@ def test_validate_graph_refuses_bad_model_bytes(value):
     graph.nodes["layer_0"]["model_output_bytes"] = value
     with pytest.raises(GraphError, match=r"'layer_0' has model_output_bytes=.*expected bytes per micro-batch"):
         validate_graph(graph)
+    del graph.nodes["layer_0"]["model_output_bytes"]
+    graph.nodes["layer_0"]["output_bytes"] = value
+    with pytest.raises(GraphError, match=r"'layer_0' has output_bytes=.*expected bytes per micro-batch"):
+        validate_graph(graph)
 
 
 def test_model_bytes_survive_a_json_round_trip(tmp_path):
     graph = chain_graph([1e9])
-    graph.nodes["layer_0"].update(model_input_bytes=12, model_output_bytes=3)
+    graph.nodes["layer_0"].update(model_input_bytes=12, model_output_bytes=3, output_bytes=5)
     save_graph(graph, tmp_path / "g.json")
     loaded = load_graph(tmp_path / "g.json")
-    assert (loaded.nodes["layer_0"]["model_input_bytes"], loaded.nodes["layer_0"]["model_output_bytes"]) == (12, 3)
+    node = loaded.nodes["layer_0"]
+    assert (node["model_input_bytes"], node["model_output_bytes"], node["output_bytes"]) == (12, 3, 5)
 
 
 def test_graph_level_model_bytes_load_and_are_dropped(tmp_path):

@@ -52,11 +52,13 @@ def test_mode_cost_by_hand():
     assert again == ModeCost(forward_s=1.0, backward_s=3.0, weight_bytes=7, held_bytes=8, once_bytes=80)
     assert again.compute_s == 4.0
     assert again.memory_bytes(4) == 7 + 4 * 8 + 80  # inputs x in flight + one micro-batch's activations
-    # in the runtime's loop (M > 1) a backward also holds one micro-batch's activation gradients
-    looped = mode_cost("kept", weight_bytes=7, activation_bytes=80, input_bytes=8, looped=True)
-    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (80, 80, 7 + 5 * 80)
-    looped = mode_cost("recomputed", weight_bytes=7, activation_bytes=80, input_bytes=8, looped=True)
-    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (8, 160, 7 + 4 * 8 + 2 * 80)
+    # in the runtime's loop (M > 1) a backward also holds the gradients it makes of one micro-batch's outputs
+    looped = mode_cost("kept", weight_bytes=7, activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (80, 30, 7 + 4 * 80 + 30)
+    looped = mode_cost("recomputed", weight_bytes=7, activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (8, 110, 7 + 4 * 8 + 80 + 30)
+    unlooped = mode_cost("kept", activation_bytes=80, gradient_bytes=30)  # M = 1: inlined, freed as it goes
+    assert unlooped.once_bytes == 0
     with pytest.raises(InputError, match=r"mode must be one of \('kept', 'recomputed'\). Received: 'offloaded'"):
         mode_cost("offloaded")
 

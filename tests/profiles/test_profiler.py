@@ -137,7 +137,10 @@ def test_profile_model_mlp_bytes_by_hand():
         "param_bytes": 0,
         "activation_bytes": 0,
         "model_input_bytes": 8 * 16 * 4,  # the batch's inputs per micro-batch, held by the runtime where x is
+        "output_bytes": 0,  # a model input gets no gradient
     }
+    # the gradients each layer's backward makes: its outputs'
+    assert [graph.nodes[n]["output_bytes"] for n in ("hidden", "logits")] == [8 * 32 * 4, 8 * 8 * 4]
     assert graph.nodes["logits"]["model_output_bytes"] == 8 * 8 * 4  # collected per micro-batch for the loss
     assert "model_output_bytes" not in graph.nodes["hidden"] and "model_input_bytes" not in graph.nodes["hidden"]
     assert graph.nodes["hidden"]["layer_type"] == "Dense"
