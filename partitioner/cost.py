@@ -17,8 +17,9 @@ figures are a node's, a coarsened unit's or a stage's alike (every term is a sum
                     out_bytes(u) / bw(dev(u), d) + out_bytes(u) / bw(d, dev(u))   (activation, then its gradient)
     stage_time(d) = compute(d) + receive(d)           bottleneck = max over used devices
     weights(v)    = param_bytes(v) + trainable_param_bytes(v) * (gradient_copies + optimizer_slots)
-    step(v)       = M * model_input_bytes(v) + M * model_output_bytes(v) * (2 if M > 1 else 1)
-                    (the batch split into micro-batches, the outputs collected and, M > 1, stacked: held all step)
+    step(v)       = M * model_input_bytes(v) + (M + 1) * model_output_bytes(v)
+                    (the batch split into micro-batches, the outputs collected, held all step, and one
+                    micro-batch's more: the loss's gradient of them, the metrics' temporaries)
     memory(s)     = weights + step + in_flight(s) * held + held once
     in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe, min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
@@ -296,8 +297,7 @@ class CostModel:
         }
         # what the runtime holds all step beside the layers, per node (0 where a profile predates the attributes)
         self._collected = {
-            v: num_microbatches * int(graph.nodes[v].get("model_output_bytes") or 0) * (1 + (num_microbatches > 1))
-            for v in self.order
+            v: (num_microbatches + 1) * int(graph.nodes[v].get("model_output_bytes") or 0) for v in self.order
         }
         self._step = {
             v: num_microbatches * int(graph.nodes[v].get("model_input_bytes") or 0) + self._collected[v]
@@ -395,9 +395,9 @@ class CostModel:
         in flight (docs/cost-model.md, "What the step holds beside the layers"): M x its
         ``model_input_bytes`` (the batch split into M micro-batches where the plan puts its InputLayer) and
         M x its ``model_output_bytes`` (every micro-batch's outputs collected for the loss and the metrics),
-        and with M > 1 M x ``model_output_bytes`` again for those outputs stacked into one tensor after
-        the loop. The stack comes when no micro-batch is in flight, so the step's peak is at most
-        max(in the loop, after it); adding both is an upper bound that keeps every term a sum over nodes.
+        and one micro-batch's more: what the loss's gradient and the metrics make of one micro-batch's
+        outputs, in the loop and after it (``runtime.metrics`` updates Keras' metrics micro-batch by
+        micro-batch; an accuracy over logits makes a tensor of their size).
 
         Example:
             >>> import partitioner as pt
@@ -405,8 +405,8 @@ class CostModel:
             >>> graph.nodes["layer_0"]["model_input_bytes"] = 40
             >>> graph.nodes["layer_1"]["model_output_bytes"] = 8
             >>> costs = pt.CostModel(graph, pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=4)
-            >>> costs.step_bytes("layer_0"), costs.step_bytes("layer_1")  # 4 x 40; 4 x 8 collected, 4 x 8 stacked
-            (160, 64)
+            >>> costs.step_bytes("layer_0"), costs.step_bytes("layer_1")  # 4 x 40; 4 x 8 collected, 8 for one's work
+            (160, 40)
         """
         return self._step[node]
 

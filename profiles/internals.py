@@ -347,6 +347,22 @@ def compile_loss(model: Any) -> Any:
     return model._compile_loss
 
 
+def compile_metrics(model: Any) -> Any:
+    """A compiled model's ``CompileMetrics`` (the metrics ``compile(metrics=..., weighted_metrics=...)``
+    made), or None. Keras' ``compute_metrics`` updates it; its ``build(y, y_pred)`` resolves the metrics
+    ("accuracy" to a class by the outputs' shapes) and ``metrics`` lists them once built.
+
+    Reaches ``Trainer._compile_metrics``. Checked on 3.15.
+    """
+    return model._compile_metrics
+
+
+def metric_function(metric: Any) -> Any:
+    """The function a ``keras.metrics.MeanMetricWrapper`` averages (``MeanMetricWrapper._fn``, no public
+    accessor). Checked on 3.15."""
+    return metric._fn
+
+
 def loss_tracker(model: Any) -> Any:
     """The mean metric that logs a compiled model's "loss" (``Trainer._loss_tracker``).
 

@@ -40,7 +40,7 @@ from partitioner.schedule import SCHEDULES, Schedule, schedule_for
 from profiles.internals import automatic_control_dependencies_off, output_structure, set_keras_mask
 from runtime.batchnorm import BATCH_NORM, check_deferrable
 from runtime.losses import weight_penalty
-from runtime.microbatches import Microbatches, collect, collector, take, whole
+from runtime.microbatches import Microbatches, collect, collector, take, take_rows, whole
 from runtime.program import Boundary, StageProgram, check_splittable
 from runtime.replicas import Replicas, StageCollectives
 from runtime.stages import Stage, output_masks
@@ -304,6 +304,12 @@ class Executor:
         with tf.device(last.stage.device):
             return self.model_outputs(carry["outputs"]), (carry["layer_loss"] if any(has_layer_losses) else None)
 
+    def microbatch_outputs(self, collected: Sequence[Any], m: Any, rows: Any) -> Any:
+        """Micro-batch m's first ``rows`` rows (its own) of the collected model outputs, in the model's
+        output structure, without their mask (``runtime.metrics`` is not used where there is one)."""
+        outputs = [take_rows(c, m, rows) for c in collected[: len(self.model.outputs)]]
+        return keras.tree.pack_sequence_as(output_structure(self.model), outputs)
+
     def model_outputs(self, collected: Sequence[Any]) -> Any:
         """The collected model outputs (and output mask) -> the model's output structure, each [M * ceil(B/M), ...]."""
         flat = [whole(c) for c in collected]
@@ -337,9 +343,10 @@ class Executor:
                 where not, a sparse gradient is refused at M x D > 1 (at M = 1 it is handed on as it is).
 
         Returns:
-            (the batch's loss, the model outputs as ``forward`` returns them, the gradients of every
-            stage's trainable variables, stage after stage, each summed over the micro-batches on its
-            stage's device).
+            (the batch's loss, the collected model outputs (one collector per output, and the mask's),
+            which ``model_outputs`` makes the batch's and ``microbatch_outputs`` one micro-batch's, the
+            gradients of every stage's trainable variables, stage after stage, each summed over the
+            micro-batches on its stage's device).
         """
         return TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss, sparse_rows_summable).run()
 

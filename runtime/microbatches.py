@@ -78,11 +78,16 @@ class Microbatches:
 
     def rows(self, m: Any) -> tf.Tensor:
         """How many of micro-batch m's rows are the batch's own (the rest repeat them)."""
-        return tf.clip_by_value(self.batch - m * self.size, 0, self.size)
+        return own_rows(self.batch, self.size, m)
 
     def share(self, m: Any) -> tf.Tensor:
         """Micro-batch m's share of the batch's rows (float32)."""
         return tf.cast(self.rows(m), tf.float32) / self.batch_rows
+
+
+def own_rows(batch: Any, size: Any, m: Any) -> tf.Tensor:
+    """How many of micro-batch m's ``size`` rows are a batch of ``batch`` rows' own (the rest repeat them)."""
+    return tf.clip_by_value(batch - m * size, 0, size)
 
 
 def collector(spec: tf.TensorSpec, num_microbatches: int) -> Any:
@@ -112,6 +117,12 @@ def whole(collector: Any) -> tf.Tensor:
     rows = stacked.shape[0] * stacked.shape[1] if stacked.shape[1] is not None else None
     whole.set_shape([rows, *stacked.shape[2:]])
     return whole
+
+
+def take_rows(collector: Any, m: Any, rows: Any) -> tf.Tensor:
+    """The first ``rows`` rows of micro-batch m's tensor in a collector."""
+    value = collector.read(m) if isinstance(collector, tf.TensorArray) else collector
+    return value[:rows]
 
 
 def unstacked(collector: Any, num: int) -> list[tf.Tensor]:

@@ -30,6 +30,7 @@ from partitioner.errors import InputError
 from partitioner.plan import Plan
 from profiles.internals import (
     compile_loss,
+    compile_metrics,
     functional_class,
     get_keras_mask,
     initial_epoch,
@@ -43,6 +44,8 @@ from profiles.internals import (
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import microbatch_part
+from runtime.metrics import rows_of, sums_over_rows, update_by_microbatch
+from runtime.microbatches import own_rows
 from runtime.optimizer_state import (
     compile_like,
     copy_optimizer_state,
@@ -267,16 +270,41 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
-            loss, outputs, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
+            loss, collected, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
-            y_pred = _own_rows(outputs, batch)
             loss_tracker(self).update_state(loss, sample_weight=batch)
+            if self._metrics_by_microbatch(y, collected, batch, sample_weight):
+                return self.get_metrics_result()
+            y_pred = _own_rows(executor.model_outputs(collected), batch)
             if compile_loss(self).metrics:  # each output's loss, logged as Keras does: once, on the whole batch
                 compile_loss(self)(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _metrics_by_microbatch(self, y: Any, collected: list[Any], batch: tf.Tensor, sample_weight: Any) -> bool:
+        """Updates the compiled metrics micro-batch by micro-batch (``runtime.metrics``) where that gives the
+        batch's values: M > 1, targets, no output mask, no per-output loss trackers, every metric one
+        that sums over rows. Returns whether it did (else the caller stacks the outputs, as Keras takes them)."""
+        executor = self._state.executor
+        metrics = compile_metrics(self)
+        num = executor.num_microbatches
+        if num == 1 or metrics is None or y is None or executor.mask is not None or compile_loss(self).metrics:
+            return False
+        size = (batch + num - 1) // num
+
+        def microbatch(m: Any) -> tuple[Any, Any, Any]:
+            rows = own_rows(batch, size, m)
+            outputs = executor.microbatch_outputs(collected, m, rows)
+            return rows_of(y, m * size, rows), outputs, rows_of(sample_weight, m * size, rows)
+
+        if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes, as Keras' first update
+            metrics.build(*microbatch(0)[:2])
+        if not all(sums_over_rows(metric) for metric in metrics.metrics):
+            return False
+        update_by_microbatch(metrics, (batch + size - 1) // size, microbatch)  # the micro-batches with rows
+        return True
 
     def _first_stage(self) -> Any:
         """The device of the step's ops that no stage places: the targets split into micro-batches and

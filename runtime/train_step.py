@@ -370,8 +370,7 @@ class TrainStep:
                 gradients += grads  # None where nothing reaches the variable: the optimizer skips it, as Keras
         with tf.device(last):
             loss = tf.add_n(losses)
-            outputs = executor.model_outputs(carry["outputs"])
-        return loss, outputs, gradients
+        return loss, carry["outputs"], gradients
 
     def _reduce(
         self, sums: list[list[Any]], statistics: list[list[Any]], loss: tf.Tensor, layer_loss: Any, count: tf.Tensor

@@ -1,0 +1,127 @@
+"""Compiled metrics updated micro-batch by micro-batch (runtime/metrics.py) log what Keras logs.
+
+Each case trains the original and the wrapped model (2 stages, M = 4) by ``fit`` the same way, with
+batches M does not divide (10 rows: micro-batches of 3, 3, 3 and 1 rows; the epoch's last, 5 rows: 2, 2, 1 and none),
+and compares every logged value. Where every metric sums over rows the runtime updates them from each
+micro-batch's own rows and never stacks the outputs; a metric of the user's takes the stacked batch.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import runtime.pipeline
+from runtime import plan_and_wrap
+from runtime.metrics import sums_over_rows
+
+BATCH, ROWS, CLASSES = 10, 25, 3
+
+
+def _model() -> keras.Model:
+    inputs = keras.Input((6,), name="features")
+    x = keras.layers.Dense(12, activation="tanh", name="first")(inputs)
+    x = keras.layers.Dense(12, activation="relu", name="second")(x)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax", name="head")(x))
+
+
+class BatchMaximum(keras.metrics.Metric):
+    """The largest prediction of the last batch: a state that is not a sum over rows."""
+
+    def __init__(self, name: str = "batch_maximum") -> None:
+        super().__init__(name=name)
+        self.value = self.add_variable(shape=(), initializer="zeros", name="value")
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        self.value.assign(keras.ops.max(y_pred))
+
+    def result(self):
+        return self.value
+
+
+def _sparse_metrics() -> dict:
+    return {
+        "metrics": [
+            "accuracy",
+            keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+            keras.metrics.SparseCategoricalCrossentropy(name="xent"),
+            keras.metrics.MeanMetricWrapper(keras.metrics.sparse_categorical_accuracy, name="wrapped"),
+        ],
+        "weighted_metrics": ["accuracy"],
+    }
+
+
+def _one_hot_metrics() -> dict:
+    return {
+        "metrics": [
+            keras.metrics.CategoricalAccuracy(name="accuracy"),
+            keras.metrics.AUC(name="auc"),
+            keras.metrics.Precision(name="precision"),
+            keras.metrics.Recall(name="recall"),
+            keras.metrics.F1Score(average="macro", name="f1"),
+            keras.metrics.MeanSquaredError(name="mse"),
+        ],
+    }
+
+
+def _compiled(case: str) -> dict:
+    """compile's metrics for ``case``, new objects each call (a metric belongs to one model)."""
+    if case == "one_hot":
+        return _one_hot_metrics()
+    compiled = _sparse_metrics()
+    if case == "user_metric":
+        compiled["metrics"].append(BatchMaximum())
+    return compiled
+
+
+def _fit(model: keras.Model, compiled: dict, loss: str, one_hot: bool, weighted: bool) -> dict:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    y = rng.integers(0, CLASSES, ROWS)
+    if one_hot:
+        y = np.eye(CLASSES, dtype="float32")[y]
+    options: dict = {"epochs": 2, "batch_size": BATCH, "shuffle": False, "verbose": 0}
+    if weighted:
+        options["sample_weight"] = rng.uniform(0.2, 2.0, ROWS).astype("float32")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, **compiled)
+    return model.fit(x, y, **options).history
+
+
+@pytest.mark.parametrize(
+    ("case", "by_microbatch"),
+    [("sparse", True), ("sparse_weighted", True), ("one_hot", True), ("user_metric", False)],
+)
+def test_logged_metrics_match_the_original(case: str, by_microbatch: bool, virtual_devices, monkeypatch) -> None:
+    keras.utils.set_random_seed(0)
+    model = _model()
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model,
+        devices=virtual_devices[:2],
+        batch_size=BATCH,
+        num_microbatches=4,
+        pins={"first": virtual_devices[0], "head": virtual_devices[1]},
+    )
+    assert wrapped.plan.num_stages == 2
+    updates = []
+    update = runtime.pipeline.update_by_microbatch
+    monkeypatch.setattr(runtime.pipeline, "update_by_microbatch", lambda *a: updates.append(1) or update(*a))
+    one_hot = case == "one_hot"
+    loss = "categorical_crossentropy" if one_hot else "sparse_categorical_crossentropy"
+    weighted = case == "sparse_weighted"
+    expected = _fit(reference, _compiled(case), loss, one_hot, weighted)
+    history = _fit(wrapped, _compiled(case), loss, one_hot, weighted)
+    assert bool(updates) == by_microbatch  # traced once per function: the path the step took
+    assert sorted(history) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_which_metrics_sum_over_rows() -> None:
+    assert sums_over_rows(keras.metrics.SparseCategoricalAccuracy())
+    assert sums_over_rows(keras.metrics.AUC())
+    assert sums_over_rows(keras.metrics.MeanMetricWrapper(keras.losses.mean_squared_error))
+    assert not sums_over_rows(keras.metrics.MeanMetricWrapper(lambda y, p: keras.ops.max(p)))  # a batch's value
+    assert not sums_over_rows(BatchMaximum())
