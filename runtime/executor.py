@@ -270,9 +270,10 @@ class Executor:
         """Forward only (evaluation and prediction), every micro-batch through every stage on its device.
 
         Returns:
-            (the model outputs of every micro-batch one after the other, each [M * ceil(B/M), ...]: the
-            first B rows are the batch's in order, the rest repeat them; the batch's layer losses
-            (``add_loss``, activity regularizers) or None if there are none).
+            (the collected model outputs, one collector per output and the mask's: ``model_outputs`` makes
+            them every micro-batch's one after the other, each [M * ceil(B/M), ...], the first B rows the
+            batch's in order, the rest repeating them; ``microbatch_outputs`` one micro-batch's; the
+            batch's layer losses (``add_loss``, activity regularizers) or None if there are none).
         """
         parts = Microbatches(self.num_microbatches, inputs)
         traced = self.trace("inference", parts, losses)
@@ -302,7 +303,7 @@ class Executor:
 
         carry = self._loop(iteration, carry, parallel=len(self.stages))
         with tf.device(last.stage.device):
-            return self.model_outputs(carry["outputs"]), (carry["layer_loss"] if any(has_layer_losses) else None)
+            return carry["outputs"], (carry["layer_loss"] if any(has_layer_losses) else None)
 
     def microbatch_outputs(self, collected: Sequence[Any], m: Any, rows: Any) -> Any:
         """Micro-batch m's first ``rows`` rows (its own) of the collected model outputs, in the model's

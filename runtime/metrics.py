@@ -5,7 +5,9 @@ the batch's outputs as one tensor: stacking them is a copy of them all (for a la
 B x T x V, the step's largest tensor), and the metrics' temporaries are of the whole batch's size too (an
 accuracy's argmax and comparison over the logits). Where every metric's state is a sum over the rows it
 is given, updating it with each micro-batch's own rows in turn gives the batch's state: then the outputs
-are never stacked and the temporaries are one micro-batch's (benchmarks/runtime, "Memory").
+are never stacked and the temporaries are one micro-batch's (benchmarks/runtime, "Memory"). In
+evaluation the compiled loss is taken so too, as each micro-batch's part of the batch's
+(``runtime.losses.microbatch_part``, as in training), summed.
 
 Which metrics: Keras' own classes (``keras.metrics``: means of per-sample values, confusion counts,
 sums), a ``MeanMetricWrapper`` only around one of Keras' metric or loss functions, which return a value
@@ -24,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from profiles.internals import metric_function
+from runtime.microbatches import own_rows
 
 _KERAS_METRICS = "keras.src.metrics."
 _KERAS_FUNCTIONS = ("keras.src.metrics.", "keras.src.losses.")
@@ -45,26 +48,44 @@ def sums_over_rows(metric: Any) -> bool:
     return True
 
 
-def update_by_microbatch(
-    metrics: Any,
-    num_used: tf.Tensor,
-    microbatch: Callable[[Any], tuple[Any, Any, Any]],
-) -> None:
-    """Updates Keras' ``CompileMetrics`` with micro-batches 0 .. ``num_used`` - 1 in turn.
+class ByMicrobatch:
+    """A batch's targets, sample weights and collected model outputs, micro-batch by micro-batch: each
+    micro-batch's own rows (``runtime.microbatches``: the rows past B repeat real ones and are left out)."""
 
-    ``microbatch(m)`` gives micro-batch m's (targets, outputs, sample weights), its own rows only.
-    Micro-batch 0 updates outside the loop, which builds what the metrics build on their first update
-    (their variables; a variable cannot be made in a loop); the rest, in a ``tf.while_loop`` that runs
-    one micro-batch at a time (the state is read, added to and written by each), so the step's trace
-    stays flat in M.
-    """
-    metrics.update_state(*microbatch(0))
+    def __init__(self, executor: Any, collected: list[Any], y: Any, sample_weight: Any, batch: tf.Tensor) -> None:
+        self.executor, self.collected, self.y, self.sample_weight = executor, collected, y, sample_weight
+        self.batch = batch
+        num = executor.num_microbatches
+        self.size = (batch + num - 1) // num
+        self.num_used = (batch + self.size - 1) // self.size  # the micro-batches with rows of the batch
 
-    def body(m: tf.Tensor) -> tf.Tensor:
-        metrics.update_state(*microbatch(m))
-        return m + 1
+    def __call__(self, m: Any) -> tuple[Any, Any, Any]:
+        """Micro-batch m's (targets, outputs, sample weights), its own rows."""
+        rows = own_rows(self.batch, self.size, m)
+        start = m * self.size
+        outputs = self.executor.microbatch_outputs(self.collected, m, rows)
+        return rows_of(self.y, start, rows), outputs, rows_of(self.sample_weight, start, rows)
 
-    tf.while_loop(lambda m: m < num_used, body, [tf.constant(1)], parallel_iterations=1)
+    def share(self, m: Any) -> tf.Tensor:
+        """Micro-batch m's share of the batch's rows (float32)."""
+        return tf.cast(own_rows(self.batch, self.size, m), tf.float32) / tf.cast(self.batch, tf.float32)
+
+    def run(self, step: Callable[[Any, tf.Tensor], tf.Tensor], total: tf.Tensor) -> tf.Tensor:
+        """``total = step(m, total)`` for each micro-batch with rows, in turn; returns the last total.
+
+        Micro-batch 0 runs outside the loop, which builds what the metrics and the loss build on their
+        first update (their variables: a variable cannot be made in a loop); the rest in a ``tf.while_loop``
+        that runs one micro-batch at a time (a metric's state is read, added to and written by each), so
+        the step's trace stays flat in M.
+        """
+        total = step(0, total)
+        _, total = tf.while_loop(
+            lambda m, _: m < self.num_used,
+            lambda m, t: (m + 1, step(m, t)),
+            (tf.constant(1), total),
+            parallel_iterations=1,
+        )
+        return total
 
 
 def rows_of(structure: Any, start: Any, rows: Any) -> Any:

@@ -44,8 +44,7 @@ from profiles.internals import (
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import microbatch_part
-from runtime.metrics import rows_of, sums_over_rows, update_by_microbatch
-from runtime.microbatches import own_rows
+from runtime.metrics import ByMicrobatch, sums_over_rows
 from runtime.optimizer_state import (
     compile_like,
     copy_optimizer_state,
@@ -276,35 +275,57 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             loss_tracker(self).update_state(loss, sample_weight=batch)
-            if self._metrics_by_microbatch(y, collected, batch, sample_weight):
+            by_microbatch = self._by_microbatch(y, collected, batch, sample_weight)
+            if by_microbatch is not None and compile_metrics(self) is not None:
+                by_microbatch.run(self._update_metrics(by_microbatch), tf.zeros([]))
                 return self.get_metrics_result()
             y_pred = _own_rows(executor.model_outputs(collected), batch)
             if compile_loss(self).metrics:  # each output's loss, logged as Keras does: once, on the whole batch
                 compile_loss(self)(y, y_pred, sample_weight)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _metrics_by_microbatch(self, y: Any, collected: list[Any], batch: tf.Tensor, sample_weight: Any) -> bool:
-        """Updates the compiled metrics micro-batch by micro-batch (``runtime.metrics``) where that gives the
-        batch's values: M > 1, targets, no output mask, no per-output loss trackers, every metric one
-        that sums over rows. Returns whether it did (else the caller stacks the outputs, as Keras takes them)."""
+    def _by_microbatch(self, y: Any, collected: list[Any], batch: tf.Tensor, sample_weight: Any) -> ByMicrobatch | None:
+        """The batch micro-batch by micro-batch (``runtime.metrics``), where the compiled loss and metrics
+        taken so give the batch's values: M > 1, targets, no output mask, no per-output loss trackers, every
+        metric one that sums over rows (they are built here, as Keras' first update builds them). Else None:
+        the caller stacks the outputs, as Keras takes them."""
         executor = self._state.executor
+        metrics, loss = compile_metrics(self), compile_loss(self)
+        if executor.num_microbatches == 1 or y is None or executor.mask is not None or (loss and loss.metrics):
+            return None
+        by_microbatch = ByMicrobatch(executor, collected, y, sample_weight, batch)
+        if metrics is not None:
+            if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes
+                metrics.build(*by_microbatch(0)[:2])
+            if not all(sums_over_rows(metric) for metric in metrics.metrics):
+                return None
+        return by_microbatch
+
+    def _evaluate_microbatch(self, by_microbatch: ByMicrobatch) -> Any:
+        """A ``ByMicrobatch.run`` step that adds micro-batch m's part of the batch's compiled loss to the
+        total (``microbatch_part``: the parts sum to Keras' loss of the batch) and updates the metrics."""
+        weight_sums = keras.tree.map_structure(
+            lambda w: None if w is None else tf.reduce_sum(tf.cast(w, tf.float32)), by_microbatch.sample_weight
+        )
         metrics = compile_metrics(self)
-        num = executor.num_microbatches
-        if num == 1 or metrics is None or y is None or executor.mask is not None or compile_loss(self).metrics:
-            return False
-        size = (batch + num - 1) // num
 
-        def microbatch(m: Any) -> tuple[Any, Any, Any]:
-            rows = own_rows(batch, size, m)
-            outputs = executor.microbatch_outputs(collected, m, rows)
-            return rows_of(y, m * size, rows), outputs, rows_of(sample_weight, m * size, rows)
+        def step(m: Any, total: tf.Tensor) -> tf.Tensor:
+            y, y_pred, sample_weight = by_microbatch(m)
+            part = microbatch_part(compile_loss(self), y, y_pred, sample_weight, by_microbatch.share(m), weight_sums)
+            if metrics is not None:
+                metrics.update_state(y, y_pred, sample_weight)
+            return total + tf.cast(part, total.dtype)
 
-        if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes, as Keras' first update
-            metrics.build(*microbatch(0)[:2])
-        if not all(sums_over_rows(metric) for metric in metrics.metrics):
-            return False
-        update_by_microbatch(metrics, (batch + size - 1) // size, microbatch)  # the micro-batches with rows
-        return True
+        return step
+
+    def _update_metrics(self, by_microbatch: ByMicrobatch) -> Any:
+        """A ``ByMicrobatch.run`` step that updates the compiled metrics with micro-batch m."""
+
+        def step(m: Any, total: tf.Tensor) -> tf.Tensor:
+            compile_metrics(self).update_state(*by_microbatch(m))
+            return total
+
+        return step
 
     def _first_stage(self) -> Any:
         """The device of the step's ops that no stage places: the targets split into micro-batches and
@@ -315,22 +336,27 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
+        executor = self._state.executor
         with self._first_stage():
-            outputs, layer_loss = self._state.executor.forward(inputs, losses=True)
+            collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
-            y_pred = _own_rows(outputs, batch)
             # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
             # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
             # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
-            loss = None if compile_loss(self) is None else compile_loss(self)(y, y_pred, sample_weight)
+            by_microbatch = self._by_microbatch(y, collected, batch, sample_weight) if compile_loss(self) else None
+            if by_microbatch is not None:  # each micro-batch's part of the loss, summed, and its metrics
+                loss, y_pred = by_microbatch.run(self._evaluate_microbatch(by_microbatch), tf.zeros([])), None
+            else:
+                y_pred = _own_rows(executor.model_outputs(collected), batch)
+                loss = None if compile_loss(self) is None else compile_loss(self)(y, y_pred, sample_weight)
             if layer_loss is not None:
                 loss = layer_loss if loss is None else loss + tf.cast(layer_loss, loss.dtype)
             if loss is None:
                 raise InputError("No loss to evaluate: compile(loss=...) first, as Keras' evaluate needs one.")
-            executor = self._state.executor
             # the loss is a mean over rows, or over valid steps where the outputs carry a mask (one mask)
-            mask = next((m for m in map(get_keras_mask, keras.tree.flatten(y_pred)) if m is not None), None)
+            masks = [] if y_pred is None else map(get_keras_mask, keras.tree.flatten(y_pred))
+            mask = next((m for m in masks if m is not None), None)
             loss = executor.mean_over_replicas(
                 loss, batch if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
             )
@@ -339,15 +365,18 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             if penalty is not None:
                 loss = loss + tf.cast(penalty, loss.dtype)
             loss_tracker(self).update_state(loss, sample_weight=batch)
+            if y_pred is None:  # the metrics were updated micro-batch by micro-batch
+                return self.get_metrics_result()
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
+        executor = self._state.executor
         with self._first_stage():
-            outputs, _ = self._state.executor.forward(inputs)
+            collected, _ = executor.forward(inputs)
         with tf.device(self._state.stages[-1]):
-            return _own_rows(outputs, tf.shape(inputs[0])[0])
+            return _own_rows(executor.model_outputs(collected), tf.shape(inputs[0])[0])
 
     # ----- getting the plain model back ------------------------------------------------------------
 

@@ -8,6 +8,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from tf_split import kept_for_backward  # noqa: E402
+
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.cost import CostModel, forward_share  # noqa: E402
 from partitioner.errors import InputError, ProfileError  # noqa: E402
@@ -615,10 +617,8 @@ def _kept_by_tensorflow(layer, shape) -> tuple[int, bool]:
     tf = pytest.importorskip("tensorflow")
     function = tf.function(lambda x: layer(x, training=True))
     concrete = function.get_concrete_function(tf.TensorSpec(shape, "float32"))
-    forward, _ = concrete._delayed_rewrite_functions.forward_backward()
-    num_returns = len(tf.nest.flatten(concrete.structured_outputs))
     own, input_kept = {}, False
-    for tensor in forward.graph.outputs[num_returns:]:
+    for tensor in kept_for_backward(concrete):
         while tensor.op.type in ("Identity", "Reshape") and tensor.op.inputs:  # views
             tensor = tensor.op.inputs[0]
         if tensor.op.type == "Placeholder":

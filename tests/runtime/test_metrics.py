@@ -2,8 +2,9 @@
 
 Each case trains the original and the wrapped model (2 stages, M = 4) by ``fit`` the same way, with
 batches M does not divide (10 rows: micro-batches of 3, 3, 3 and 1 rows; the epoch's last, 5 rows: 2, 2, 1 and none),
-and compares every logged value. Where every metric sums over rows the runtime updates them from each
-micro-batch's own rows and never stacks the outputs; a metric of the user's takes the stacked batch.
+and compares every logged value, the validation's too (batches of 10 and 3 rows). Where every metric
+sums over rows the runtime updates them, and in evaluation takes the loss, from each micro-batch's own rows
+and never stacks the outputs; a metric of the user's takes the stacked batch.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-import runtime.pipeline
 from runtime import plan_and_wrap
-from runtime.metrics import sums_over_rows
+from runtime.metrics import ByMicrobatch, sums_over_rows
 
 BATCH, ROWS, CLASSES = 10, 25, 3
 
@@ -82,10 +82,12 @@ def _fit(model: keras.Model, compiled: dict, loss: str, one_hot: bool, weighted:
     if one_hot:
         y = np.eye(CLASSES, dtype="float32")[y]
     options: dict = {"epochs": 2, "batch_size": BATCH, "shuffle": False, "verbose": 0}
+    validation = (x[:13], y[:13])  # evaluated in batches of 10 and 3 (micro-batches of 1 row, one empty)
     if weighted:
         options["sample_weight"] = rng.uniform(0.2, 2.0, ROWS).astype("float32")
+        validation += (options["sample_weight"][:13] ** 2,)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, **compiled)
-    return model.fit(x, y, **options).history
+    return model.fit(x, y, validation_data=validation, **options).history
 
 
 @pytest.mark.parametrize(
@@ -106,8 +108,8 @@ def test_logged_metrics_match_the_original(case: str, by_microbatch: bool, virtu
     )
     assert wrapped.plan.num_stages == 2
     updates = []
-    update = runtime.pipeline.update_by_microbatch
-    monkeypatch.setattr(runtime.pipeline, "update_by_microbatch", lambda *a: updates.append(1) or update(*a))
+    run = ByMicrobatch.run
+    monkeypatch.setattr(ByMicrobatch, "run", lambda *a: updates.append(1) or run(*a))
     one_hot = case == "one_hot"
     loss = "categorical_crossentropy" if one_hot else "sparse_categorical_crossentropy"
     weighted = case == "sparse_weighted"
