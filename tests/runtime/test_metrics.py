@@ -12,9 +12,13 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime import plan_and_wrap
 from runtime.metrics import ByMicrobatch, sums_over_rows
+from runtime.microbatches import Microbatches
 
 BATCH, ROWS, CLASSES = 10, 25, 3
 
@@ -127,3 +131,43 @@ def test_which_metrics_sum_over_rows() -> None:
     assert sums_over_rows(keras.metrics.MeanMetricWrapper(keras.losses.mean_squared_error))
     assert not sums_over_rows(keras.metrics.MeanMetricWrapper(lambda y, p: keras.ops.max(p)))  # a batch's value
     assert not sums_over_rows(BatchMaximum())
+
+
+class _Collected:
+    """What ``ByMicrobatch`` asks of an executor: M, and micro-batch m's own rows of the collected outputs."""
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+
+    def microbatch_outputs(self, collected, m, rows):
+        return collected.read(m)[:rows]
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 23), num=st.integers(1, 8), weighted=st.booleans())
+def test_microbatch_rows_give_the_batchs_metrics_and_loss(batch: int, num: int, weighted: bool) -> None:
+    """Micro-batch by micro-batch, each its own rows (the padded ones past B left out, micro-batches with
+    no row skipped), the metrics' state and the loss's parts are the whole batch's, for every B and M."""
+    num = min(num, batch)
+    rng = np.random.default_rng(batch * 10 + num)
+    y_pred = tf.constant(rng.uniform(size=(batch, CLASSES)), tf.float32)
+    y = tf.constant(rng.integers(0, CLASSES, batch))
+    weights = tf.constant(rng.uniform(0.2, 2.0, batch), tf.float32) if weighted else None
+    parts = Microbatches(num, [y_pred])
+    stacked = parts.stack(y_pred)  # [M, ceil(B/M), ...], the rows past B repeating real ones
+    collected = tf.TensorArray(tf.float32, size=num).unstack(stacked)
+    by_microbatch = ByMicrobatch(_Collected(num), collected, y, weights, tf.constant(batch))
+    whole, split = (keras.metrics.SparseTopKCategoricalAccuracy(k=2) for _ in range(2))
+    whole.update_state(y, y_pred, weights)
+
+    def step(m, total):
+        y_m, y_pred_m, weights_m = by_microbatch(m)
+        split.update_state(y_m, y_pred_m, weights_m)
+        return total + tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(y_m, y_pred_m))
+
+    loss = by_microbatch.run(step, tf.zeros([]))
+    np.testing.assert_allclose(split.result(), whole.result(), rtol=1e-6)
+    expected = tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(y, y_pred))
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    shares = [float(by_microbatch.share(m)) for m in range(num)]
+    assert sum(shares) == pytest.approx(1.0)
