@@ -41,6 +41,21 @@ MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 REDUCTIONS = (*MEAN_REDUCTIONS, "sum", "mean_with_sample_weight")
 
 
+def build_loss(compile_loss: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
+    """Builds Keras' CompileLoss for these tensors' structure (its entries, and with several outputs its
+    per-output loss trackers), as Keras' trainer builds it: on symbolic tensors, leaving no ops behind."""
+    if not compile_loss.built:
+        symbolic = keras.tree.map_structure(
+            lambda t: None if t is None else keras.KerasTensor(t.shape, t.dtype), (y, y_pred, sample_weight)
+        )
+        compute_output_spec(compile_loss, *symbolic)
+
+
+def splits_exactly(compile_loss: Any) -> bool:
+    """Whether every entry of a built CompileLoss reduces in a way ``microbatch_part`` splits exactly."""
+    return all(getattr(entry.loss, "reduction", None) in REDUCTIONS for entry in loss_entries(compile_loss))
+
+
 def microbatch_part(
     compile_loss: Any,
     y: Any,
@@ -68,11 +83,7 @@ def microbatch_part(
             "PipelinedModel needs a loss to train: compile(loss=...). Losses that layers add (add_loss, "
             "activity regularizers) are added to it; they cannot stand in for it."
         )
-    if not compile_loss.built:  # as Keras' trainer builds it: on symbolic tensors, leaving no ops behind
-        symbolic = keras.tree.map_structure(
-            lambda t: None if t is None else keras.KerasTensor(t.shape, t.dtype), (y, y_pred, sample_weight)
-        )
-        compute_output_spec(compile_loss, *symbolic)
+    build_loss(compile_loss, y, y_pred, sample_weight)
     masked = any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred))
     factors = [
         _factor(entry, masked, sample_weight, share, weight_sums, num_replicas)

@@ -43,7 +43,7 @@ from profiles.internals import (
 )
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
-from runtime.losses import microbatch_part
+from runtime.losses import build_loss, microbatch_part, splits_exactly
 from runtime.metrics import ByMicrobatch, sums_over_rows
 from runtime.optimizer_state import (
     compile_like,
@@ -291,9 +291,13 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         the caller stacks the outputs, as Keras takes them."""
         executor = self._state.executor
         metrics, loss = compile_metrics(self), compile_loss(self)
-        if executor.num_microbatches == 1 or y is None or executor.mask is not None or (loss and loss.metrics):
+        if executor.num_microbatches == 1 or y is None or executor.mask is not None:
             return None
         by_microbatch = ByMicrobatch(executor, collected, y, sample_weight, batch)
+        if loss is not None:  # built (evaluate may come first) to know its per-output trackers
+            build_loss(loss, *by_microbatch(0))
+            if loss.metrics or not splits_exactly(loss):
+                return None
         if metrics is not None:
             if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes
                 metrics.build(*by_microbatch(0)[:2])

@@ -171,3 +171,68 @@ def test_microbatch_rows_give_the_batchs_metrics_and_loss(batch: int, num: int, 
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     shares = [float(by_microbatch.share(m)) for m in range(num)]
     assert sum(shares) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_evaluate_first_matches_the_original(outputs: int, virtual_devices, monkeypatch) -> None:
+    """``evaluate`` before any training step. With two outputs Keras logs each output's loss, from trackers
+    that exist once the compiled loss is built (Keras builds it before the first step; the runtime builds
+    it too before choosing the micro-batch path, which would leave them out): the stacked path. With one
+    output, the micro-batch path."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="features")
+    x = keras.layers.Dense(12, activation="tanh", name="first")(inputs)
+    heads = [keras.layers.Dense(CLASSES, activation="softmax", name=f"head{i}")(x) for i in range(outputs)]
+    model = keras.Model(inputs, heads if outputs > 1 else heads[0])
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model,
+        devices=virtual_devices[:2],
+        batch_size=BATCH,
+        num_microbatches=4,
+        pins={"features": virtual_devices[0], "head0": virtual_devices[1]},
+    )
+    rng = np.random.default_rng(5)
+    data = rng.normal(size=(ROWS, 6)).astype("float32")
+    y = rng.integers(0, CLASSES, ROWS)
+    targets = [y] * outputs if outputs > 1 else y
+    updates = []
+    run = ByMicrobatch.run
+    monkeypatch.setattr(ByMicrobatch, "run", lambda *a: updates.append(1) or run(*a))
+    results = []
+    for each in (reference, wrapped):
+        each.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"] * outputs)
+        results.append(each.evaluate(data, targets, batch_size=BATCH, verbose=0, return_dict=True))
+    expected, logged = results
+    assert bool(updates) == (outputs == 1)
+    assert sorted(logged) == sorted(expected) and (outputs == 1 or "head1_loss" in logged)
+    for key, value in expected.items():
+        np.testing.assert_allclose(logged[key], value, rtol=1e-5, err_msg=key)
+
+
+def test_evaluate_with_an_unreduced_loss_matches_the_original(virtual_devices) -> None:
+    """A loss with reduction=None has no exact split into micro-batches (training refuses it): ``evaluate``
+    takes it on the stacked batch, as Keras does, instead of failing."""
+    keras.utils.set_random_seed(0)
+    model = _model()
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model,
+        devices=virtual_devices[:2],
+        batch_size=BATCH,
+        num_microbatches=4,
+        pins={"first": virtual_devices[0], "head": virtual_devices[1]},
+    )
+    rng = np.random.default_rng(6)
+    data, y = rng.normal(size=(ROWS, 6)).astype("float32"), rng.integers(0, CLASSES, ROWS)
+    results = []
+    for each in (reference, wrapped):
+        loss = keras.losses.SparseCategoricalCrossentropy(reduction=None)
+        each.compile(optimizer="sgd", loss=loss, metrics=["accuracy"])
+        results.append(each.evaluate(data, y, batch_size=BATCH, verbose=0, return_dict=True))
+    expected, logged = results
+    assert sorted(logged) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(logged[key], value, rtol=1e-5, err_msg=key)
