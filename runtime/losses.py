@@ -51,6 +51,13 @@ def build_loss(compile_loss: Any, y: Any, y_pred: Any, sample_weight: Any) -> No
         compute_output_spec(compile_loss, *symbolic)
 
 
+def weight_sums(sample_weight: Any) -> Any:
+    """Each leaf of a batch's sample weights summed (float32), as ``microbatch_part`` takes them (None stays None)."""
+    return keras.tree.map_structure(
+        lambda w: None if w is None else tf.reduce_sum(tf.cast(w, tf.float32)), sample_weight
+    )
+
+
 def splits_exactly(compile_loss: Any) -> bool:
     """Whether every entry of a built CompileLoss reduces in a way ``microbatch_part`` splits exactly."""
     return all(getattr(entry.loss, "reduction", None) in REDUCTIONS for entry in loss_entries(compile_loss))

@@ -43,7 +43,7 @@ from profiles.internals import (
 )
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
-from runtime.losses import build_loss, microbatch_part, splits_exactly
+from runtime.losses import build_loss, microbatch_part, splits_exactly, weight_sums
 from runtime.metrics import ByMicrobatch, sums_over_rows
 from runtime.optimizer_state import (
     compile_like,
@@ -275,8 +275,11 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
             loss_tracker(self).update_state(loss, sample_weight=batch)
-            by_microbatch = self._by_microbatch(y, collected, batch, sample_weight)
-            if by_microbatch is not None and compile_metrics(self) is not None:
+            # without compiled metrics nothing reads the outputs here (the stack below is pruned)
+            by_microbatch = (
+                self._by_microbatch(y, collected, batch, sample_weight) if compile_metrics(self) is not None else None
+            )
+            if by_microbatch is not None:
                 by_microbatch.run(self._update_metrics(by_microbatch), tf.zeros([]))
                 return self.get_metrics_result()
             y_pred = _own_rows(executor.model_outputs(collected), batch)
@@ -308,14 +311,12 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
     def _evaluate_microbatch(self, by_microbatch: ByMicrobatch) -> Any:
         """A ``ByMicrobatch.run`` step that adds micro-batch m's part of the batch's compiled loss to the
         total (``microbatch_part``: the parts sum to Keras' loss of the batch) and updates the metrics."""
-        weight_sums = keras.tree.map_structure(
-            lambda w: None if w is None else tf.reduce_sum(tf.cast(w, tf.float32)), by_microbatch.sample_weight
-        )
+        sums = weight_sums(by_microbatch.sample_weight)
         metrics = compile_metrics(self)
 
         def step(m: Any, total: tf.Tensor) -> tf.Tensor:
             y, y_pred, sample_weight = by_microbatch(m)
-            part = microbatch_part(compile_loss(self), y, y_pred, sample_weight, by_microbatch.share(m), weight_sums)
+            part = microbatch_part(compile_loss(self), y, y_pred, sample_weight, by_microbatch.share(m), sums)
             if metrics is not None:
                 metrics.update_state(y, y_pred, sample_weight)
             return total + tf.cast(part, total.dtype)
@@ -348,7 +349,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
             # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
             # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
-            by_microbatch = self._by_microbatch(y, collected, batch, sample_weight) if compile_loss(self) else None
+            by_microbatch = (
+                self._by_microbatch(y, collected, batch, sample_weight) if compile_loss(self) is not None else None
+            )
             if by_microbatch is not None:  # each micro-batch's part of the loss, summed, and its metrics
                 loss, y_pred = by_microbatch.run(self._evaluate_microbatch(by_microbatch), tf.zeros([])), None
             else:

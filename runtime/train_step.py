@@ -29,7 +29,7 @@ import tensorflow as tf
 from partitioner.errors import InputError
 from profiles.internals import flatten_layers
 from runtime.batchnorm import combine, update_moving_statistics
-from runtime.losses import weight_penalty
+from runtime.losses import weight_penalty, weight_sums
 from runtime.microbatches import Microbatches, collect, collector, take, unstacked
 from runtime.stages import Stage
 
@@ -85,9 +85,7 @@ class TrainStep:
         self.y = self.parts.stack(y)
         self.weights = self.parts.stack(sample_weight)
         with tf.device(executor.stages[-1].device):  # the whole batch's weights, where the loss is
-            self.weight_sums = keras.tree.map_structure(
-                lambda w: None if w is None else tf.reduce_sum(tf.cast(w, tf.float32)), sample_weight
-            )
+            self.weight_sums = weight_sums(sample_weight)
         self.traced = executor.trace("forward", self.parts)
         self.windows = executor.windows()
         self.model_inputs = {id(t) for t in executor.model.inputs}
