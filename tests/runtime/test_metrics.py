@@ -94,35 +94,46 @@ def _fit(model: keras.Model, compiled: dict, loss: str, one_hot: bool, weighted:
     return model.fit(x, y, validation_data=validation, **options).history
 
 
+def _pair(model: keras.Model, devices: list[str], first: str, last: str) -> tuple[keras.Model, keras.Model]:
+    """The original (a copy with its weights) and the model wrapped on 2 stages, ``first`` and ``last`` pinned
+    to one device each, M = 4."""
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    pins = {first: devices[0], last: devices[1]}
+    wrapped = plan_and_wrap(model, devices=devices[:2], batch_size=BATCH, num_microbatches=4, pins=pins)
+    assert wrapped.plan.num_stages == 2
+    return reference, wrapped
+
+
+def _runs(monkeypatch) -> list[int]:
+    """Grows by one each time a step takes the micro-batch path (``ByMicrobatch.run``, once per trace)."""
+    runs: list[int] = []
+    run = ByMicrobatch.run
+    monkeypatch.setattr(ByMicrobatch, "run", lambda *a: runs.append(1) or run(*a))
+    return runs
+
+
+def _assert_same_logs(logged: dict, expected: dict, atol: float = 0.0) -> None:
+    assert sorted(logged) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(logged[key], value, rtol=1e-5, atol=atol, err_msg=key)
+
+
 @pytest.mark.parametrize(
     ("case", "by_microbatch"),
     [("sparse", True), ("sparse_weighted", True), ("one_hot", True), ("user_metric", False)],
 )
 def test_logged_metrics_match_the_original(case: str, by_microbatch: bool, virtual_devices, monkeypatch) -> None:
     keras.utils.set_random_seed(0)
-    model = _model()
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    wrapped = plan_and_wrap(
-        model,
-        devices=virtual_devices[:2],
-        batch_size=BATCH,
-        num_microbatches=4,
-        pins={"first": virtual_devices[0], "head": virtual_devices[1]},
-    )
-    assert wrapped.plan.num_stages == 2
-    updates = []
-    run = ByMicrobatch.run
-    monkeypatch.setattr(ByMicrobatch, "run", lambda *a: updates.append(1) or run(*a))
+    reference, wrapped = _pair(_model(), virtual_devices, "first", "head")
+    updates = _runs(monkeypatch)
     one_hot = case == "one_hot"
     loss = "categorical_crossentropy" if one_hot else "sparse_categorical_crossentropy"
     weighted = case == "sparse_weighted"
     expected = _fit(reference, _compiled(case), loss, one_hot, weighted)
     history = _fit(wrapped, _compiled(case), loss, one_hot, weighted)
     assert bool(updates) == by_microbatch  # traced once per function: the path the step took
-    assert sorted(history) == sorted(expected)
-    for key, values in expected.items():
-        np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    _assert_same_logs(history, expected, atol=1e-6)
 
 
 def test_which_metrics_sum_over_rows() -> None:
@@ -184,47 +195,27 @@ def test_evaluate_first_matches_the_original(outputs: int, virtual_devices, monk
     x = keras.layers.Dense(12, activation="tanh", name="first")(inputs)
     heads = [keras.layers.Dense(CLASSES, activation="softmax", name=f"head{i}")(x) for i in range(outputs)]
     model = keras.Model(inputs, heads if outputs > 1 else heads[0])
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    wrapped = plan_and_wrap(
-        model,
-        devices=virtual_devices[:2],
-        batch_size=BATCH,
-        num_microbatches=4,
-        pins={"features": virtual_devices[0], "head0": virtual_devices[1]},
-    )
+    reference, wrapped = _pair(model, virtual_devices, "features", "head0")
     rng = np.random.default_rng(5)
     data = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.integers(0, CLASSES, ROWS)
     targets = [y] * outputs if outputs > 1 else y
-    updates = []
-    run = ByMicrobatch.run
-    monkeypatch.setattr(ByMicrobatch, "run", lambda *a: updates.append(1) or run(*a))
+    updates = _runs(monkeypatch)
     results = []
     for each in (reference, wrapped):
         each.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"] * outputs)
         results.append(each.evaluate(data, targets, batch_size=BATCH, verbose=0, return_dict=True))
     expected, logged = results
     assert bool(updates) == (outputs == 1)
-    assert sorted(logged) == sorted(expected) and (outputs == 1 or "head1_loss" in logged)
-    for key, value in expected.items():
-        np.testing.assert_allclose(logged[key], value, rtol=1e-5, err_msg=key)
+    assert outputs == 1 or "head1_loss" in logged
+    _assert_same_logs(logged, expected)
 
 
 def test_evaluate_with_an_unreduced_loss_matches_the_original(virtual_devices) -> None:
     """A loss with reduction=None has no exact split into micro-batches (training refuses it): ``evaluate``
     takes it on the stacked batch, as Keras does, instead of failing."""
     keras.utils.set_random_seed(0)
-    model = _model()
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    wrapped = plan_and_wrap(
-        model,
-        devices=virtual_devices[:2],
-        batch_size=BATCH,
-        num_microbatches=4,
-        pins={"first": virtual_devices[0], "head": virtual_devices[1]},
-    )
+    reference, wrapped = _pair(_model(), virtual_devices, "first", "head")
     rng = np.random.default_rng(6)
     data, y = rng.normal(size=(ROWS, 6)).astype("float32"), rng.integers(0, CLASSES, ROWS)
     results = []
@@ -233,6 +224,4 @@ def test_evaluate_with_an_unreduced_loss_matches_the_original(virtual_devices) -
         each.compile(optimizer="sgd", loss=loss, metrics=["accuracy"])
         results.append(each.evaluate(data, y, batch_size=BATCH, verbose=0, return_dict=True))
     expected, logged = results
-    assert sorted(logged) == sorted(expected)
-    for key, value in expected.items():
-        np.testing.assert_allclose(logged[key], value, rtol=1e-5, err_msg=key)
+    _assert_same_logs(logged, expected)
