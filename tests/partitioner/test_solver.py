@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from graphs import (
@@ -29,6 +30,7 @@ from partitioner.errors import (
 )
 from partitioner.graph import colocation_groups, load_graph
 from partitioner.search import solve as solver_module
+from partitioner.search.exhaustive import against_every_plan
 
 G0, G1, G2, G3 = "/GPU:0", "/GPU:1", "/GPU:2", "/GPU:3"
 
@@ -66,14 +68,46 @@ def test_solve_matches_exact_chain_on_random_chains(problem):
             pt.solve(graph, cluster, num_microbatches=num_microbatches, options=CP_SAT_ONLY, time_limit_s=10)
         assert not isinstance(raised.value, SolverTimeoutError)
         return
-    plan = pt.solve(graph, cluster, num_microbatches=num_microbatches, options=CP_SAT_ONLY, time_limit_s=10)
+    with mock.patch.object(solver_module, "against_every_plan", wraps=against_every_plan) as judged:
+        plan = pt.solve(graph, cluster, num_microbatches=num_microbatches, options=CP_SAT_ONLY, time_limit_s=10)
     event(f"{plan.num_stages} of {cluster.num_devices} devices used")
-    assert plan.method == "cp-sat"
+    # CP-SAT's own plan, before the enumeration judged it: optimal up to its integer scaling (RESOLUTION), so
+    # the enumeration may return a plan a rounding better (method "... (better than cp-sat)"), never a worse one
+    searched = judged.call_args.args[0]
+    assert searched.method == "cp-sat"
+    assert searched.status == "optimal"
+    assert searched.bottleneck_s == pytest.approx(expected.bottleneck_s, rel=RESOLUTION)
+    assert plan.method in ("cp-sat", "every legal plan enumerated (better than cp-sat)")
     assert plan.status == "optimal"
+    assert plan.bottleneck_s <= searched.bottleneck_s
     assert plan.bottleneck_s == pytest.approx(expected.bottleneck_s, rel=RESOLUTION)
     assert plan.lower_bound_s <= plan.bottleneck_s
     assert plan.lower_bound_s <= expected.bottleneck_s * (1 + RESOLUTION)
     pt.validate_plan(plan, graph, cluster)
+
+
+def test_solve_returns_the_enumerated_plan_where_cp_sat_rounds_a_near_tie():
+    """A chain (found by the property test above) where two splits' bottlenecks differ by 9e-9 relative,
+    below CP-SAT's integer resolution: CP-SAT's "optimal" plan is the worse one, and solve returns the
+    enumeration's (the exact chain's optimum), not CP-SAT's."""
+    graph = chain(
+        [96e9, 51e9, 75e9, 34e9, 94e9, 53e9, 80e9, 29e9],
+        param_bytes=[k * KIB for k in (4, 8, 11, 6, 8, 11, 12, 4)],
+        activation_bytes=[k * KIB for k in (3, 2, 3, 2, 1, 3, 4, 2)],
+        edge_bytes=[15778, 2870, 56, 1338, 11046, 169, 31722],
+    )
+    memories, speeds = (207, 180, 104, 138), (2e12, 1e12, 1e12, 1e12)
+    cluster = pt.Cluster(
+        [
+            pt.Device(f"/GPU:{i}", memory=m * KIB, flops_per_s=f)
+            for i, (m, f) in enumerate(zip(memories, speeds, strict=True))
+        ],
+        bandwidth=1e11,
+    )
+    expected = pt.exact_chain(graph, cluster, num_microbatches=1, device_order="given", objective="bottleneck")
+    plan = pt.solve(graph, cluster, num_microbatches=1, options=CP_SAT_ONLY, time_limit_s=10)
+    assert plan.status == "optimal"
+    assert plan.bottleneck_s <= expected.bottleneck_s * (1 + 1e-12)
 
 
 @PROPERTY_SETTINGS
