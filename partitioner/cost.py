@@ -5,11 +5,12 @@ simulator, so all plans are scored by the same formulas; docs/cost-model.md writ
 one place node costs combine into a stage's is :func:`mode_cost`: a stage runs in a *mode*,
 
     mode          forward   backward              held per micro-batch in flight   held once (in a backward)
-    kept          F         B                     A (every activation)             0
-    recomputed    F         B + F (forward again) I (the stage's inputs)           A (one micro-batch's)
+    kept          F         B                     A (every activation)             G
+    recomputed    F         B + F (forward again) I (the stage's inputs)           A (one micro-batch's) + G
 
-with F, B, A summed over the stage's nodes and I the bytes of the tensors it receives, so a stage's
-figures are a node's, a coarsened unit's or a stage's alike (every term is a sum)::
+with F, B, A summed over the stage's nodes, I the bytes of the tensors it receives, and G, with M > 1
+(the runtime's loop), the gradients a backward makes of its nodes' outputs and of I (0 at M = 1), so a
+stage's figures are a node's, a coarsened unit's or a stage's alike (every term is a sum)::
 
     compute(s)    = forward + backward of the stage's mode, on its device, each pass (a forward, a backward,
                     a recomputed forward) plus the device's fixed action_overhead_s
@@ -110,26 +111,28 @@ def mode_cost(
 
     Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
     the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
-    (a kept stage's received buffers are not counted, docs/cost-model.md). ``step_bytes``, the same in
-    either mode, is what the runtime holds all step long beside the layers (:meth:`CostModel.step_bytes`).
+    (a kept stage's received buffers are not counted beside its activations, docs/cost-model.md).
+    ``step_bytes``, the same in either mode, is what the runtime holds all step long beside the layers
+    (:meth:`CostModel.step_bytes`).
 
     With ``looped`` (M > 1: the runtime's loop calls each stage's backward as a function it does not
     inline, so the activations the call reads stay alive until it returns) a running backward also holds
     the gradients it makes of one micro-batch's outputs of the nodes (``gradient_bytes`` more,
-    :func:`partitioner.graph.gradient_bytes`), in either mode: the backward's working set
-    (docs/cost-model.md, "Stage modes").
+    :func:`partitioner.graph.gradient_bytes`) and of the inputs it received (``input_bytes`` more, sent
+    back), in either mode: the backward's working set (docs/cost-model.md, "Stage modes").
 
     Example:
         >>> cost = mode_cost("recomputed", forward_s=1.0, backward_s=2.0, activation_bytes=80, input_bytes=8)
         >>> cost.backward_s, cost.held_bytes, cost.once_bytes  # one micro-batch's recomputed activations
         (3.0, 8, 80)
         >>> cost = mode_cost("recomputed", activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
-        >>> cost.once_bytes  # + the gradients the backward makes
-        110
-        >>> mode_cost("kept", activation_bytes=80, gradient_bytes=30, looped=True).once_bytes
-        30
+        >>> cost.once_bytes  # + the gradients the backward makes, of the outputs and of the inputs
+        118
+        >>> mode_cost("kept", activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True).once_bytes
+        38
     """
-    working = gradient_bytes if looped else 0  # the gradients a backward makes in the loop
+    # a backward in the loop makes the gradients of its nodes' outputs and of the inputs it received
+    working = gradient_bytes + input_bytes if looped else 0
     if mode == "kept":
         return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, working, step_bytes)
     if mode == "recomputed":
@@ -376,11 +379,13 @@ class CostModel:
 
     def input_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
         """{node: bytes} that a stage in ``mode`` holding ``num_in_flight`` micro-batches needs for receiving
-        the node's output: the saved input per micro-batch when recomputed, nothing when kept (mode_cost)."""
+        the node's output: the saved input per micro-batch when recomputed, and with M > 1 its gradient,
+        which the stage's backward makes, in either mode (mode_cost)."""
         key = (mode, num_in_flight)
         if key not in self._input_memory:
             self._input_memory[key] = {
-                u: mode_cost(mode, input_bytes=self.out_bytes[u]).memory_bytes(num_in_flight) for u in self.order
+                u: mode_cost(mode, input_bytes=self.out_bytes[u], looped=self.looped).memory_bytes(num_in_flight)
+                for u in self.order
             }
         return self._input_memory[key]
 

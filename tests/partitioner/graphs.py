@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import networkx as nx
 from hypothesis import strategies as st
@@ -154,16 +155,22 @@ def random_dag(
     return graph
 
 
-def memory_need(graph: nx.DiGraph, num_microbatches: int, optimizer_slots: int = 2) -> int:
+def memory_need(graph: nx.DiGraph, num_microbatches: int, optimizer_slots: int = 2, num_devices: int = 1) -> int:
     """Bytes the whole graph needs on one device under the cost model (weights, gradients and their sums,
-    slots, activations of M micro-batches in flight, the step's own terms): ``CostModel.node_memory_bytes``."""
+    slots, activations of M micro-batches in flight, the step's own terms): ``CostModel.node_memory_bytes``;
+    for ``num_devices`` stages, also a typical cut's tensor (the median of the nodes' outputs sent on) for
+    each stage after the first, whose backward makes its gradient (M > 1: ``CostModel.input_memory_bytes``)."""
     costs = pt.CostModel(
         graph,
         pt.Cluster.uniform(1, memory="1TiB"),
         num_microbatches=num_microbatches,
         optimizer_slots=optimizer_slots,
     )
-    return sum(costs.node_memory_bytes("kept", num_microbatches).values())
+    need = sum(costs.node_memory_bytes("kept", num_microbatches).values())
+    sent = [costs.out_bytes[v] for v in costs.order if graph.out_degree(v) > 0]
+    if costs.looped and sent and num_devices > 1:
+        need += (num_devices - 1) * int(statistics.median(sent))
+    return need
 
 
 def draw_cluster(draw: st.DrawFn, num_devices: int, need_bytes: int, headroom: float = 3.0) -> pt.Cluster:
@@ -198,7 +205,7 @@ def chain_problems(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 10, max
         edge_bytes=[draw(st.integers(0, 10**7)) for _ in range(n - 1)],
     )
     num_microbatches = draw(st.integers(1, 4))
-    return graph, draw_cluster(draw, k, memory_need(graph, num_microbatches)), num_microbatches
+    return graph, draw_cluster(draw, k, memory_need(graph, num_microbatches, num_devices=k)), num_microbatches
 
 
 @st.composite
@@ -212,7 +219,8 @@ def dag_problems(draw: st.DrawFn, max_nodes: int = 25, max_devices: int = 4, max
     )
     num_microbatches = draw(st.integers(1, 4))
     # Shared layers pull whole stretches of the graph onto one device: give DAGs more room.
-    return graph, draw_cluster(draw, k, memory_need(graph, num_microbatches), headroom=5.0), num_microbatches
+    cluster = draw_cluster(draw, k, memory_need(graph, num_microbatches, num_devices=k), headroom=5.0)
+    return graph, cluster, num_microbatches
 
 
 def brute_force(graph: nx.DiGraph, cluster: pt.Cluster, **kwargs: object) -> float | None:

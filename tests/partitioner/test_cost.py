@@ -15,6 +15,7 @@ from partitioner.graph import load_graph, rescale_graph
 from partitioner.simulate import simulate_assignment
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
+RECEIVED = 2 * 10**6  # _abc's l1 -> l2 tensor: l2's stage makes its gradient in a backward (M > 1)
 
 
 def _slow_cluster(num_devices: int = 2, **kwargs) -> Cluster:
@@ -45,8 +46,9 @@ def test_costmodel_memory_by_hand():
     costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
-    # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (4 + 1) * 30}
+    # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop, and on G1 the
+    # gradient of the 2 MB it received (its backward makes it, to send back)
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (4 + 1) * 30 + RECEIVED}
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
@@ -61,7 +63,7 @@ def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
     graph.nodes["l1"]["output_bytes"] = 5
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (4 + 1) * 30}
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (4 + 1) * 30 + RECEIVED}
     assert costs.node_cost("l1", "kept").once_bytes == 5  # a node alone prices it alike
 
 
@@ -85,9 +87,10 @@ def _abc_with_boundary() -> nx.DiGraph:
     [
         # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
         # gradients in a backward; G1: weights 300 x 5 + the collected outputs 4 x 50 + one micro-batch's 50
-        # (the loss's gradient, the metrics' temporaries) + 4 x 30 in flight + 30
-        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 5 * 30}),
-        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30}),
+        # (the loss's gradient, the metrics' temporaries) + 4 x 30 in flight + 30 and the received 2 MB's
+        # gradient in a backward
+        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 5 * 30 + RECEIVED}),
+        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED}),
     ],
 )
 def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule, expected):
@@ -98,12 +101,14 @@ def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule
 
 
 def test_costmodel_node_memory_carries_the_step_terms():
-    # what the planners budget per node is what evaluate sums per stage
+    # what the planners budget per node and per received tensor is what evaluate sums per stage
     costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     node = costs.node_memory_bytes("kept", 4)
     assert node == {"l0": 100 * 3 + 4000 + 5 * 10, "l1": 200 * 3 + 5 * 20, "l2": 300 * 3 + 250 + 5 * 30}
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: node["l2"]}
+    received = costs.input_memory_bytes("kept", 4)
+    assert received == {"l0": 10**6, "l1": RECEIVED, "l2": 0}  # a kept stage: the gradient its backward makes
+    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: node["l2"] + received["l1"]}
 
 
 def test_costmodel_input_held_where_its_node_is():
@@ -114,7 +119,7 @@ def test_costmodel_input_held_where_its_node_is():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G1, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 5 * 50}
+    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 5 * 50 + 10**6}
 
 
 def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
@@ -125,7 +130,7 @@ def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 35 + 5 * 30, G1: 300 * 3 + 250 + 35 + 5 * 30}
+    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 35 + 5 * 30, G1: 300 * 3 + 250 + 35 + 5 * 30 + RECEIVED}
 
 
 def test_costmodel_one_stage_holds_batch_and_outputs_at_one_microbatch():
@@ -143,7 +148,10 @@ def test_costmodel_graph_without_boundary_bytes_prices_none():
     graph.graph.update(model_input_bytes=1000, model_output_bytes=50)
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
-    assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {G0: 300 * 3 + 5 * 30, G1: 300 * 3 + 5 * 30}
+    assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {
+        G0: 300 * 3 + 5 * 30,
+        G1: 300 * 3 + 5 * 30 + RECEIVED,
+    }
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -72,7 +72,7 @@ def dag_step_problems(draw: st.DrawFn):
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     graph = random_dag(rng, n, skip_prob=draw(st.sampled_from([0.2, 0.5])), num_shared=draw(st.integers(0, 1)))
     m = draw(st.sampled_from([1, 2, 4, 8]))
-    cluster = draw_cluster(draw, k, memory_need(graph, m), headroom=5.0)
+    cluster = draw_cluster(draw, k, memory_need(graph, m, num_devices=k), headroom=5.0)
     return graph, cluster, m, draw(st.sampled_from(["gpipe", "1f1b"]))
 
 

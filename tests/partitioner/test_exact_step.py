@@ -75,7 +75,7 @@ def step_problems(draw: st.DrawFn):
     # Memory around what a plan holds: M micro-batches on every stage for GPipe, at most min(K, M) for
     # 1F1B (the DP budgets each stage its own min(K - s, M), as brute force counts it).
     held = m if schedule == "gpipe" else min(k, m)
-    cluster = draw_cluster(draw, k, memory_need(graph, held))
+    cluster = draw_cluster(draw, k, memory_need(graph, held, num_devices=k))
     return graph, cluster, m, schedule
 
 
@@ -139,7 +139,8 @@ def test_exact_chain_step_beats_the_least_bottleneck():
     # Least bottleneck: 2 | 2 | 2 (2 s + 1.5 s receiving a stage), step 6 + 3 + (M - 1) * (1 + 1) = 11 s.
     # Shortest step: 3 | 3, step 6 + 1.5 + (M - 1) * (1.5 + 1.5) = 10.5 s (one device alone: 12 s).
     graph = chain([1e12] * 6, edge_bytes=[75 * 10**8] * 5)
-    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=1e12, bandwidth=1e10)
+    # room for the gradient of the 7.5 GB a stage receives, which its backward makes (M > 1)
+    cluster = pt.Cluster.uniform(3, memory="16GiB", flops_per_s=1e12, bandwidth=1e10)
     step = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given")
     bottleneck = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given", objective="bottleneck")
     assert bottleneck.num_stages == 3 and bottleneck.step_time_s == pytest.approx(11.0)

@@ -19,7 +19,7 @@ from partitioner.search.threshold_search import STEP_TOLERANCE
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
 
 
-def _abc_plan(*, lower_bound_s: float | None = None, memory: str = "1GiB") -> Plan:
+def _abc_plan(*, lower_bound_s: float | None = None, memory: str | int = "1GiB") -> Plan:
     """l0 -> l1 -> l2 (2, 4, 6 s on 1 GFLOP/s) cut after l1; l2 receives 2 MB at 1 MB/s."""
     graph = chain([2e9, 4e9, 6e9], param_bytes=[100, 200, 300], activation_bytes=[10, 20, 30], edge_bytes=[10**6, 2e6])
     cluster = pt.Cluster.uniform(3, memory=memory, flops_per_s=1e9, bandwidth=1e6)
@@ -35,7 +35,7 @@ def plans() -> dict[str, Plan]:
     """One plan from every method, on the same small chain (and one DAG)."""
     graph = chain([3e9, 1e9, 2e9, 2e9, 5e9], param_bytes=[1024] * 5, edge_bytes=[4096] * 4)
     graph.graph["model_name"] = "toy chain"
-    cluster = pt.Cluster.uniform(3, memory="1MiB", flops_per_s=1e12, bandwidth="10GB/s")
+    cluster = pt.Cluster.uniform(3, memory="64MiB", flops_per_s=1e12, bandwidth="10GB/s")
     dag = random_dag(random.Random(1), 12)
     made = {
         "solve": pt.solve(graph, cluster, num_microbatches=4, time_limit_s=10),
@@ -243,9 +243,11 @@ def test_plan_without_a_step_bound_loads_from_older_files(plans):
 def test_plan_fits_memory():
     assert _abc_plan().fits_memory
     # G0 holds l0 and l1: (100 + 200) * 5 + (4 + 1) * (10 + 20) = 1650 bytes (weights, gradient, the
-    # micro-batch's gradient beside the sum, 2 Adam slots; 4 micro-batches' activations and one's gradients).
-    assert _abc_plan(memory=1650).fits_memory
-    assert not _abc_plan(memory=1649).fits_memory
+    # micro-batch's gradient beside the sum, 2 Adam slots; 4 micro-batches' activations and one's gradients);
+    # G2 holds l2: 300 * 5 + (4 + 1) * 30 and the gradient of the 2 MB it receives = 2,001,650 bytes.
+    assert _abc_plan().memory_bytes == {G0: 1650, G1: 0, G2: 2_001_650}
+    assert _abc_plan(memory=2_001_650).fits_memory
+    assert not _abc_plan(memory=2_001_649).fits_memory
 
 
 def test_plan_exact_chain_gap_is_within_the_search_tolerance(plans):

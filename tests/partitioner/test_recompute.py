@@ -53,10 +53,11 @@ def test_mode_cost_by_hand():
     assert again.compute_s == 4.0
     assert again.memory_bytes(4) == 7 + 4 * 8 + 80  # inputs x in flight + one micro-batch's activations
     # in the runtime's loop (M > 1) a backward also holds the gradients it makes of one micro-batch's outputs
+    # (30) and of the inputs it received (8), in either mode
     looped = mode_cost("kept", weight_bytes=7, activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
-    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (80, 30, 7 + 4 * 80 + 30)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (80, 38, 7 + 4 * 80 + 38)
     looped = mode_cost("recomputed", weight_bytes=7, activation_bytes=80, input_bytes=8, gradient_bytes=30, looped=True)
-    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (8, 110, 7 + 4 * 8 + 80 + 30)
+    assert (looped.held_bytes, looped.once_bytes, looped.memory_bytes(4)) == (8, 118, 7 + 4 * 8 + 80 + 38)
     unlooped = mode_cost("kept", activation_bytes=80, gradient_bytes=30)  # M = 1: inlined, freed as it goes
     assert unlooped.once_bytes == 0
     with pytest.raises(InputError, match=r"mode must be one of \('kept', 'recomputed'\). Received: 'offloaded'"):
@@ -73,13 +74,13 @@ def test_costmodel_recomputed_stages_by_hand():
     assert ev.compute_times[G0] == pytest.approx(1.0 + 2.0 + 1.0)
     assert ev.compute_times[G2] == pytest.approx(3.0)  # kept
     # weights * 5 (weights, gradient, the micro-batch's beside the sum, 2 Adam slots) + M * received bytes
-    # + one micro-batch's activations and, in the loop (M > 1), their gradients
-    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000)
+    # + one micro-batch's activations and, in the loop (M > 1), their gradients and the received input's
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000) + 1000
     assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
-    assert ev.memory_bytes[G2] == 400 * 5 + (4 + 1) * 40_000  # kept: M in flight + the gradients
+    assert ev.memory_bytes[G2] == 400 * 5 + (4 + 1) * 40_000 + 3000  # kept: M in flight + the gradients
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
-    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000)
+    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000) + 1000
     assert kept.compute_times[G1] == pytest.approx(9.0)
 
 
@@ -87,7 +88,7 @@ def test_costmodel_recompute_under_1f1b_counts_each_stages_in_flight():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=8, schedule="1f1b", recompute="always")
     ev = costs.evaluate(SPLIT)
     assert ev.in_flight == {G0: 3, G1: 2, G2: 1}
-    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000)
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000) + 1000
 
 
 def test_costmodel_recompute_given_per_stage():
@@ -104,12 +105,13 @@ def test_costmodel_recompute_given_per_stage():
 
 
 def test_costmodel_auto_recomputes_exactly_the_stages_that_do_not_fit():
-    # Kept, G1 needs 2500 + (4 + 1) * 50,000 = 252,500 B; recomputed 2500 + 4000 + 2 * 50,000 = 106,500 B.
+    # Kept, G1 needs 2500 + (4 + 1) * 50,000 + 1000 = 253,500 B; recomputed 2500 + 4000 + 2 * 50,000 + 1000
+    # = 107,500 B (the received 1000 B's gradient in a backward, either mode).
     devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=150_000), pt.Device(G2, memory=10**6)]
     costs = CostModel(_abcd(), pt.Cluster(devices, bandwidth=1e6), num_microbatches=4, recompute="auto")
     ev = costs.evaluate(SPLIT)
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G1] == 106_500 and costs.fits(ev)
+    assert ev.memory_bytes[G1] == 107_500 and costs.fits(ev)
     # The last stage stays kept even when it does not fit.
     tight_last = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=10**6), pt.Device(G2, memory=1000)]
     costs = CostModel(_abcd(), pt.Cluster(tight_last, bandwidth=1e6), num_microbatches=4, recompute="auto")
@@ -140,12 +142,12 @@ def test_simulated_recomputed_stage_by_hand(schedule):
         assert spans == pytest.approx([expected] * 4)
     held = sim.peak_in_flight[G1]
     assert held == (4 if schedule == "gpipe" else 2)
-    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000)
-    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000
+    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000) + 1000
+    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000 + 3000
     # The same plan without recomputation: shorter, and it holds every activation.
     kept = pt.simulate(plan, graph, cluster, recompute="never")
     assert kept.step_time_s < sim.step_time_s
-    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000)
+    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000) + 1000
 
 
 def test_plan_step_time_is_the_recomputed_simulation():
@@ -225,9 +227,10 @@ def test_solve_auto_recomputes_only_when_memory_needs_it(exact_chains):
     auto = pt.solve(graph, roomy, num_microbatches=4, options=options, recompute="auto")
     assert auto.recompute == (False,) * auto.num_stages  # it fits: nothing recomputed
     assert auto.bottleneck_s == pytest.approx(never.bottleneck_s)
-    # Kept, a layer needs 400 KB: none fits the first two devices (250 KB), and all four need 1.6 MB of
-    # the last (1 MB). Recomputed, a layer needs 100 KB + 4 KB of inputs; the last stage stays kept.
-    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 10**6])]
+    # Kept, a layer needs 500 KB (4 in flight and the gradients a backward makes): none fits the first two
+    # devices (250 KB), and all four need 2 MB of the last (1.1 MB). Recomputed, a layer needs 200 KB + 4 KB
+    # of inputs + 1 KB of their gradient; the last stage stays kept (two layers: 1 MB + 1 KB).
+    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 1_100_000])]
     tight = pt.Cluster(devices, bandwidth=1e6)
     with pytest.raises(InfeasiblePlanError, match=r"Plan with recompute='auto'"):
         pt.solve(graph, tight, num_microbatches=4, options=options)
@@ -246,12 +249,13 @@ def test_baselines_take_the_recompute_policy(recompute):
     plan = pt.baselines.uniform(graph, _slow_cluster(4), num_microbatches=4, recompute=recompute)
     assert plan.recompute == ((True, True, True, False) if recompute == "always" else (False,) * 4)
     # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1000 + (8 + 1) * 20,000 B > 100,000 B on G1;
-    # recomputed 1000 + 8 * 1000 + 2 * 20,000 B (weights 200 B x 5: with its gradient, the sum's second
-    # copy, Adam; one micro-batch's activations and, in the loop, their gradients).
+    # recomputed 1000 + 8 * 1000 + 2 * 20,000 + 1000 B (weights 200 B x 5: with its gradient, the sum's
+    # second copy, Adam; one micro-batch's activations and, in the loop, their gradients and the received
+    # input's).
     plan = pt.baselines.by_time(graph, cluster, num_microbatches=8, recompute=recompute)
     assert plan.assignment == {"l0": G0, "l1": G1, "l2": G2, "l3": G2}
     assert plan.recompute == ((True, True, False) if recompute == "always" else (False, True, False))
-    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 2 * 20_000
+    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 2 * 20_000 + 1000
 
 
 def _recompute_problem(draw: st.DrawFn, *, dag: bool):
@@ -443,7 +447,7 @@ def test_solver_timeout_suggests_recompute_when_a_split_fits_with_it():
     from partitioner.search import solve as solver
 
     graph = chain([3e9] * 4, param_bytes=[0] * 4, activation_bytes=[100_000] * 4, edge_bytes=[1000] * 3)
-    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 10**6])]
+    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 1_100_000])]
     costs = CostModel(graph, pt.Cluster(devices, bandwidth=1e6), num_microbatches=4)
     assert "recompute='auto'" in str(solver._timeout_error(costs, 1.0, {}))
     tiny = CostModel(graph, _slow_cluster(3, memory=10**3), num_microbatches=4)  # fits neither way

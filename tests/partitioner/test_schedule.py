@@ -299,9 +299,11 @@ def test_1f1b_memory_is_each_stages_own_and_at_most_gpipes(num_stages, num_micro
     weights = KIB * (3 + gpipe.optimizer_slots)  # weights, gradient and its micro-batch's beside the sum (M > 1), slots
     for s, device in enumerate(gpipe.stages):
         held = min(num_stages - s, num_microbatches)
-        # the micro-batches held, and one micro-batch's activation gradients while a backward runs (M > 1)
-        assert one_f_one_b.memory_bytes[device] == weights + (held + 1) * 64 * KIB
-        assert gpipe.memory_bytes[device] == weights + (num_microbatches + 1) * 64 * KIB
+        received = KIB if s > 0 else 0
+        # the micro-batches held, and one micro-batch's activation gradients and its received input's while
+        # a backward runs (M > 1)
+        assert one_f_one_b.memory_bytes[device] == weights + (held + 1) * 64 * KIB + received
+        assert gpipe.memory_bytes[device] == weights + (num_microbatches + 1) * 64 * KIB + received
         assert one_f_one_b.memory_bytes[device] <= gpipe.memory_bytes[device]
     sim = pt.simulate(one_f_one_b, graph, cluster)  # the plan's own schedule
     assert sim.schedule == "1f1b"

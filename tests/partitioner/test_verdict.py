@@ -194,7 +194,7 @@ def _least_step(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int) -
     return least
 
 
-TIGHT_SEEDS = (1, 0, 3, 4, 5, 8, 9, 10, 12, 13, 14, 15)  # problems that fit, each "feasible" with a gap of 5-48% before
+TIGHT_SEEDS = (1, 0, 3, 8, 10, 13, 14, 15, 18, 19, 20, 21)  # problems that fit, each "feasible" with a gap before
 
 
 @pytest.mark.parametrize("seed", TIGHT_SEEDS)
