@@ -57,6 +57,7 @@ class ExecutedNode:
     device: str  # e.g. '/device:CPU:1'
     inputs: tuple[str, ...] = ()  # the nodes feeding its data inputs, all in its partition (graph and device)
     calls: str = ""  # for a function call node, the function it runs (an XLA-compiled one lists no body)
+    dtype: str = ""  # the type it is instantiated for (attribute T), e.g. 'DT_VARIANT' for a _Send of a TensorList
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ def _dumps_to_temporary_folder() -> Iterator[Path]:
 
 
 def _read_dumps(folder: Path) -> list[ExecutedNode]:
-    from tensorflow.core.framework import graph_pb2
+    from tensorflow.core.framework import graph_pb2, types_pb2
 
     nodes: dict[ExecutedNode, None] = {}  # an ordered set
     for path in sorted(folder.iterdir()):
@@ -306,5 +307,6 @@ def _read_dumps(folder: Path) -> list[ExecutedNode]:
         for node in graph_def.node:
             inputs = tuple(i.split(":")[0] for i in node.input if not i.startswith("^"))
             calls = node.attr["f"].func.name if "f" in node.attr else ""
-            nodes[ExecutedNode(match["graph"], node.name, node.op, canonical(node.device), inputs, calls)] = None
+            dtype = types_pb2.DataType.Name(node.attr["T"].type) if "T" in node.attr else ""
+            nodes[ExecutedNode(match["graph"], node.name, node.op, canonical(node.device), inputs, calls, dtype)] = None
     return list(nodes)

@@ -279,8 +279,8 @@ class Executor:
         traced = self.trace("inference", parts, losses)
         last = self.programs[-1]
         returned = traced[-1][len(last.stage.outputs) :][: len(self.loss_tensors)]
-        collected = [collector(spec, self.num_microbatches) for spec in returned]
-        with tf.device(last.stage.device):
+        with tf.device(last.stage.device):  # where the collectors are written (microbatches.collector)
+            collected = [collector(spec, self.num_microbatches) for spec in returned]
             carry = {"outputs": collected, "layer_loss": tf.zeros([])}
         has_layer_losses = []
 

@@ -19,12 +19,14 @@ Keras does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from partitioner.units import format_bytes
 from profiles.internals import metric_function
 from runtime.microbatches import own_rows
 
@@ -46,6 +48,38 @@ def sums_over_rows(metric: Any) -> bool:
         module = getattr(metric_function(metric), "__module__", None) or ""
         return module.startswith(_KERAS_FUNCTIONS)
     return True
+
+
+def _what(metric: Any) -> str:
+    """The class of a metric, or for a ``MeanMetricWrapper`` the function it wraps."""
+    if isinstance(metric, keras.metrics.MeanMetricWrapper):
+        function = metric_function(metric)
+        module, name = getattr(function, "__module__", "?"), getattr(function, "__qualname__", repr(function))
+        return f"a MeanMetricWrapper of {module}.{name}"
+    return f"{type(metric).__module__}.{type(metric).__qualname__}"
+
+
+def warn_stacked(metrics: Sequence[Any], executor: Any, collected: Sequence[Any]) -> None:
+    """Warns that ``metrics`` (ones that do not sum over rows) are updated on the stacked outputs: M
+    micro-batches of the model's outputs on the last stage after the loop, which the plan does not count."""
+    num = executor.num_microbatches
+    shapes = [(c.element_shape, c.dtype.size) for c in collected[: len(executor.model.outputs)]]
+    if all(shape[1:].is_fully_defined() for shape, _ in shapes):
+        per_row = sum(shape[1:].num_elements() * size for shape, size in shapes)
+        rows = {shape[0] for shape, _ in shapes}
+        known = None not in rows and len(rows) == 1
+        amount = format_bytes(num * rows.pop() * per_row) if known else f"{format_bytes(per_row)} a row of the batch"
+    else:
+        amount = "the outputs of the whole batch"
+    names = ", ".join(f"'{m.name}' ({_what(m)})" for m in metrics)
+    warnings.warn(
+        f"Metric {names} is not one of Keras' own, whose state the runtime updates micro-batch by micro-batch "
+        "(runtime.metrics.sums_over_rows): it is updated on the whole batch, as Keras does, so after the loop "
+        f"the last stage ({executor.stages[-1].device}) stacks the model's outputs of all {num} micro-batches "
+        f"({amount}), memory the plan does not count. Use Keras' metric classes (keras.metrics), or leave room on that "
+        "device (plan_and_wrap(memory_headroom=...)).",
+        stacklevel=3,
+    )
 
 
 class ByMicrobatch:

@@ -92,7 +92,12 @@ def own_rows(batch: Any, size: Any, m: Any) -> tf.Tensor:
 
 def collector(spec: tf.TensorSpec, num_microbatches: int) -> Any:
     """Where the iterations leave one tensor each: a TensorArray in the loop; unlooped (M = 1), None
-    (``collect`` then keeps the tensor itself)."""
+    (``collect`` then keeps the tensor itself).
+
+    Make it under the device of the stage that writes it: the loop carries it from iteration to iteration
+    where it was made (the lowered loop's Enter, Merge and Switch of a loop variable sit on its input's
+    device), and a TensorArray carried on another device crosses to the writer and back in every
+    iteration, which on GPUs copies every tensor written so far (M^2 copies of the outputs a step)."""
     if num_microbatches == 1:
         return None
     return tf.TensorArray(spec.dtype, size=num_microbatches, element_shape=spec.shape)

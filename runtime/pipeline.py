@@ -44,7 +44,7 @@ from profiles.internals import (
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import build_loss, microbatch_part, splits_exactly, weight_sums
-from runtime.metrics import ByMicrobatch, sums_over_rows
+from runtime.metrics import ByMicrobatch, sums_over_rows, warn_stacked
 from runtime.optimizer_state import (
     compile_like,
     copy_optimizer_state,
@@ -304,7 +304,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         if metrics is not None:
             if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes
                 metrics.build(*by_microbatch(0)[:2])
-            if not all(sums_over_rows(metric) for metric in metrics.metrics):
+            others = [metric for metric in metrics.metrics if not sums_over_rows(metric)]
+            if others:
+                warn_stacked(others, executor, collected)
                 return None
         return by_microbatch
 

@@ -102,7 +102,13 @@ class TrainStep:
         collectors = []
         for program, results in zip(executor.programs, self.traced):
             stats = program.split(results)[2]
-            collectors.append([[collector(spec, executor.num_microbatches) for spec in moments] for moments in stats])
+            with tf.device(program.stage.device):  # where they are written (microbatches.collector)
+                collectors.append([[collector(spec, executor.num_microbatches) for spec in m] for m in stats])
+        with tf.device(last.stage.device):
+            outputs = [
+                collector(spec, executor.num_microbatches)
+                for spec in self.traced[-1][len(last.stage.outputs) :][: len(executor.loss_tensors)]
+            ]
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
             # a recomputing stage's backwards one after the other: each holds a micro-batch's activations
@@ -117,10 +123,7 @@ class TrainStep:
             # per stage and embedding variable: the micro-batches' sparse gradient rows, kept apart
             "rows": [{} for _ in executor.stages],
             "statistics": collectors,
-            "outputs": [
-                collector(spec, executor.num_microbatches)
-                for spec in self.traced[-1][len(last.stage.outputs) :][: len(executor.loss_tensors)]
-            ],
+            "outputs": outputs,
             "loss": None,
             "layer_loss": None,
             "steps": None,
@@ -350,7 +353,8 @@ class TrainStep:
         for program, collected in zip(executor.programs, carry["statistics"]):
             moments: dict[int, tuple[Any, list[Any]]] = {}
             for layer, collectors in zip(program.deferred_layers, collected):
-                parts = [unstacked(c, executor.num_microbatches) for c in collectors]
+                with tf.device(program.stage.device):  # read where they were written
+                    parts = [unstacked(c, executor.num_microbatches) for c in collectors]
                 moments.setdefault(id(layer), (layer, []))[1].extend(list(x) for x in zip(*parts))
             statistics.append(list(moments.values()))
         if executor.collectives:

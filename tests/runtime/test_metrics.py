@@ -9,6 +9,9 @@ and never stacks the outputs; a metric of the user's takes the stacked batch.
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -131,8 +134,19 @@ def test_logged_metrics_match_the_original(case: str, by_microbatch: bool, virtu
     loss = "categorical_crossentropy" if one_hot else "sparse_categorical_crossentropy"
     weighted = case == "sparse_weighted"
     expected = _fit(reference, _compiled(case), loss, one_hot, weighted)
-    history = _fit(wrapped, _compiled(case), loss, one_hot, weighted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = _fit(wrapped, _compiled(case), loss, one_hot, weighted)
     assert bool(updates) == by_microbatch  # traced once per function: the path the step took
+    # the stacked path says what it holds that the plan does not count, naming the metric
+    stacked = [str(w.message) for w in caught if "stacks the model's outputs" in str(w.message)]
+    assert bool(stacked) != by_microbatch
+    if stacked:
+        assert re.match(
+            r"Metric 'batch_maximum' \(\S*test_metrics\.BatchMaximum\) is not one of Keras' own.* the last stage "
+            r"\(/device:CPU:\d\) stacks the model's outputs of all 4 micro-batches \(12 B a row of the batch\)",
+            stacked[0],
+        ), stacked[0]
     _assert_same_logs(history, expected, atol=1e-6)
 
 

@@ -311,3 +311,24 @@ def test_each_input_is_split_on_its_input_layers_device(virtual_devices) -> None
     splits = [canonical(op.device) for op in step.get_operations() if op.type == "GatherV2"]
     assert len(splits) == 4  # inputs a and b, the targets of both outputs
     assert sorted(splits) == sorted([canonical(first)] * 3 + [canonical(second)])
+
+
+@pytest.mark.parametrize("step", ["train", "evaluate"])
+def test_no_collected_tensor_list_crosses_devices(step: str, virtual_devices) -> None:
+    """What the loop collects (each micro-batch's model outputs on the last stage, a deferred batch norm's
+    statistics on its stage) is a TensorArray carried from iteration to iteration: made on another device
+    than its writer's, the loop sends it there and back in every iteration, which on GPUs copies every
+    tensor written so far. None crosses: no TensorList (DT_VARIANT) is sent between devices, in the
+    pipeline's loop, the metrics' loop after it, or after them."""
+    from runtime import executed
+
+    wrapped, x, y = _two_stage("resnet_style", virtual_devices[:2], num_microbatches=4)
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss=wrapped.loss, metrics=["accuracy"])
+    run = wrapped.train_on_batch if step == "train" else wrapped.test_on_batch
+    _, nodes = executed.collect_executed(run, x, y)
+    written = {n.device for n in nodes if n.op == "TensorListSetItem"}
+    # outputs on the last stage; in training, batch norm statistics on the first too
+    assert written == ({*virtual_devices[:2]} if step == "train" else {virtual_devices[1]})
+    sends = ("_Send", "_Recv", "_HostSend", "_HostRecv")
+    crossing = [n.name for n in nodes if n.op in sends and n.dtype == "DT_VARIANT"]
+    assert crossing == []
