@@ -31,7 +31,10 @@ step), ``num_microbatches``, ``micro_batch_size`` (the samples the node costs ar
 ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers compute in, e.g.
 "float32", "bfloat16"; it picks each device's peak FLOP/s), ``profiled_device``,
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
-rescale times to other devices). Profiles written before the node attributes ``model_input_bytes`` and
+rescale times to other devices), ``step_overhead_s`` (seconds a training step of the model spends beyond
+its layers' forward and backward, once per step whatever the plan: the framework's step, the loss, the
+optimizer's update; ``profiles.profile_model(measure_fixed_time=True)`` measures it, ``Plan.predicted_step_s``
+adds it). Profiles written before the node attributes ``model_input_bytes`` and
 ``model_output_bytes`` lack them (priced as 0), those before ``output_bytes`` lack it (the backward's
 gradients priced as the node's activations, :func:`gradient_bytes`); graph-level ones of the same names,
 from a development version, are dropped on loading. :func:`rescale_graph` turns costs measured at one
@@ -62,6 +65,7 @@ _GRAPH_KEYS = (
     "compute_dtype",
     "profiled_device",
     "profiled_flops_per_s",
+    "step_overhead_s",
 )
 # optional, per micro-batch: they scale with its samples
 _NODE_BYTES = ("model_input_bytes", "model_output_bytes", "output_bytes")
@@ -84,6 +88,14 @@ def validate_graph(graph: nx.DiGraph) -> None:
         value = graph.graph.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise GraphError(f"The layer graph has {key}={value!r}; expected an integer >= 1, or no value.")
+    overhead = graph.graph.get("step_overhead_s")
+    if overhead is not None and (
+        isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf
+    ):
+        raise GraphError(
+            f"The layer graph has step_overhead_s={overhead!r}; expected the seconds a step spends beyond its "
+            "layers, a finite number >= 0, or no value."
+        )
     dtype = graph.graph.get("compute_dtype")
     if dtype is not None and (not isinstance(dtype, str) or not dtype):
         raise GraphError(

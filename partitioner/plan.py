@@ -20,7 +20,8 @@ from partitioner.schedule import SCHEDULES
 
 # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
 # 3: structure (older files load without it: their names must match the model's)
-# 4: replica_devices and reduce_times, data x pipeline (older files load as one replica)
+# 4: replica_devices and reduce_times, data x pipeline (older files load as one replica); later, optional:
+#    step_overhead_s (older files load with 0)
 PLAN_SCHEMA_VERSION = 4
 STATUSES = ("optimal", "feasible", "heuristic")
 
@@ -70,6 +71,10 @@ class Plan:
     # per device of ``devices``: seconds of the ``R`` action of its stage (its weight gradients all-reduced
     # with the same stage of the other replicas, after its last backward); ``step_time_s`` includes them
     reduce_times: dict[str, float] = field(default_factory=dict)
+    # seconds a step spends beyond the pipeline, once per step whatever the plan (the framework's step, the
+    # loss, the optimizer's update): the profile's ``step_overhead_s``, 0 where it has none. Not in
+    # ``step_time_s``, by which planners compare plans and which their bounds are on; ``predicted_step_s`` adds it
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
@@ -112,6 +117,12 @@ class Plan:
         """What the plan's ``status`` and ``gap`` are about: "step" where the planner minimised the
         simulated step (``step_lower_bound_s`` set), else "bottleneck"."""
         return "step" if self.step_lower_bound_s is not None else "bottleneck"
+
+    @property
+    def predicted_step_s(self) -> float:
+        """The seconds one training step is predicted to take: the simulated step (``step_time_s``) and the
+        step's own work beside the pipeline (``step_overhead_s``)."""
+        return self.step_time_s + self.step_overhead_s
 
     @property
     def bubble_fraction(self) -> float:
@@ -168,6 +179,7 @@ class Plan:
             "structure",
             "replica_devices",
             "reduce_times",
+            "step_overhead_s",
         )
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))

@@ -81,6 +81,7 @@ def score_assignment(
         schedule=costs.schedule,
         recompute=ev.recompute,
         structure=structure(costs.graph),
+        step_overhead_s=float(costs.graph.graph.get("step_overhead_s") or 0.0),
     )
 
 

@@ -54,7 +54,10 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
 The graph records ``batch_size``, ``num_microbatches`` and ``micro_batch_size`` (the samples the
 costs are for, so ``partitioner.rescale_graph`` can scale them to another batch), and
 ``compute_dtype``: the compute dtype of the layers that do most of the forward FLOPs, from their
-Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16).
+Keras dtype policy (``mixed_float16`` computes in float16, ``mixed_bfloat16`` in bfloat16). With
+``measure_fixed_time`` it also records ``step_overhead_s``: what a Keras training step of a copy of the
+model on one sample takes beyond its layers (the step's dispatch, the loss, the optimizer's update),
+once per step whatever the plan (``partitioner.Plan.predicted_step_s`` adds it to the simulated step).
 
 Shapes come from the Keras graph with the batch dimension (axis 0) replaced by the micro-batch
 size. Where an input leaves other dimensions open (a sequence length), ``input_shapes=`` or
@@ -84,6 +87,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -205,8 +209,66 @@ def profile_model(
         for index, num_bytes in _boundary_bytes(tensors, sources, shapes, micro_batch).items():
             graph.nodes[calls[index].name][key] = num_bytes
     graph.graph["compute_dtype"] = _model_compute_dtype(model, dtype_flops)
+    if measure_fixed_time and timing_device is not None:
+        overhead = _step_overhead(model, functional, sources, shapes, graph, timing_device, repeats, warmup)
+        if overhead is not None:
+            graph.graph["step_overhead_s"] = overhead
     validate_graph(graph)
     return graph
+
+
+STEP_REPEATS, STEP_WARMUP = 20, 10  # the least runs of the copy's training step (_step_overhead)
+
+
+def _step_overhead(
+    model: Any,
+    functional: Any,
+    sources: dict[int, Source],
+    shapes: list[list[Shape]],
+    graph: nx.DiGraph,
+    device: str,
+    repeats: int,
+    warmup: int,
+) -> float | None:
+    """Seconds a training step of ``model`` spends beyond its layers, once per step whatever the plan: a
+    Keras step of a copy of the model on one sample (``profiles.timing.train_step_seconds``) less the
+    layers' own forward and backward on one sample (each ``time_s`` rescaled to one sample, its
+    ``fixed_time_s`` kept), at least 0. None, with a warning, where the copy cannot train."""
+    import tensorflow as tf
+
+    from profiles.timing import train_step_seconds
+
+    def specs(tensors: Any) -> list[Any]:
+        found = [sources[id(t)] for t in tensors]
+        return [
+            tf.TensorSpec(_micro_shape(shapes[s.call][s.output], 1, "the model"), t.dtype)
+            for s, t in zip(found, tensors, strict=True)
+        ]
+
+    try:
+        # a step is milliseconds, its Python side noisy: more runs than a layer's (medians moved by half with 5)
+        step = train_step_seconds(
+            model,
+            specs(functional.inputs),
+            specs(functional.outputs),
+            device=device,
+            repeats=max(repeats, STEP_REPEATS),
+            warmup=max(warmup, STEP_WARMUP),
+        )
+    except Exception as error:  # the plan is still made, its prediction without the step's own work
+        warnings.warn(
+            f"Could not time a training step of a copy of '{model.name}' ({type(error).__name__}: {error}); "
+            "its predicted steps leave out the step's own work (Plan.step_overhead_s = 0).",
+            stacklevel=3,
+        )
+        return None
+    samples = int(graph.graph["micro_batch_size"])
+    layers = 0.0  # each layer's time at one sample, as partitioner.rescale_graph prices it
+    for _, data in graph.nodes(data=True):
+        time_s = float(data.get("time_s", 0.0))
+        fixed = float(data.get("fixed_time_s", time_s if samples == 1 else 0.0))
+        layers += fixed + (time_s - fixed) / samples
+    return max(0.0, step - layers)
 
 
 def save_profile(graph: nx.DiGraph, path: str | Path) -> None:

@@ -170,9 +170,7 @@ def _given_shapes(model_name: str, names: list[str], given: InputShapes | None) 
             )
         items = list(zip(names, given))
     else:
-        raise InputError(
-            f"input_shapes must be a dict {{input name: shape}} or a list of shapes. Received: {given!r}."
-        )
+        raise InputError(f"input_shapes must be a dict {{input name: shape}} or a list of shapes. Received: {given!r}.")
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in items:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)

@@ -110,6 +110,46 @@ def forward_backward_seconds(
     return max(0.0, medians[0] - (medians[1] if exclude_call else 0.0))
 
 
+def train_step_seconds(
+    model: Any,
+    input_specs: Sequence[tf.TensorSpec],
+    target_specs: Sequence[tf.TensorSpec],
+    *,
+    device: str,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> float:
+    """Returns the median seconds of one Keras training step of a copy of ``model`` on ``device``:
+    ``train_on_batch`` (the compiled step, the loss, the gradients, the optimizer's update, the call from
+    Python) on inputs filled as :func:`forward_backward_seconds` fills them and zero targets.
+
+    The copy (``keras.models.clone_model``, its weights made on ``device``) trains with SGD at learning
+    rate 0 and mean squared error; ``model`` and its weights are not touched.
+
+    Raises:
+        InputError: for ``repeats < 1``, ``warmup < 0``; whatever Keras raises for a model it cannot
+            copy or a loss that does not fit its outputs.
+    """
+    import keras
+
+    _check_counts(repeats, warmup)
+    with tf.device(device):
+        copy = keras.models.clone_model(model)
+        copy.compile(optimizer=keras.optimizers.SGD(0.0), loss="mean_squared_error")
+        inputs = [_fill(spec) for spec in input_specs]
+        targets = [tf.zeros(spec.shape, spec.dtype) for spec in target_specs]
+    x = inputs[0] if len(inputs) == 1 else inputs
+    y = targets[0] if len(targets) == 1 else targets
+    for _ in range(warmup + 1):  # the first traces the step
+        copy.train_on_batch(x, y)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy.train_on_batch(x, y)  # returns the loss as a number: the step has run
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def _check_counts(repeats: int, warmup: int) -> None:
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InputError(f"repeats must be an integer >= 1. Received: repeats={repeats!r}.")

@@ -11,7 +11,8 @@ once), for an MLP of DEPTH Dense(WIDTH, relu) layers and a Dense(10) head at bat
    cluster, and the layers timed on the first device at the whole batch and at one sample
    (``profile_model(measure_fixed_time=True)``), planned by those times.
 2. for M = 1, 2, 4, 8, 16 and each picked M: the timed plan at that M (``solve`` on the timed graph rescaled to
-   M, ``cost="time"``, the calibrated cluster), its stage count, its predicted step, and the measured steady step
+   M, ``cost="time"``, the calibrated cluster), its stage count, its predicted step (``Plan.predicted_step_s``: the
+   simulated step and the step's own work the profile measured, ``step_overhead_s``), and the measured steady step
    of the model wrapped with it (median of ROUNDS rounds of STEPS ``train_on_batch`` calls on one batch, after
    WARMUP untimed ones).
 
@@ -97,7 +98,7 @@ def measure() -> dict[str, Any]:
     picked = {}
     for label, devices in (("before", before), ("flops", after), ("timed", 2)):
         plan = plan_and_wrap(model, devices=devices, batch_size=BATCH, num_microbatches="auto").plan
-        picked[label] = {"num_microbatches": plan.num_microbatches, "predicted_step_s": plan.step_time_s}
+        picked[label] = {"num_microbatches": plan.num_microbatches, "predicted_step_s": plan.predicted_step_s}
         print(f"{label}: auto picks M = {plan.num_microbatches} ({plan.num_stages} stages)", flush=True)
     timed = profile_model(
         model, batch_size=BATCH, num_microbatches=1, device=after.devices[0].name, measure_fixed_time=True
@@ -111,12 +112,13 @@ def measure() -> dict[str, Any]:
             {
                 "num_microbatches": m,
                 "num_stages": wrapped.plan.num_stages,
-                "predicted_step_s": wrapped.plan.step_time_s,
+                "predicted_step_s": wrapped.plan.predicted_step_s,  # the simulated step + the step's own work
+                "step_overhead_s": wrapped.plan.step_overhead_s,
                 "measured_step_s": step,
             }
         )
         print(
-            f"M = {m}: {wrapped.plan.num_stages} stages, predicted {wrapped.plan.step_time_s * 1e3:.2f} ms, "
+            f"M = {m}: {wrapped.plan.num_stages} stages, predicted {wrapped.plan.predicted_step_s * 1e3:.2f} ms, "
             f"measured {step * 1e3:.2f} ms",
             flush=True,
         )
@@ -144,15 +146,18 @@ def table(results: dict[str, Any]) -> str:
         f"Calibrated: {cal['flops_per_s'] / 1e9:.1f} GFLOP/s, action_overhead_s "
         f"{cal['action_overhead_s'] * 1e6:.1f} µs, link {cal['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s.",
         "",
-        "| M | stages | picked by auto | predicted step (ms) | measured step (ms) | vs best measured |",
-        "|---|---|---|---|---|---|",
+        "| M | stages | picked by auto | predicted step (ms) | of which the step's own work (ms) | measured step (ms) "
+        "| measured / predicted - 1 | vs best measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         m = r["num_microbatches"]
         who = ", ".join(label for label, p in results["picked"].items() if p["num_microbatches"] == m)
+        error = r["measured_step_s"] / r["predicted_step_s"] - 1
         lines.append(
             f"| {m} | {r['num_stages']} | {who or ''} | {r['predicted_step_s'] * 1e3:.2f} | "
-            f"{r['measured_step_s'] * 1e3:.2f} | {r['measured_step_s'] / best:.2f}x |"
+            f"{r.get('step_overhead_s', 0.0) * 1e3:.2f} | {r['measured_step_s'] * 1e3:.2f} | {error:+.0%} | "
+            f"{r['measured_step_s'] / best:.2f}x |"
         )
     return "\n".join(lines)
 

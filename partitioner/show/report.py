@@ -185,6 +185,11 @@ def summary_table(plan: Plan) -> Table:
             format_seconds(plan.lower_bound_s) if plan.lower_bound_s is not None else "none",
         ),
         (f"predicted step time ({plan.schedule}, simulated)", format_seconds(plan.step_time_s)),
+        *(
+            [("with the step's own work (+ measured overhead)", format_seconds(plan.predicted_step_s))]
+            if plan.step_overhead_s
+            else []
+        ),
         (
             "proven lower bound on the step",
             format_seconds(plan.step_lower_bound_s) if plan.step_lower_bound_s is not None else "none",

@@ -429,3 +429,20 @@ def test_graph_level_model_bytes_load_and_are_dropped(tmp_path):
     (tmp_path / "g.json").write_text(json.dumps(data))
     loaded = load_graph(tmp_path / "g.json")
     assert "model_input_bytes" not in loaded.graph and "model_output_bytes" not in loaded.graph
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf"), True, "1 ms"])
+def test_validate_graph_step_overhead_must_be_seconds(value):
+    graph = chain([1e9, 1e9])
+    graph.graph["step_overhead_s"] = value
+    with pytest.raises(GraphError, match=r"step_overhead_s=.*expected the seconds a step spends beyond its layers"):
+        validate_graph(graph)
+
+
+def test_step_overhead_is_saved_and_not_rescaled(tmp_path):
+    # a step's own work, once per step: the same whatever the batch or the micro-batches
+    graph = chain([1e9, 1e9])
+    graph.graph.update(batch_size=8, num_microbatches=1, step_overhead_s=0.25)
+    save_graph(graph, tmp_path / "g.json")
+    assert load_graph(tmp_path / "g.json").graph["step_overhead_s"] == 0.25
+    assert rescale_graph(graph, batch_size=64, num_microbatches=8).graph["step_overhead_s"] == 0.25

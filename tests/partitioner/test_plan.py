@@ -14,6 +14,8 @@ from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.plan import PLAN_SCHEMA_VERSION, Plan
 from partitioner.score import score_assignment
+from partitioner.search.choose import choose
+from partitioner.search.replicas import plan_replicas
 from partitioner.search.threshold_search import STEP_TOLERANCE
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
@@ -255,3 +257,38 @@ def test_plan_exact_chain_gap_is_within_the_search_tolerance(plans):
     plan = plans["exact_chain"]
     assert plan.status == "optimal" and plan.objective == "step"
     assert 0.0 <= plan.gap <= STEP_TOLERANCE
+
+
+def test_every_planner_carries_the_step_overhead_beside_the_pipeline():
+    """A profile's step_overhead_s (the step's own work, once per step whatever the plan) is on every
+    planner's plan and in predicted_step_s; the planners compare and bound the pipeline's step alone, so
+    the plans, steps, bounds and statuses are those of the same graph without it."""
+    graph = chain([3e9, 1e9, 2e9, 2e9, 5e9], param_bytes=[1024] * 5, edge_bytes=[4096] * 4)
+    graph.graph.update(batch_size=8, num_microbatches=1)
+    timed = graph.copy()
+    timed.graph["step_overhead_s"] = 0.5
+    cluster = pt.Cluster.uniform(3, memory="1MiB", flops_per_s=1e12, bandwidth="10GB/s")
+    planners = {
+        "solve": lambda g: pt.solve(g, cluster, num_microbatches=4, time_limit_s=10),
+        "cp-sat": lambda g: pt.solve(
+            g, cluster, num_microbatches=4, time_limit_s=10, options=pt.SolverOptions(exact_chains=False)
+        ),
+        "exact_chain": lambda g: pt.exact_chain(g, cluster, num_microbatches=4),
+        "choose": lambda g: choose(g, cluster, batch_size=8, num_microbatches="auto").plan,
+        "replicas": lambda g: plan_replicas(g, cluster, batch_size=8, replicas=2, num_microbatches=1).plan,
+        **{
+            name: (lambda g, baseline=baseline: baseline(g, cluster, num_microbatches=4))
+            for name, baseline in pt.baselines.BASELINES.items()
+        },
+    }
+    for name, planner in planners.items():
+        plain, with_overhead = planner(graph), planner(timed)
+        assert plain.step_overhead_s == 0.0 and plain.predicted_step_s == plain.step_time_s, name
+        assert with_overhead.step_overhead_s == 0.5, name
+        assert with_overhead.predicted_step_s == pytest.approx(with_overhead.step_time_s + 0.5), name
+        compared = ("assignment", "step_time_s", "step_lower_bound_s", "status", "num_microbatches")
+        assert [getattr(with_overhead, k) for k in compared] == [getattr(plain, k) for k in compared], name
+    assert Plan.from_json(with_overhead.to_json()) == with_overhead
+    older = json.loads(with_overhead.to_json())
+    del older["step_overhead_s"]  # a file written before the field: no overhead
+    assert Plan.from_dict(older).step_overhead_s == 0.0

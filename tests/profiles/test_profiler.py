@@ -471,6 +471,35 @@ def test_profile_model_measure_fixed_time_records_the_part_one_sample_costs():
     assert wide["fixed_time_s"] <= one["time_s"] < wide["time_s"]
 
 
+def test_profile_model_measure_fixed_time_records_the_steps_own_work():
+    """With measure_fixed_time the graph records step_overhead_s: a Keras training step of a copy of the
+    model on one sample less its layers' own work there, more than nothing (the step's dispatch from
+    Python alone is hundreds of microseconds); the model is not compiled, trained or called."""
+    model = cnn()
+    before = [v.numpy().copy() for v in model.variables]
+    calls_before = [len(layer._inbound_nodes) for layer in model.layers]
+    graph = profile_model(model, batch_size=4, num_microbatches=2, repeats=3, warmup=1, measure_fixed_time=True)
+    assert 0 < graph.graph["step_overhead_s"] < 1.0
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables, strict=True))
+    assert [len(layer._inbound_nodes) for layer in model.layers] == calls_before
+    assert getattr(model, "optimizer", None) is None and not model.compiled
+
+
+def test_profile_model_warns_when_the_steps_copy_cannot_train(monkeypatch):
+    from profiles import timing
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("no copy")
+
+    monkeypatch.setattr(timing, "train_step_seconds", cannot)
+    with pytest.warns(
+        UserWarning, match=r"Could not time a training step of a copy of 'mlp' \(RuntimeError: no copy\); "
+    ):
+        graph = profile_model(mlp(), batch_size=4, num_microbatches=2, repeats=1, warmup=0, measure_fixed_time=True)
+    assert "step_overhead_s" not in graph.graph
+    assert all("fixed_time_s" in d for _, d in graph.nodes(data=True) if d["layer_type"] != "InputLayer")
+
+
 def test_profile_model_measure_time_on_named_device(virtual_devices):
     graph = profile_model(mlp(), batch_size=4, num_microbatches=2, device=virtual_devices[1], repeats=1, warmup=0)
     assert graph.graph["profiled_device"] == virtual_devices[1]

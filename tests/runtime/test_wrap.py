@@ -506,6 +506,9 @@ def test_auto_microbatches_on_local_devices_plan_by_timed_layers(virtual_devices
     model = _mlp(16, 3)
     timed = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches="auto")
     assert timed.plan.cost == "time"
+    # the step's own work, timed on a copy of the model, is in the prediction beside the simulated step
+    assert timed.plan.step_overhead_s > 0
+    assert timed.plan.predicted_step_s == timed.plan.step_time_s + timed.plan.step_overhead_s
     cluster = pt.Cluster([pt.Device(d, memory="1GiB", flops_per_s=1e10) for d in virtual_devices[:2]])
     assert plan_and_wrap(model, devices=cluster, batch_size=8, num_microbatches="auto").plan.cost == "flops"
     fixed = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
