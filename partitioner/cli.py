@@ -477,6 +477,9 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
             num_microbatches=1 if args.micro_batches == AUTO else args.micro_batches,  # auto: the whole batch
             measure_time=measure_time,
             progress=update,
+            # auto M from timed layers: each M is priced by rescaling, which needs the part of a layer's time
+            # one sample costs too (else small micro-batches look free), and the step's own work
+            measure_fixed_time=measure_time and args.micro_batches == AUTO,
             **_shape_options(args),
         )
 

@@ -273,6 +273,26 @@ def test_cli_plan_keras_application(capsys, virtual_devices) -> None:
     assert "mobilenetv2" in out.lower() and "Prediction" in out and "Placement" not in out
 
 
+def test_cli_plan_auto_microbatches_by_time_measures_the_fixed_part(
+    tmp_path, monkeypatch, capsys, virtual_devices
+) -> None:
+    """--cost time with --micro-batches auto prices each M by rescaling timed layers: the profile times each
+    layer at one sample too (fixed_time_s), or small micro-batches would look free, and the step's own work,
+    which the plan carries (step_overhead_s, in predicted_step_s)."""
+    (tmp_path / "tiny_models.py").write_text(
+        "import keras\n\n\ndef build():\n    inputs = keras.Input((16,))\n"
+        "    hidden = keras.layers.Dense(32, activation='relu')(inputs)\n"
+        "    return keras.Model(inputs, keras.layers.Dense(4)(hidden), name='tiny')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "tiny_models:build", "--devices", "2", "--memory", "1GiB", "--batch-size", "16"]
+    code = main([*args, "--cost", "time", "--micro-batches", "auto", "--out", str(tmp_path / "plan.json")])
+    assert code == 0, capsys.readouterr().err
+    plan = pt.Plan.from_json((tmp_path / "plan.json").read_text())
+    assert plan.cost == "time" and plan.step_overhead_s > 0
+    assert "with the step's own work" in capsys.readouterr().out
+
+
 def test_cli_unknown_model_name(capsys, virtual_devices) -> None:
     assert main(["plan", "NoSuchNet", "--devices", "2", "--memory", "1GiB"]) == 2
     assert "Unknown model 'NoSuchNet'" in capsys.readouterr().err
