@@ -33,12 +33,12 @@ ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers co
 ``profiled_flops_per_s`` (the measured matmul rate of the device ``time_s`` was measured on, used to
 rescale times to other devices), ``step_overhead_s`` (seconds a training step of the model spends beyond
 its layers' forward and backward, once per step whatever the plan: the framework's step, the loss, the
-optimizer's update; ``profiles.profile_model(measure_fixed_time=True)`` measures it, ``Plan.predicted_step_s``
-adds it). Profiles written before the node attributes ``model_input_bytes`` and
-``model_output_bytes`` lack them (priced as 0), those before ``output_bytes`` lack it (the backward's
-gradients priced as the node's activations, :func:`gradient_bytes`); graph-level ones of the same names,
-from a development version, are dropped on loading. :func:`rescale_graph` turns costs measured at one
-batch size into those of another.
+optimizer's update; ``profiles.profile_model(measure_fixed_time=True)`` measures it on
+``profiled_device``, and ``Plan.predicted_step_s`` adds it for a cluster that has that device). Profiles
+written before the node attributes ``model_input_bytes`` and ``model_output_bytes`` lack them (priced as
+0), those before ``output_bytes`` lack it (the backward's gradients priced as the node's activations,
+:func:`gradient_bytes`); graph-level ones of the same names, from a development version, are dropped on
+loading. :func:`rescale_graph` turns costs measured at one batch size into those of another.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ class Plan:
     # with the same stage of the other replicas, after its last backward); ``step_time_s`` includes them
     reduce_times: dict[str, float] = field(default_factory=dict)
     # seconds a step spends beyond the pipeline, once per step whatever the plan (the framework's step, the
-    # loss, the optimizer's update): the profile's ``step_overhead_s``, 0 where it has none. Not in
+    # loss, the optimizer's update): the profile's ``step_overhead_s`` where it was measured on a device of the
+    # plan's cluster, else 0 (partitioner.score.step_overhead_s). Not in
     # ``step_time_s``, by which planners compare plans and which their bounds are on; ``predicted_step_s`` adds it
     step_overhead_s: float = 0.0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from partitioner.cluster import canonical_device_name
 from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.graph import structure
@@ -81,8 +82,29 @@ def score_assignment(
         schedule=costs.schedule,
         recompute=ev.recompute,
         structure=structure(costs.graph),
-        step_overhead_s=float(costs.graph.graph.get("step_overhead_s") or 0.0),
+        step_overhead_s=step_overhead_s(costs),
     )
+
+
+def step_overhead_s(costs: CostModel) -> float:
+    """The profile's ``step_overhead_s`` (the step's own work beside the pipeline) where it was measured on a
+    device of this cluster (``profiled_device``), else 0: that work is dispatch and small ops more than
+    FLOPs, so a figure measured on one kind of device says nothing of another's.
+
+    Example:
+        >>> import partitioner as pt
+        >>> graph = pt.chain_graph([1e9])
+        >>> graph.graph.update(step_overhead_s=0.002, profiled_device="/job:localhost/replica:0/task:0/device:CPU:0")
+        >>> step_overhead_s(CostModel(graph, pt.Cluster.uniform(1, memory="1GiB", prefix="/CPU:")))
+        0.002
+        >>> step_overhead_s(CostModel(graph, pt.Cluster.uniform(1, memory="1GiB")))  # planned for /GPU:0
+        0.0
+    """
+    overhead, where = costs.graph.graph.get("step_overhead_s"), costs.graph.graph.get("profiled_device")
+    if not overhead or where is None:
+        return 0.0
+    measured_here = canonical_device_name(str(where)) in {canonical_device_name(d) for d in costs.devices}
+    return float(overhead) if measured_here else 0.0
 
 
 def shorter_step(plan: Plan, than: Plan) -> bool:

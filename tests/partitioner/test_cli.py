@@ -277,8 +277,9 @@ def test_cli_plan_auto_microbatches_by_time_measures_the_fixed_part(
     tmp_path, monkeypatch, capsys, virtual_devices
 ) -> None:
     """--cost time with --micro-batches auto prices each M by rescaling timed layers: the profile times each
-    layer at one sample too (fixed_time_s), or small micro-batches would look free, and the step's own work,
-    which the plan carries (step_overhead_s, in predicted_step_s)."""
+    layer at one sample too (fixed_time_s), or small micro-batches would look free and auto would pick the
+    most (16 here, without it); and the step's own work, which a plan for the devices it was measured on
+    carries (step_overhead_s), and one for other devices (--devices 2: /GPU:0, /GPU:1) does not."""
     (tmp_path / "tiny_models.py").write_text(
         "import keras\n\n\ndef build():\n    inputs = keras.Input((16,))\n"
         "    hidden = keras.layers.Dense(32, activation='relu')(inputs)\n"
@@ -289,8 +290,11 @@ def test_cli_plan_auto_microbatches_by_time_measures_the_fixed_part(
     code = main([*args, "--cost", "time", "--micro-batches", "auto", "--out", str(tmp_path / "plan.json")])
     assert code == 0, capsys.readouterr().err
     plan = pt.Plan.from_json((tmp_path / "plan.json").read_text())
-    assert plan.cost == "time" and plan.step_overhead_s > 0
-    assert "with the step's own work" in capsys.readouterr().out
+    assert plan.cost == "time" and plan.num_microbatches <= 4
+    assert plan.step_overhead_s == 0.0 and "with the step's own work" not in capsys.readouterr().out
+    profile = tmp_path / "tiny.json"  # the profile a plan for the local devices would be made from
+    assert main(["profile", "tiny_models:build", "--batch-size", "16", "--out", str(profile)]) == 0
+    assert "step_overhead_s" not in pt.load_graph(profile).graph  # a fixed M: neither part is timed
 
 
 def test_cli_unknown_model_name(capsys, virtual_devices) -> None:

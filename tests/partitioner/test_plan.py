@@ -260,13 +260,14 @@ def test_plan_exact_chain_gap_is_within_the_search_tolerance(plans):
 
 
 def test_every_planner_carries_the_step_overhead_beside_the_pipeline():
-    """A profile's step_overhead_s (the step's own work, once per step whatever the plan) is on every
-    planner's plan and in predicted_step_s; the planners compare and bound the pipeline's step alone, so
-    the plans, steps, bounds and statuses are those of the same graph without it."""
+    """A profile's step_overhead_s (the step's own work, once per step whatever the plan), measured on a
+    device of the cluster, is on every planner's plan and in predicted_step_s; the planners compare and
+    bound the pipeline's step alone, so the plans, steps, bounds and statuses are those of the same graph
+    without it."""
     graph = chain([3e9, 1e9, 2e9, 2e9, 5e9], param_bytes=[1024] * 5, edge_bytes=[4096] * 4)
     graph.graph.update(batch_size=8, num_microbatches=1)
     timed = graph.copy()
-    timed.graph["step_overhead_s"] = 0.5
+    timed.graph.update(step_overhead_s=0.5, profiled_device="/job:localhost/replica:0/task:0/device:GPU:0")
     cluster = pt.Cluster.uniform(3, memory="1MiB", flops_per_s=1e12, bandwidth="10GB/s")
     planners = {
         "solve": lambda g: pt.solve(g, cluster, num_microbatches=4, time_limit_s=10),
@@ -288,6 +289,10 @@ def test_every_planner_carries_the_step_overhead_beside_the_pipeline():
         assert with_overhead.predicted_step_s == pytest.approx(with_overhead.step_time_s + 0.5), name
         compared = ("assignment", "step_time_s", "step_lower_bound_s", "status", "num_microbatches")
         assert [getattr(with_overhead, k) for k in compared] == [getattr(plain, k) for k in compared], name
+    # measured on a device this cluster does not have: the step's own work there is not known, not counted
+    elsewhere = timed.copy()
+    elsewhere.graph["profiled_device"] = "/device:CPU:0"
+    assert pt.solve(elsewhere, cluster, num_microbatches=4, time_limit_s=10).step_overhead_s == 0.0
     assert Plan.from_json(with_overhead.to_json()) == with_overhead
     older = json.loads(with_overhead.to_json())
     del older["step_overhead_s"]  # a file written before the field: no overhead
