@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from partitioner.cluster import canonical_device_name
 from partitioner.cost import CostModel
-from partitioner.errors import PlanError
+from partitioner.errors import ClusterError, PlanError
 from partitioner.graph import structure
 from partitioner.plan import STATUSES, Plan
 from partitioner.simulate import simulate_assignment
@@ -103,8 +102,11 @@ def step_overhead_s(costs: CostModel) -> float:
     overhead, where = costs.graph.graph.get("step_overhead_s"), costs.graph.graph.get("profiled_device")
     if not overhead or where is None:
         return 0.0
-    measured_here = canonical_device_name(str(where)) in {canonical_device_name(d) for d in costs.devices}
-    return float(overhead) if measured_here else 0.0
+    try:
+        costs.cluster.index(str(where))  # any spelling of the device's name
+    except ClusterError:
+        return 0.0
+    return float(overhead)
 
 
 def shorter_step(plan: Plan, than: Plan) -> bool:

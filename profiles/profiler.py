@@ -98,7 +98,7 @@ import networkx as nx
 
 from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError, TimingError
-from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
+from partitioner.graph import check_batch, load_graph, rescale_graph, save_graph, validate_graph
 from profiles.internals import flatten_layers
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
@@ -232,8 +232,8 @@ def _step_overhead(
 ) -> float | None:
     """Seconds a training step of ``model`` spends beyond its layers, once per step whatever the plan: a
     Keras step of a copy of the model on one sample (``profiles.timing.train_step_seconds``) less the
-    layers' own forward and backward on one sample (each ``time_s`` rescaled to one sample, its
-    ``fixed_time_s`` kept), at least 0. None, with a warning, where the copy cannot train."""
+    layers' own forward and backward on one sample (``partitioner.rescale_graph``: each ``time_s`` at one
+    sample, its ``fixed_time_s`` kept), at least 0. None, with a warning, where the copy cannot train."""
     import tensorflow as tf
 
     from profiles.timing import train_step_seconds
@@ -262,13 +262,8 @@ def _step_overhead(
             stacklevel=3,
         )
         return None
-    samples = int(graph.graph["micro_batch_size"])
-    layers = 0.0  # each layer's time at one sample, as partitioner.rescale_graph prices it
-    for _, data in graph.nodes(data=True):
-        time_s = float(data.get("time_s", 0.0))
-        fixed = float(data.get("fixed_time_s", time_s if samples == 1 else 0.0))
-        layers += fixed + (time_s - fixed) / samples
-    return max(0.0, step - layers)
+    one = rescale_graph(graph, batch_size=1)  # each layer's time at one sample, as the planner prices it
+    return max(0.0, step - sum(float(data.get("time_s", 0.0)) for _, data in one.nodes(data=True)))
 
 
 def save_profile(graph: nx.DiGraph, path: str | Path) -> None:
