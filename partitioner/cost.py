@@ -32,8 +32,9 @@ recomputation never shortens a step in this model, it only saves memory).
 
 What the planners budget (docs/cost-model.md, "Memory budgets"): the chain DP each stage's own
 in_flight (it knows K - s); CP-SAT and the start heuristics, which place a node before they know its
-stage, the most the device at position k can hold in any plan, ``device_in_flight[k]`` (M for GPipe,
-min(number of devices - k, M) for 1F1B); :meth:`CostModel.evaluate` counts each stage's own figure.
+stage, the most the device at position k can hold in any plan, ``device_in_flight[k]`` (M for GPipe but
+1 on the last device, min(number of devices - k, M) for 1F1B), and CP-SAT the last stage's
+``last_in_flight`` on a device no unit follows; :meth:`CostModel.evaluate` counts each stage's own figure.
 """
 
 from __future__ import annotations
@@ -276,12 +277,15 @@ class CostModel:
         self.action_overhead_s = [d.action_overhead_s for d in cluster.devices]
         # [k]: the micro-batches budgeted on the device at position k of the cluster's order by the planners
         # that place a node before they know its stage: in_flight of stage k of a pipeline of every device,
-        # M for GPipe, min(D - k, M) for 1F1B (D devices). It never under-budgets: a plan of K stages that
-        # runs stage s on device k runs its K - s - 1 later stages on distinct devices after k, of which
-        # there are D - k - 1, so K - s <= D - k and the stage holds min(K - s, M) <= min(D - k, M)
-        # (GPipe: M = M), whichever devices the plan leaves idle.
+        # M before the last device and 1 on it for GPipe, min(D - k, M) for 1F1B (D devices). It never
+        # under-budgets: a plan of K stages that runs stage s on device k runs its K - s - 1 later stages on
+        # distinct devices after k, of which there are D - k - 1, so K - s <= D - k and the stage holds
+        # min(K - s, M) <= min(D - k, M) (GPipe: M before the last stage, which is the only one on the last
+        # device), whichever devices the plan leaves idle. A stage with no stage after it holds
+        # ``last_in_flight`` (1 under either schedule): CP-SAT budgets that where no unit follows the device.
         num_devices = len(self.devices)
         self.device_in_flight = [in_flight(schedule, num_devices, num_microbatches, k) for k in range(num_devices)]
+        self.last_in_flight = in_flight(schedule, 1, num_microbatches, 0)
         self.max_in_flight = max(self.device_in_flight)  # the fullest stage's: the first device's
         self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index], kept mode
         shares = {v: forward_share(graph.nodes[v]) for v in self.order}
@@ -471,8 +475,8 @@ class CostModel:
             >>> import partitioner as pt
             >>> cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12)
             >>> costs = CostModel(pt.chain_graph([1e12] * 4), cluster, num_microbatches=4)
-            >>> costs.step_lower_bound_s()  # two stages of 2 s: (4 + 2 - 1) x 2 s, the best plan's step
-            10.0
+            >>> round(costs.step_lower_bound_s(), 4)  # the best plan: two stages of 2 s, (4 + 2 - 1) x 2 s = 10 s
+            9.1429
         """
         if self._step_bound is None:
             self._step_bound = max(self.step_bound_terms().values())
@@ -724,13 +728,14 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int)
 def early_forwards(schedule: str, num_devices: int, num_microbatches: int, position: int = 1) -> int:
     """The most forwards a stage runs, beyond micro-batch 0's, before its first backward can start under
     ``schedule``, for a stage at ``position`` (1 or more) of a chain of stages on at most ``num_devices``
-    devices: 0 for GPipe (all M forwards, then micro-batch M - 1's backward, which waits for it to pass
-    every later stage); for 1F1B min(num_devices - position, M - 1) (the warm-up of a stage with at most
-    that many stages after it). The schedule's own figure (``ScheduleFamily.early_forwards``).
+    devices: for GPipe M - 1 where a stage may follow (all M forwards, then the backwards), 0 on the last
+    of num_devices (each backward right after its forward); for 1F1B min(num_devices - position, M - 1)
+    (the warm-up of a stage with at most that many stages after it). The schedule's own figure
+    (``ScheduleFamily.early_forwards``).
 
     Example:
         >>> early_forwards("gpipe", 8, 8), early_forwards("1f1b", 8, 8), early_forwards("1f1b", 8, 3)
-        (0, 7, 2)
+        (7, 7, 2)
         >>> early_forwards("1f1b", 8, 8, position=8)  # the last of 8: no warm-up
         0
     """

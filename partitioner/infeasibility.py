@@ -33,8 +33,8 @@ def _advice(costs: CostModel, fits_with_recompute: bool) -> str:
 
 
 def _least_in_flight(costs: CostModel) -> int:
-    """The fewest micro-batches any stage of any plan holds: M under GPipe, 1 under 1F1B (the last stage);
-    the schedule's own count (``CostModel.device_in_flight``)."""
+    """The fewest micro-batches any stage of any plan holds: 1 under GPipe and 1F1B (the last stage); the
+    schedule's own count (``CostModel.device_in_flight``)."""
     return min(costs.device_in_flight)
 
 

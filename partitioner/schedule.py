@@ -9,7 +9,8 @@ and the runtime issues its actions in :meth:`Schedule.global_order`. Between sta
     F(s, m) needs F(s - 1, m)               the activation from the stage before
     B(s, m) needs B(s + 1, m) and F(s, m)   the gradient from the stage after, and its own forward
 
-Generators: ``gpipe`` (fill-drain; Huang et al., "GPipe", NeurIPS 2019) and ``1f1b`` (PipeDream-flush;
+Generators: ``gpipe`` (fill-drain; Huang et al., "GPipe", NeurIPS 2019, with the last stage's backward
+right after each forward, as the runtime's loop runs it) and ``1f1b`` (PipeDream-flush;
 Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021). Any other order that
 validates is a ``custom`` schedule, written as text and read back with :meth:`Schedule.parse`.
 
@@ -22,10 +23,10 @@ runtime runs any Schedule whose rows it can express (:meth:`Schedule.windows`).
 Example:
     >>> print(Schedule.gpipe(2, 2))
     # gpipe K=2 M=2
-    0: 0F0 0F1 0B1 0B0
-    1: 1F0 1F1 1B1 1B0
+    0: 0F0 0F1 0B0 0B1
+    1: 1F0 1B0 1F1 1B1
     >>> [str(a) for a in Schedule.gpipe(2, 2).global_order()]
-    ['0F0', '0F1', '1F0', '1F1', '1B1', '0B1', '1B0', '0B0']
+    ['0F0', '0F1', '1F0', '1B0', '0B0', '1F1', '1B1', '0B1']
 """
 
 from __future__ import annotations
@@ -176,12 +177,16 @@ class Schedule:
 
     @classmethod
     def gpipe(cls, num_stages: int, num_microbatches: int) -> Schedule:
-        """Fill-drain: every stage runs all M forwards in order, then all M backwards in reverse order.
+        """Fill-drain: every stage but the last runs all M forwards, then all M backwards, each in order;
+        the last stage runs each micro-batch's backward right after its forward (its backward needs nothing
+        else, so waiting would only hold more activations).
 
         Example:
-            >>> print(Schedule.gpipe(1, 3))
-            # gpipe K=1 M=3
-            0: 0F0 0F1 0F2 0B2 0B1 0B0
+            >>> print(Schedule.gpipe(3, 3))
+            # gpipe K=3 M=3
+            0: 0F0 0F1 0F2 0B0 0B1 0B2
+            1: 1F0 1F1 1F2 1B0 1B1 1B2
+            2: 2F0 2B0 2F1 2B1 2F2 2B2
         """
         return cls.make("gpipe", num_stages, num_microbatches)
 
@@ -278,8 +283,8 @@ class Schedule:
         Example:
             >>> print(Schedule.gpipe(2, 2).grid())
               stage  0    1    2    3    4    5
-                  0  0F0  0F1            0B1  0B0
-                  1       1F0  1F1  1B1  1B0
+                  0  0F0  0F1       0B0       0B1
+                  1       1F0  1B0  1F1  1B1
         """
         _order, columns, _done = self._ticks()
         return _draw(self.actions, columns)
@@ -495,12 +500,14 @@ class Schedule:
 
 
 def _gpipe_rows(num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    """All M forwards in order, then all M backwards in reverse order, on every stage."""
-    return tuple(
-        tuple(Action(s, "F", m) for m in range(num_microbatches))
-        + tuple(Action(s, "B", m) for m in reversed(range(num_microbatches)))
-        for s in range(num_stages)
-    )
+    """All M forwards, then all M backwards, each in micro-batch order, on every stage but the last; the last
+    stage runs each micro-batch's backward right after its forward (it needs nothing else)."""
+    last = num_stages - 1
+    forwards = [[Action(s, "F", m) for m in range(num_microbatches)] for s in range(num_stages)]
+    backwards = [[Action(s, "B", m) for m in range(num_microbatches)] for s in range(num_stages)]
+    rows = [tuple(forwards[s] + backwards[s]) for s in range(last)]
+    rows.append(tuple(a for pair in zip(forwards[last], backwards[last]) for a in pair))
+    return tuple(rows)
 
 
 def _one_f_one_b_rows(num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
@@ -529,6 +536,7 @@ class ScheduleFamily(abc.ABC):
 
     name: str  # the name Schedule.make and the plan know it by
     closed_form: bool  # True iff closed_step gives the step of a chain of stages (and the planners' search is exact)
+    distinct_last = False  # True iff the last stage's period differs from the others' (last_period)
 
     @abc.abstractmethod
     def rows(self, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
@@ -559,9 +567,19 @@ class ScheduleFamily(abc.ABC):
         f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
         """
 
+    def last_period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
+        """The seconds per micro-batch the pipeline's last stage adds: :meth:`period` unless the schedule
+        runs its last stage otherwise (``distinct_last``)."""
+        return self.period(f, b, a, g)
+
     def closed_step(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float | None:
         """The step of a chain of stages with ``figures`` (f, b, a, g) each, in pipeline order, as the
         simulator replays it, where a closed form exists (``closed_form``); None where none does."""
+        return None
+
+    def least_bound(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float | None:
+        """A lower bound on :meth:`closed_step` that the exact chain search minimises, where a closed form
+        exists; None where none does."""
         return None
 
     @abc.abstractmethod
@@ -570,42 +588,102 @@ class ScheduleFamily(abc.ABC):
 
 
 class GPipe(ScheduleFamily):
-    """Fill-drain: every stage runs all M forwards, then all M backwards; M micro-batches in flight."""
+    """Fill-drain: every stage but the last runs all M forwards, then all M backwards (M micro-batches in
+    flight); the last stage runs each micro-batch's forward and backward in turn (one in flight)."""
 
     name = "gpipe"
     closed_form = True
+    distinct_last = True
 
     def rows(self, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
         return _gpipe_rows(num_stages, num_microbatches)
 
     def in_flight_rule(self, num_microbatches: int) -> str:
-        return f"every stage holds all M = {num_microbatches}"
+        return f"every stage before the last holds all M = {num_microbatches}, the last stage 1"
 
     def early_forwards(self, num_devices: int, num_microbatches: int, position: int = 1) -> int:
-        """0: all M forwards, then micro-batch M - 1's backward, which waits for it to pass every later stage."""
-        return 0
+        """M - 1 for a stage that may have a stage after it (position < num_devices): all its forwards run
+        first; 0 for the last of num_devices, which runs each backward right after its forward.
+
+        Example:
+            >>> GPipe().early_forwards(4, 8), GPipe().early_forwards(4, 8, 4)
+            (7, 0)
+        """
+        return num_microbatches - 1 if position < num_devices else 0
 
     def period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
-        """A forward phase paced by max(f, a), then a backward phase paced by max(b, g)."""
+        """A stage before the last: a forward phase paced by max(f, a), then a backward phase paced by max(b, g)."""
         return np.maximum(f, a) + np.maximum(b, g)
 
+    def last_period(self, f: Any, b: Any, a: Any, g: Any) -> Any:
+        """The last stage: one forward and one backward in turn, each link pacing its own way."""
+        return np.maximum(np.maximum(f + b, a), g)
+
     def closed_step(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float:
-        """Each phase is a flow shop of M equal jobs whose machines are the stages and the links in
-        between, so it lasts the sum of their times plus M - 1 times the slowest:
-        sum(f + a) + (M - 1) max(f, a)  +  sum(b + g) + (M - 1) max(b, g).
+        """The step as the simulator replays it: the longest chain of actions that wait for one another.
+
+        A flow shop of M equal jobs (docs/cost-model.md, "GPipe's step"). The machines, in a micro-batch's
+        route: each stage's forward and the link into it, the last stage (forward and backward in turn),
+        each returning link and stage's backward. A stage before the last also starts its backwards only
+        after its last forward, so a longest chain either follows the route (A: every machine's time plus
+        M - 1 times the slowest) or leaves it once, at the stage before the last (B: there and back
+        through the stages before the last, M - 1 times their slowest forward machine and M - 1 times
+        their slowest backward machine; leaving it earlier is never longer)::
+
+            A = sum_s (f + b + a + g)_s + (M - 1) max(max_(s<K-1) max(f, b, a, g)_s, (f + b)_(K-1), a_(K-1), g_(K-1))
+            B = sum_(s<K-1) (f + b + a + g)_s + (M - 1) (max_(s<K-1) max(f, a)_s + max_(s<K-1) max(b, g)_s)
+            step = max(A, B)
 
         Example:
             >>> GPipe().closed_step(4, [(1.0, 2.0, 0.0, 0.0), (1.0, 2.0, 0.0, 0.0)])  # (4 + 2 - 1) x 3
             15.0
+            >>> GPipe().closed_step(4, [(2.0, 2.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0)])  # B: 4 + 3 x (2 + 2)
+            16.0
         """
-        total = sum(f + b + a + g for f, b, a, g in figures)
-        forward = max(max(f, a) for f, _, a, _ in figures)
-        backward = max(max(b, g) for _, b, _, g in figures)
-        return total + (num_microbatches - 1) * (forward + backward)
+        m = num_microbatches
+        *before, (fl, bl, al, gl) = figures
+        slowest = max([fl + bl, al, gl, *(max(x) for x in before)])
+        step = sum(sum(x) for x in figures) + (m - 1) * slowest
+        if before:
+            forward = max(max(f, a) for f, _, a, _ in before)
+            backward = max(max(b, g) for _, b, _, g in before)
+            step = max(step, sum(sum(x) for x in before) + (m - 1) * (forward + backward))
+        return step
+
+    def least_bound(self, num_microbatches: int, figures: Sequence[tuple[float, float, float, float]]) -> float:
+        """A lower bound on :meth:`closed_step` that the exact chain search minimises
+        (partitioner.search.threshold_search): A with the last stage's machines, B with one stage's
+        forward and backward machines (``period``), the stage of the largest::
+
+            max(sum_s (f + b + a + g)_s + (M - 1) last_period_(K-1),
+                sum_(s<K-1) (f + b + a + g)_s + (M - 1) max_(s<K-1) period_s)
+
+        Equal to the step where one stage before the last holds both B's slowest machines and A's slowest
+        is the last stage's or at most B (the usual case).
+
+        Example:
+            >>> figures = [(2.0, 1.0, 0.0, 0.0), (1.0, 2.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0)]
+            >>> GPipe().least_bound(4, figures), GPipe().closed_step(4, figures)
+            (15.0, 18.0)
+        """
+        m = num_microbatches
+        *before, last = figures
+        bound = sum(sum(x) for x in figures) + (m - 1) * float(self.last_period(*last))
+        if before:
+            bound = max(bound, sum(sum(x) for x in before) + (m - 1) * max(float(self.period(*x)) for x in before))
+        return bound
 
     def least_step(self, work_s: float, num_stages: int, num_microbatches: int) -> float:
-        """(M - 1) times the least bottleneck (the mean) plus every stage's compute: the flow shop's."""
-        return (num_microbatches - 1) * work_s / num_stages + work_s
+        """W M^2 / (K (M - 1) + 1), and W: a stage before the last runs M forwards and backwards of c_s
+        (B_s >= M c_s), the last adds (M - 1) c_(K-1) to every stage's work (A); at best all K - 1 of
+        the first equal A (docs/cost-model.md, "GPipe's step").
+
+        Example:
+            >>> GPipe().least_step(6.0, 2, 4), GPipe().least_step(6.0, 1, 4)  # one stage: M W
+            (13.714285714285714, 24.0)
+        """
+        m = num_microbatches
+        return max(work_s, work_s * m * m / (num_stages * (m - 1) + 1))
 
 
 class OneFOneB(ScheduleFamily):

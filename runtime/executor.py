@@ -12,11 +12,12 @@ per-variable update (moments, bias correction, the assign) is issued under the v
 
 The iterations overlap (stage s + 1 of micro-batch m beside stage s of micro-batch m + 1), in the
 order the schedule (``partitioner.schedule``) allows: each stage runs its forwards in micro-batch order,
-and holds at most the schedule's micro-batches in flight (``Schedule.windows``: M for GPipe, K - s for
-1F1B; the last stage one, whatever the schedule), the forward of micro-batch m waiting for the backward of
-m - window (``Executor.windows``). A recomputing stage runs its backwards one after the other, so the
-activations of one micro-batch at a time exist (those its backward computes again). Any Schedule whose
-rows keep to that order runs, a custom one too; another is refused by ``Schedule.windows``.
+and holds at most the schedule's micro-batches in flight (``Schedule.windows``: M for GPipe before its
+last stage, K - s for 1F1B; the last stage one, as both schedules' rows say, and whatever a custom
+schedule says), the forward of micro-batch m waiting for the backward of m - window
+(``Executor.windows``). A recomputing stage runs its backwards one after the other, so the activations
+of one micro-batch at a time exist (those its backward computes again). Any Schedule whose rows keep
+to that order runs, a custom one too; another is refused by ``Schedule.windows``.
 
 Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
 into M micro-batches of ceil(B / M) rows, the rows past B repeating real rows. The repeated rows are
@@ -217,12 +218,12 @@ class Executor:
 
     def windows(self) -> list[int]:
         """Per stage, the most micro-batches it holds at once (forward run, backward not yet): the
-        schedule's window (``Schedule.windows``: M for GPipe, K - s for 1F1B); 1 for a recomputing stage whose
-        recompute puts variables back (``StageProgram.restored``), so no forward runs meanwhile; 1 for the
-        last stage, whatever the schedule: its backward of a micro-batch needs nothing but its forward, so
-        running it at once delays nothing and no stage waits for the last stage's next forward (under GPipe
-        the loop let the last stage's forwards run ahead of its backwards, holding up to M micro-batches'
-        activations there, as many as the executor's thread order happened to give)."""
+        schedule's window (``Schedule.windows``: M for GPipe and 1 on its last stage, K - s for 1F1B); 1 for a
+        recomputing stage whose recompute puts variables back (``StageProgram.restored``), so no forward runs
+        meanwhile; 1 for the last stage of a custom schedule too: its backward of a micro-batch needs
+        nothing but its forward, so running it at once delays nothing (left free, the loop let the last
+        stage's forwards run ahead of its backwards, holding as many micro-batches' activations there as
+        the executor's thread order happened to give)."""
         last = len(self.programs) - 1
         return [
             1 if s == last or (self.options.recomputes(s) and program.restored()) else self.schedule_windows[s]

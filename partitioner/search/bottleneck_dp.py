@@ -16,17 +16,18 @@ O(K^2 N^2) work per mode, vectorised over j. This is the chain case of the dynam
 PipeDream (Narayanan et al., SOSP 2019) and of Tarnawski et al., "Efficient algorithms for device
 placement of DNN graph operators" (NeurIPS 2020), with our cost model (docs/cost-model.md).
 
-Memory: each block is budgeted for the micro-batches its stage holds, in_flight(K - s) (M for GPipe,
-min(K - s, M) for 1F1B on stage s of K), the figure :meth:`CostModel.evaluate` charges. K - s is the
-number of stages from s to the end of the pipeline, so every DP carries it as a *level*: the table of
-level r holds splits whose last block has r stages from it to the end (itself included), and a block
-of level r follows one of level r + 1 (:func:`_by_level`). Levels that budget alike are one: the top
-level R stands for every r >= R and follows itself (GPipe: the single level 1, R = 1; 1F1B: R =
-min(number of devices, M)). The answer is level 1's (the last stage) at the chain's end. A block of
-level r leaves r - 1 stages for later devices, so only the first D - r + 1 devices take it: about
-K^3 N^2 / 6 block figures for 1F1B with M >= K, three times one table of every device (K^2 N^2 / 2,
-GPipe's). Where the whole chain fits the smallest device at the top level's budget, memory cannot bind
-and the top level alone serves every stage (:func:`_memory_binds`). The banded programs of
+Memory: each block is budgeted for the micro-batches its stage holds, in_flight(K - s) (M for GPipe but
+1 on its last stage, min(K - s, M) for 1F1B on stage s of K), the figure :meth:`CostModel.evaluate`
+charges. K - s is the number of stages from s to the end of the pipeline, so every DP carries it as a
+*level*: the table of level r holds splits whose last block has r stages from it to the end (itself
+included), and a block of level r follows one of level r + 1 (:func:`_by_level`). Levels that budget
+alike are one: the top level R stands for every r >= R and follows itself (GPipe: R = 2, the last
+stage and the others; 1F1B: R = min(number of devices, M)). The answer is level 1's (the last stage) at
+the chain's end. A block of level r leaves r - 1 stages for later devices, so only the first D - r + 1
+devices take it: about K^3 N^2 / 6 block figures for 1F1B with M >= K, three times one table of every
+device (K^2 N^2 / 2). Where the whole chain fits the smallest device at the top level's budget, memory
+cannot bind and the top level alone serves every stage (:func:`_memory_binds`), but for GPipe, whose
+last stage paces the step otherwise (``ScheduleFamily.distinct_last``): its two levels stay. The banded programs of
 partitioner.search.threshold_search go level by level too; their viable ends (``_viable_ends``) budget
 every block as the last stage (level 1, the most room), so they drop no split that fits, whatever its
 blocks' levels.
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner.cost import CostModel, in_flight, mode_cost
+from partitioner.schedule import schedule_family
 
 
 class _Mode(NamedTuple):
@@ -69,11 +71,14 @@ class _Tables(NamedTuple):
     # [r - 1]: the modes budgeted for a stage r stages from the pipeline's end (itself included), r = 1..R;
     # the last also for every r > R (module docstring, "Memory")
     levels: tuple[list[_Mode], ...]
+    # True for level 1 of several (_level): blocks that end the pipeline, whose period is the schedule's
+    # last stage's (ScheduleFamily.last_period); a single level serves every stage
+    last: bool = False
 
 
 def _level(tables: _Tables, r: int) -> _Tables:
     """``tables`` budgeted for a stage r stages from the end of the pipeline (itself included)."""
-    return tables._replace(modes=tables.levels[min(r, len(tables.levels)) - 1])
+    return tables._replace(modes=tables.levels[min(r, len(tables.levels)) - 1], last=r == 1 and len(tables.levels) > 1)
 
 
 def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
@@ -98,6 +103,7 @@ def _prefix_tables(tables: _Tables, num_devices: int) -> _Tables:
         tables.out_bytes,
         [row[:s] for row in tables.bandwidth[:s]],
         tuple(cut(modes) for modes in tables.levels),
+        tables.last,
     )
 
 
@@ -160,8 +166,8 @@ def _in_flight_levels(costs: CostModel) -> list[int]:
     """[r - 1]: the micro-batches a stage r stages from the end of its pipeline (itself included) holds,
     for r = 1..R, with R the least level from which every stage holds as many (module docstring, "Memory").
 
-    ``in_flight(schedule, K, M, s)`` depends on K - s alone (M for GPipe, min(K - s, M) for 1F1B), so a
-    stage r from the end of any pipeline holds in_flight(schedule, r, M, 0).
+    ``in_flight(schedule, K, M, s)`` depends on K - s alone (for GPipe M, 1 on the last stage; min(K - s,
+    M) for 1F1B), so a stage r from the end of any pipeline holds in_flight(schedule, r, M, 0).
 
     Example:
         >>> import partitioner as pt
@@ -169,7 +175,7 @@ def _in_flight_levels(costs: CostModel) -> list[int]:
         >>> _in_flight_levels(pt.CostModel(graph, cluster, num_microbatches=3, schedule="1f1b"))
         [1, 2, 3]
         >>> _in_flight_levels(pt.CostModel(graph, cluster, num_microbatches=3, schedule="gpipe"))
-        [3]
+        [1, 3]
     """
     m = costs.num_microbatches
     held = [in_flight(costs.schedule, r, m, 0) for r in range(1, len(costs.devices) + 1)]
@@ -195,7 +201,9 @@ def _tables(costs: CostModel) -> _Tables:
     """The DP's inputs for ``costs`` (a chain), each level budgeted for its micro-batches in flight."""
     held = _in_flight_levels(costs)
     if len(held) > 1 and not _memory_binds(costs, held[-1]):
-        held = held[-1:]  # the top level alone: its tables are every level's
+        # the top level's tables are every level's; one level serves every stage, or two where the
+        # schedule paces its last stage otherwise (GPipe: ScheduleFamily.distinct_last)
+        held = held[-1:] * (2 if schedule_family(costs.schedule).distinct_last else 1)
     levels = tuple(_modes(costs, c) for c in held)
     k_total = len(costs.devices)
     capacity = [d.memory_bytes for d in costs.cluster.devices]

@@ -54,6 +54,7 @@ from partitioner.search.order import (
 from partitioner.search.threshold_search import (
     STEP_TOLERANCE,
     _bottleneck_splits,
+    _closed_form_search,
     _Found,
     _least_bottlenecks,
     _threshold_search,
@@ -268,10 +269,10 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
     scored: list[CostModel] = []
     found: list[_Found] = []
     searched: list[tuple[int, _Tables]] = []  # (order, tables) of each search: _Found.order indexes it
-    # a schedule with a closed form of the step (GPipe) is searched exactly on it, once; another (1F1B) with
-    # several weights of its period, from every prefix of the devices, then improved by local moves
+    # a schedule with a closed form of the step (GPipe) is searched exactly on its least bound, once; another
+    # (1F1B) with several weights of its period, from every prefix of the devices, then improved by local moves
     closed_form = schedule_family(costs.schedule).closed_form
-    weights = (1.0,) if closed_form else ONE_F_ONE_B_WEIGHTS
+    weights = () if closed_form else ONE_F_ONE_B_WEIGHTS
     best = dict.fromkeys(weights, np.inf)
     step_bound, least, complete = np.inf, np.inf, True
     for index, order in enumerate(orders):
@@ -289,6 +290,14 @@ def _shortest_step(costs: CostModel, device_order: str, started: float) -> Plan:
         least_sum = float(np.diff(tables.modes[0].prefix, axis=0).min(axis=1).sum())
         searched.append((index, tables))
         splits: list[_Found] = []
+        if closed_form:  # GPipe: the least bound of the step, exactly; the least-bottleneck split first among equals
+            shortest = min([np.inf, *(f.step for f in found)])
+            splits = _bottleneck_splits(tables, bottlenecks, len(searched) - 1, costs)
+            searched_splits, bound, done = _closed_form_search(
+                tables, costs.schedule, costs.num_microbatches, len(searched) - 1, shortest, least_here
+            )
+            splits += searched_splits
+            step_bound, complete = min(step_bound, bound), complete and done
         for weight in weights:
             found_here, bound, done = _threshold_search(
                 tables,

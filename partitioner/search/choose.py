@@ -17,8 +17,8 @@ The screen itself runs outside the budget (about 1 s per candidate on a 10,000-n
 What makes the choice more than "the most micro-batches": the bubble, (K - 1) / (M + K - 1), shrinks
 as M grows, but each forward and backward of a stage pays its device's fixed ``action_overhead_s``
 once per micro-batch (docs/cost-model.md), so M x 2 x overhead grows; and activations held per stage
-shrink with the micro-batch (GPipe holds M of them, 1F1B at most K - s), so a larger M or 1F1B may be
-what fits.
+shrink with the micro-batch (GPipe holds M of them before its last stage, 1F1B at most K - s), so a
+larger M or 1F1B may be what fits.
 
 Example:
     >>> import partitioner as pt
@@ -29,7 +29,7 @@ Example:
     >>> choice.plan.num_microbatches, choice.plan.schedule, choice.plan.num_stages
     (32, 'gpipe', 4)
     >>> [(c.num_microbatches, round(c.step_time_s * 1e3, 1)) for c in choice.candidates if c.schedule == "gpipe"]
-    [(1, 32.0), (2, 20.3), (4, 14.3), (8, 11.5), (16, 10.3), (32, 10.2), (64, 11.1)]
+    [(1, 32.0), (2, 20.2), (4, 14.3), (8, 11.5), (16, 10.3), (32, 10.2), (64, 11.1)]
 """
 
 from __future__ import annotations

@@ -112,6 +112,8 @@ class UnitCosts:
     # budgeted for the micro-batches in flight of the device's position (CostModel.device_in_flight)
     mode_compute_s: dict[str, list[list[float]]] = field(default_factory=dict)
     mode_memory: dict[str, list[list[int]]] = field(default_factory=dict)
+    # per mode, bytes [unit] budgeted for the last stage's micro-batches in flight (CostModel.last_in_flight)
+    mode_memory_last: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _check_pins(pins: Mapping[str, int] | None, costs: CostModel) -> dict[str, int]:
@@ -323,6 +325,7 @@ def unit_costs(costs: CostModel, coarsening: Coarsening) -> UnitCosts:
     colocated = [sorted(units) for units in groups.values() if len(units) > 1]
     mode_compute: dict[str, list[list[float]]] = {"kept": compute}
     mode_memory: dict[str, list[list[int]]] = {}
+    mode_memory_last: dict[str, list[int]] = {}
     for mode in costs.modes:
         if mode != "kept":
             rows = costs.mode_compute_s[mode]
@@ -330,12 +333,13 @@ def unit_costs(costs: CostModel, coarsening: Coarsening) -> UnitCosts:
                 [sum(rows[v][k] for v in unit) for k in range(num_devices)] for unit in coarsening.units
             ]
         by_count: dict[int, list[int]] = {}
-        for held in costs.device_in_flight:
+        for held in [*costs.device_in_flight, costs.last_in_flight]:
             if held not in by_count:
                 node = costs.node_memory_bytes(mode, held)
                 by_count[held] = [sum(node[v] for v in unit) for unit in coarsening.units]
         mode_memory[mode] = [by_count[held] for held in costs.device_in_flight]
-    return UnitCosts(compute, memory, edges, senders, colocated, mode_compute, mode_memory)
+        mode_memory_last[mode] = by_count[costs.last_in_flight]
+    return UnitCosts(compute, memory, edges, senders, colocated, mode_compute, mode_memory, mode_memory_last)
 
 
 def chain_quotient(

@@ -15,16 +15,19 @@ domain lo(U)..hi(U) (all devices, or its pinned one); outside it x is 0 and y is
     edge U -> V:     y[V, k] <= y[U, k]  for every k              (stage(U) <= stage(V))
     c[k] == 1      iff the stage on device k recomputes its forward  (only when recompute != "never")
 
-    memory:          sum_U mem(U, k) x[U, k] <= capacity(k)   (activations counted device_in_flight[k] times)
+    memory:          sum_U mem(U, k) x[U, k] <= capacity(k)   (activations counted device_in_flight[k] times
+                     where a unit runs after k, last_in_flight times where none does: the last stage's)
                      in the mode c[k] gives: kept, or recomputed, which adds in(u) r[u, k] for received tensors
     stage time:      T >= sum_U compute(U, k) x[U, k] + sum_u recv(u, k) r[u, k]   (compute in c[k]'s mode)
     last stage:      c[k] => some unit on a device after k    ("always": <=>)
     objective:       minimise T * W + sum_{u, k} bytes(u) r[u, k]   (W > any byte term: lexicographic)
 
 The modes' compute and memory per unit come from the cost model (partitioner.cost.mode_cost). The
-device at position k of the order budgets CostModel.device_in_flight[k] micro-batches: M for GPipe,
-min(D - k, M) for 1F1B on D devices, the most the stage on it holds whichever devices stay idle (the
-proof is at CostModel.device_in_flight), so the budget never refuses a plan that fits for being short.
+device at position k of the order budgets CostModel.device_in_flight[k] micro-batches: M for GPipe
+(1 on the last device), min(D - k, M) for 1F1B on D devices, the most the stage on it holds whichever
+devices stay idle (the proof is at CostModel.device_in_flight), so the budget never refuses a plan that
+fits for being short; and a device no unit follows holds the last stage: CostModel.last_in_flight (1),
+exact for GPipe's every stage.
 
 Times and bytes are scaled to integers (``time_resolution`` steps for the slowest device running
 everything; ``byte_resolution`` steps for all possible transfers), so "optimal" is exact up to that
@@ -185,12 +188,13 @@ def build_model(
                     model.add(r[u, k] >= on(reader, k) - on(home, k))
     for u, j, k in z:
         model.add(z[u, j, k] >= on(home_of[u], j) + r[u, k] - 1)
+    # later[k]: literals "unit i runs after device k" (True: always)
+    later_of: dict[int, list[Any]] = {
+        k: [True if lo > k else y[i, k].Not() for i, (lo, hi) in enumerate(domains) if k < hi] for k in devices
+    }
     # The last stage is never recomputed: c[k] needs a unit on a later device ("always": c[k] iff there is one).
     for k, c_k in c.items():
-        later: list[Any] = []  # literals "unit i runs after device k"
-        for i, (lo, hi) in enumerate(domains):
-            if k < hi:
-                later.append(True if lo > k else y[i, k].Not())
+        later = later_of[k]
         if any(lit is True for lit in later):
             if costs.recompute == "always":
                 model.add(c_k == 1)
@@ -207,18 +211,34 @@ def build_model(
         received_on[k].append(u)
     for k, device in enumerate(cluster.devices):
         capacity = device.memory_bytes // 1024
+        # the device's own budget where a unit runs after it; the last stage's count where none does (kept:
+        # the last stage is never recomputed)
+        followed: Any = True
+        if costs.last_in_flight < costs.device_in_flight[k] and not any(lit is True for lit in later_of[k]):
+            followed = model.new_bool_var(f"followed_{k}") if later_of[k] else False
+            for lit in later_of[k]:
+                model.add_implication(lit, followed)
+        budgets: list[tuple[bool, int, Any]] = [(False, costs.device_in_flight[k], followed)]  # (last?, count, when)
+        if followed is not True:
+            budgets.append((True, costs.last_in_flight, True))
         for mode in costs.modes:
-            memory = uc.mode_memory[mode][k]  # budgeted for device_in_flight[k] micro-batches
-            received = costs.input_memory_bytes(mode, costs.device_in_flight[k])
-            held = [
-                math.ceil(memory[i] / 1024) * on(i, k)
-                for i, (lo, hi) in enumerate(domains)
-                if memory[i] > 0 and lo <= k <= hi
-            ]
-            held += [math.ceil(received[u] / 1024) * r[u, k] for u in received_on[k] if received[u] > 0]
-            constraint = model.add(sum(held) <= capacity)
-            if c:
-                constraint.only_enforce_if(c[k] if mode == "recomputed" else c[k].Not())
+            for last, count, when in budgets:
+                if when is False or (last and mode != "kept"):
+                    continue
+                memory = uc.mode_memory_last[mode] if last else uc.mode_memory[mode][k]
+                received = costs.input_memory_bytes(mode, count)
+                held = [
+                    math.ceil(memory[i] / 1024) * on(i, k)
+                    for i, (lo, hi) in enumerate(domains)
+                    if memory[i] > 0 and lo <= k <= hi
+                ]
+                held += [math.ceil(received[u] / 1024) * r[u, k] for u in received_on[k] if received[u] > 0]
+                constraint = model.add(sum(held) <= capacity)
+                enforce = [] if when is True else [when]
+                if c:
+                    enforce.append(c[k] if mode == "recomputed" else c[k].Not())
+                if enforce:
+                    constraint.only_enforce_if(enforce)
     # Shared layers stay together (pins are in the domains).
     for group in uc.colocated:
         for i in group[1:]:

@@ -59,14 +59,16 @@ class _Found(NamedTuple):
     blocks: tuple[tuple[int, int, int], ...]  # (device index in the order, first node, end node) per stage
 
 
-def _period(schedule: str, f: Any, b: Any, a: Any, g: Any) -> Any:
+def _period(schedule: str, f: Any, b: Any, a: Any, g: Any, last: bool = False) -> Any:
     """The seconds per micro-batch a stage adds to the steady state (scalars or arrays alike).
 
-    f, b: its forward and backward seconds; a, g: its activation received and gradient sent back.
-    The schedule's own figure (``ScheduleFamily.period``): GPipe runs all forwards, then all backwards
-    (max(f, a) + max(b, g)); 1F1B alternates them (a period of f + b, each link pacing its own way).
+    f, b: its forward and backward seconds; a, g: its activation received and gradient sent back;
+    ``last``: the stage ends the pipeline. The schedule's own figure (``ScheduleFamily.period`` and
+    ``last_period``): GPipe runs all forwards, then all backwards (max(f, a) + max(b, g)), but on its last
+    stage and 1F1B's each forward and backward in turn (f + b, each link pacing its own way).
     """
-    return schedule_family(schedule).period(f, b, a, g)
+    family = schedule_family(schedule)
+    return family.last_period(f, b, a, g) if last else family.period(f, b, a, g)
 
 
 def _split_step(schedule: str, num_microbatches: int, figures: list[tuple[float, float, float, float]]) -> float:
@@ -130,7 +132,7 @@ def _stage_compute(
         f = forward[ends][None, :] - forward[starts] + mode.fixed_forward[k2]
         b = backward[ends][None, :] - backward[starts] + mode.fixed_backward[k2]
         if np.isfinite(limit):
-            fits &= (f + b + a + g if schedule is None else _period(schedule, f, b, a, g)) <= limit
+            fits &= (f + b + a + g if schedule is None else _period(schedule, f, b, a, g, tables.last)) <= limit
         best = np.minimum(best, np.where(fits, f + b, np.inf))
     return best
 
@@ -354,7 +356,7 @@ def _block_figures(
             continue
         f = float(mode.forward[end, k2] - mode.forward[start, k2] + mode.fixed_forward[k2])
         b = float(mode.backward[end, k2] - mode.backward[start, k2] + mode.fixed_backward[k2])
-        if np.isfinite(limit) and _period(schedule, f, b, a, g) > limit:
+        if np.isfinite(limit) and _period(schedule, f, b, a, g, tables.last) > limit:
             continue
         if best is None or f + b < best[0] + best[1]:
             best = (f, b, float(a), float(g))
@@ -450,6 +452,174 @@ def _threshold_search(
     complete = not heap or heap[0][0] >= best * (1 - STEP_TOLERANCE)
     bound = min(best, heap[0][0]) if heap else best
     return found, bound, complete
+
+
+class _LastBlocks(NamedTuple):
+    """The pipelines a DP at a period threshold P offers: each a split of the stages before the last (every
+    period within P, the least sum of stage times) and a last block on a later device, to the chain's end."""
+
+    before: np.ndarray  # [c]: the stage times before the last block, summed (0: the last block is alone)
+    alone: np.ndarray  # [c]: the last block's stage time plus (M - 1) times its period (last_period)
+    device: np.ndarray  # [c]: the last block's device
+    previous: np.ndarray  # [c]: the device of the stage before it (-1: none)
+    start: np.ndarray  # [c]: the last block's first node
+    parents: np.ndarray  # the DP's parents of the levels before the last ([level - 2, k, j])
+
+    def least(self, weight: float, period: float) -> tuple[float, int]:
+        """The least least_bound (ScheduleFamily.least_bound) a pipeline here can have if the stages
+        before its last have periods up to ``period`` (M - 1 = ``weight``), and the pipeline giving it:
+        max(the whole pipeline's A term, the stages before the last's B term at that period)."""
+        steady = weight * period if weight else 0.0  # (M = 1: nothing; 0 x inf is nan)
+        values = np.maximum(self.before + self.alone, self.before + np.where(self.previous >= 0, steady, 0.0))
+        if not len(values):
+            return np.inf, -1
+        least = float(values.min())
+        # among equals (M = 1 and free links: every split), the one with the least last block
+        ties = np.flatnonzero(values <= least * (1 + 1e-12))
+        index = int(ties[np.argmin(self.alone[ties])])
+        return least, index
+
+    def blocks(self, index: int, n: int) -> Blocks:
+        """The split of pipeline ``index``."""
+        parents = np.concatenate([self.parents[:1], self.parents])  # level 1's own, for the last block
+        parents[0, self.device[index], n] = (self.previous[index], self.start[index])
+        return _blocks(parents, int(self.device[index]), n)
+
+
+def _last_blocks(tables: _Tables, schedule: str, weight: float, limit: float, reach: float) -> tuple[_LastBlocks, int]:
+    """The DP of :func:`_closed_form_search` at period threshold ``limit``: the least sum of stage times
+    over splits before the last stage whose every period is at most ``limit`` (levels 2 and up, banded),
+    then every last block after one of them whose compute is within ``reach``, with its stage time and
+    period; and the (start, end) cells computed."""
+    num_devices, n = len(tables.capacity), tables.modes[0].prefix.shape[0] - 1
+    viable = _viable_ends(tables, max(limit, reach))
+    source, parents, work = None, [], 0
+    # levels R..2; a single level (memory alike everywhere, M = 1) serves the stages before the last too
+    for r in range(len(tables.levels), 1, -1) if len(tables.levels) > 1 else (1,):
+        table, parent, cells = _banded_level(
+            _level(tables, r), limit, schedule, "time", viable, source, num_devices - max(r, 2) + 1
+        )
+        source, work = table, work + cells
+        parents.append(parent)
+    last = _level(tables, 1)
+
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    end = np.array([n])
+    for k2 in range(num_devices):
+        groups = [(-1, np.zeros(1, dtype=np.int64))]
+        if source is not None:
+            groups += [(k, np.flatnonzero(np.isfinite(source[k, 1:n])) + 1) for k in range(k2)]
+        for k, starts in groups:
+            if not len(starts):
+                continue
+            a, g = (np.zeros((1, 1)), np.zeros((1, 1))) if k < 0 else _links(last, k, k2, starts[:, None])
+            compute = _stage_compute(last, k2, starts[:, None], (a, g), schedule, reach, end)[:, 0]
+            work += len(starts)
+            keep = np.isfinite(compute)
+            a, g = np.broadcast_to(a[:, 0], compute.shape)[keep], np.broadcast_to(g[:, 0], compute.shape)[keep]
+            # the last block's f + b is its compute: its period is max(f + b, a, g) (last_period)
+            alone = np.full(compute.shape, np.inf)
+            alone[keep] = compute[keep] + a + g + weight * np.maximum(np.maximum(compute[keep], a), g)
+            before = np.zeros(len(starts)) if k < 0 or source is None else source[k, starts]
+            devices = (np.full(len(starts), k2), np.full(len(starts), k))
+            for column, values in zip(columns, (before, alone, *devices, starts)):
+                column.append(values[keep])
+    joined = [np.concatenate(c) if c else np.zeros(0) for c in columns]
+    result = _LastBlocks(
+        joined[0],
+        joined[1],
+        joined[2].astype(np.int64),
+        joined[3].astype(np.int64),
+        joined[4].astype(np.int64),
+        np.stack(parents[::-1]),
+    )
+    return result, work
+
+
+def _closed_form_search(
+    tables: _Tables,
+    schedule: str,
+    num_microbatches: int,
+    order: int,
+    incumbent: float,
+    least_bottleneck: float,
+) -> tuple[list[_Found], float, bool]:
+    """Splits of the least ``ScheduleFamily.least_bound`` on ``tables``' devices (any subset of them in
+    order), for a schedule with a closed form of the step whose last stage runs apart (GPipe), by
+    bisection on the threshold P of the periods of the stages before the last; with a lower bound on
+    every split's step there, and whether the search finished (else it stopped after MAX_PROGRAMS DPs or
+    PROGRAM_WORK cells of them).
+
+    least_bound = max(W + (M - 1) q, C + (M - 1) p), with W the sum of stage times, C that of the stages
+    before the last, p their largest period and q the last stage's, is at most the step
+    (docs/cost-model.md, "GPipe's step"). The DP at threshold P (:func:`_last_blocks`) gives, for
+    every last block, the least C of the stages before it with periods within P: a split y with p(y) in
+    an interval (lo, hi] of thresholds has least_bound(y) >= the least over hi's pipelines of
+    max(W + (M - 1) q, C + (M - 1) lo), so intervals whose bound reaches the shortest step found
+    (``incumbent`` from other orders, then this search's) are dropped, the others halved; an interval
+    narrower than STEP_TOLERANCE keeps its bound. Every split met is kept with its exact step
+    (``closed_step``) for the caller to rank. The search starts at the least bottleneck
+    ``least_bottleneck`` of these devices (a split within it exists), and covers the periods above it up
+    to where (M - 1) P alone reaches the shortest step found.
+    """
+    family = schedule_family(schedule)
+    n = tables.modes[0].prefix.shape[0] - 1
+    m = num_microbatches
+    weight = float(m - 1)
+    found: list[_Found] = []
+    work = 0
+    best = incumbent
+
+    def run(limit: float) -> _LastBlocks:
+        nonlocal work, best
+        # the last block's compute c: least_bound >= its stage time + (M - 1) q >= M c, at most the step
+        reach = best / m if np.isfinite(best) else np.inf
+        pipelines, cells = _last_blocks(tables, schedule, weight, limit, reach)
+        work += cells * len(tables.modes)
+        value, index = pipelines.least(weight, limit)
+        if np.isfinite(value):
+            stages = pipelines.blocks(index, n)
+            figures = _figures(tables, stages, schedule)
+            assert figures is not None  # the DP found them
+            step, bound = family.closed_step(m, figures), family.least_bound(m, figures)
+            assert step is not None and bound is not None  # a schedule with a closed form (the caller's check)
+            found.append(_Found(step, bound, order, stages))
+            best = min(best, found[-1].step)
+        return pipelines._replace(parents=pipelines.parents[:0])  # the bounds need no parents
+
+    start = least_bottleneck * (1 + 1e-9) if np.isfinite(least_bottleneck) else np.inf
+    at_start = run(start)
+    if not found:
+        return found, np.inf, True
+    heap: list[tuple[float, float, float, int]] = []  # (bound, lo, hi, index of hi's pipelines): periods in (lo, hi]
+    kept = [at_start]
+
+    def push(lo: float, hi: float, index: int) -> None:
+        heapq.heappush(heap, (kept[index].least(weight, lo)[0], lo, hi, index))
+
+    push(0.0, start, 0)
+    programs = 1
+    # A split whose periods before the last exceed T_max cannot beat ``best``: its least_bound is at least
+    # C + (M - 1) p >= M p (C holds the stage of period p, whose stage time is at least p).
+    top = best / m
+    if np.isfinite(start) and top > start:
+        kept.append(run(top))
+        programs += 1
+        push(start, top, 1)
+    settled: list[float] = []
+    while heap and heap[0][0] < best * (1 - STEP_TOLERANCE) and programs < MAX_PROGRAMS and work < PROGRAM_WORK:
+        bound, lo, hi, index = heapq.heappop(heap)
+        if hi - lo <= STEP_TOLERANCE * hi:
+            settled.append(bound)  # as narrow as the tolerance: its bound stands
+            continue
+        mid = (lo + hi) / 2
+        kept.append(run(mid))
+        programs += 1
+        push(lo, mid, len(kept) - 1)
+        push(mid, hi, index)
+    open_bounds = [b for b, *_ in heap]
+    complete = not heap or heap[0][0] >= best * (1 - STEP_TOLERANCE)
+    return found, min([best, *settled, *open_bounds]), complete
 
 
 def _bottleneck_splits(

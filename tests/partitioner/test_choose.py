@@ -56,16 +56,20 @@ def test_choose_pipelines_a_large_model_with_more_microbatches() -> None:
 
 
 def test_choose_1f1b_when_gpipe_does_not_fit() -> None:
-    """GPipe holds the whole batch's activations whatever M; 1F1B holds min(K - s, M) micro-batches, so
-    only 1F1B with enough micro-batches fits 40 MiB per device."""
-    graph = _chain(4e9, 32 * MiB)  # 32 MiB per layer for the batch of 32: 64 MiB per stage of 2 layers
-    choice = choose(graph, _cluster(2, memory="40MiB", overhead_s=0.0), batch_size=32, time_limit_s=5)
-    assert choice.plan.schedule == "1f1b"
+    """GPipe's first stage holds the whole batch's activations whatever M; 1F1B's min(K - s, M) micro-batches,
+    so only 1F1B with enough micro-batches fits 36 MiB per device. The weights (2 MiB a layer: 10 MiB with
+    their gradients, the micro-batch's and 2 slots) keep the four layers off one device."""
+    graph = pt.chain_graph(
+        [4e9] * 4, param_bytes=[2 * MiB] * 4, activation_bytes=[32 * MiB] * 4, edge_bytes=[32 * MiB] * 3
+    )
+    graph.graph.update(batch_size=32, num_microbatches=1)  # 32 MiB per layer for the batch of 32
+    choice = choose(graph, _cluster(2, memory="36MiB", overhead_s=0.0), batch_size=32, time_limit_s=5)
+    assert choice.plan.schedule == "1f1b" and choice.plan.num_stages == 2
     assert all(c.error is not None for c in choice.candidates if c.schedule == "gpipe")
     fitting = [c.num_microbatches for c in choice.candidates if c.step_time_s is not None]
-    # M = 8 on stage 0: 2 in flight x 2 layers x 4 MiB + one micro-batch's activation gradients in a
-    # backward (8 MiB) = 24 MiB; M = 4: 32 + 16 MiB, over
-    assert min(fitting) == 8
+    # M = 16 on stage 0 (2 | 2): 20 MiB of weights, 2 in flight x 2 layers x 2 MiB + one micro-batch's activation
+    # gradients in a backward (4 MiB) = 32 MiB; M = 8: 20 + 16 + 8 MiB, over
+    assert min(fitting) == 16
     assert choice.plan.fits_memory
 
 

@@ -47,8 +47,9 @@ def test_costmodel_memory_by_hand():
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
     # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop, and on G1 the
-    # gradient of the 2 MB it received (its backward makes it, to send back)
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (4 + 1) * 30 + RECEIVED}
+    # gradient of the 2 MB it received (its backward makes it, to send back); G1, GPipe's last stage, holds
+    # one micro-batch's activations (its backward follows its forward)
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (1 + 1) * 30 + RECEIVED}
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
@@ -63,7 +64,7 @@ def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
     graph.nodes["l1"]["output_bytes"] = 5
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (4 + 1) * 30 + RECEIVED}
+    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (1 + 1) * 30 + RECEIVED}
     assert costs.node_cost("l1", "kept").once_bytes == 5  # a node alone prices it alike
 
 
@@ -87,9 +88,9 @@ def _abc_with_boundary() -> nx.DiGraph:
     [
         # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
         # gradients in a backward; G1: weights 300 x 5 + the collected outputs 4 x 50 + one micro-batch's 50
-        # (the loss's gradient, the metrics' temporaries) + 4 x 30 in flight + 30 and the received 2 MB's
-        # gradient in a backward
-        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 5 * 30 + RECEIVED}),
+        # (the loss's gradient, the metrics' temporaries) + 1 x 30 in flight (the last stage) + 30 and the
+        # received 2 MB's gradient in a backward
+        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED}),
         ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED}),
     ],
 )
@@ -108,7 +109,9 @@ def test_costmodel_node_memory_carries_the_step_terms():
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     received = costs.input_memory_bytes("kept", 4)
     assert received == {"l0": 10**6, "l1": RECEIVED, "l2": 0}  # a kept stage: the gradient its backward makes
-    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: node["l2"] + received["l1"]}
+    last = costs.node_memory_bytes("kept", 1)  # G1 is GPipe's last stage: one micro-batch in flight
+    assert last["l2"] == 300 * 3 + 250 + 2 * 30
+    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: last["l2"] + received["l1"]}
 
 
 def test_costmodel_input_held_where_its_node_is():
@@ -119,7 +122,7 @@ def test_costmodel_input_held_where_its_node_is():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G1, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 5 * 50 + 10**6}
+    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 2 * 50 + 10**6}  # G1 last: 1 held
 
 
 def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
@@ -130,7 +133,7 @@ def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 35 + 5 * 30, G1: 300 * 3 + 250 + 35 + 5 * 30 + RECEIVED}
+    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 35 + 5 * 30, G1: 300 * 3 + 250 + 35 + 2 * 30 + RECEIVED}
 
 
 def test_costmodel_one_stage_holds_batch_and_outputs_at_one_microbatch():
@@ -150,7 +153,7 @@ def test_costmodel_graph_without_boundary_bytes_prices_none():
     assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
     assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {
         G0: 300 * 3 + 5 * 30,
-        G1: 300 * 3 + 5 * 30 + RECEIVED,
+        G1: 300 * 3 + 2 * 30 + RECEIVED,  # GPipe's last stage: one micro-batch held
     }
 
 

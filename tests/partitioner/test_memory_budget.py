@@ -9,6 +9,8 @@ min(D - k, M) (``CostModel.device_in_flight``): never less than its stage holds,
 
 from __future__ import annotations
 
+from unittest import mock
+
 import networkx as nx
 import numpy as np
 import pytest
@@ -24,10 +26,11 @@ from partitioner.search.threshold_search import _least_bottleneck, _step_program
 
 def fullest_budget_bottleneck(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int, **kwargs: object):
     """The least bottleneck when every stage is budgeted for the fullest one's min(D, M) micro-batches,
-    the planners' budget before: GPipe's memory at that many micro-batches (the bottleneck does not
-    depend on M)."""
+    the planners' budget before: every stage's memory at that many micro-batches, M = that many (the
+    bottleneck does not depend on M)."""
     fullest = min(cluster.num_devices, num_microbatches)
-    return brute_force(graph, cluster, num_microbatches=fullest, schedule="gpipe", **kwargs)
+    with mock.patch("partitioner.cost.in_flight", lambda schedule, num_stages, m, stage: m):  # every stage: M
+        return brute_force(graph, cluster, num_microbatches=fullest, **kwargs)
 
 
 @st.composite
@@ -86,8 +89,8 @@ def test_exact_chain_1f1b_last_stage_holds_one_microbatch():
     assert plan.assignment == {"l0": "/GPU:0", "l1": "/GPU:1"}
     assert plan.memory_bytes == {"/GPU:0": 15 * KIB, "/GPU:1": 20 * KIB}
     pt.validate_plan(plan, graph, cluster)
-    with pytest.raises(pt.InfeasiblePlanError):  # GPipe holds 2 micro-batches on every stage
-        pt.exact_chain(graph, cluster, num_microbatches=2)
+    gpipe = pt.exact_chain(graph, cluster, num_microbatches=2)  # GPipe's last stage holds one too
+    assert (gpipe.assignment, gpipe.memory_bytes) == (plan.assignment, plan.memory_bytes)
 
 
 def test_exact_chain_1f1b_counts_stages_to_the_end_not_devices():
@@ -106,20 +109,24 @@ def test_exact_chain_1f1b_counts_stages_to_the_end_not_devices():
 
 
 def test_device_in_flight_never_below_what_a_stage_holds():
-    """min(D - k, M) on the device at position k bounds stage s's min(K - s, M) in every plan using it."""
+    """min(D - k, M) on the device at position k bounds stage s's min(K - s, M) in every plan using it
+    (1F1B); M before the last device and 1 on it bound M before the last stage and 1 on it (GPipe)."""
     graph = chain([1e12] * 6)
     for num_devices in range(1, 6):
         cluster = pt.Cluster.uniform(num_devices, memory="1GiB")
         for m in range(1, 7):
             budget = CostModel(graph, cluster, num_microbatches=m, schedule="1f1b").device_in_flight
             assert budget == [min(num_devices - k, m) for k in range(num_devices)]
-            assert CostModel(graph, cluster, num_microbatches=m).device_in_flight == [m] * num_devices
+            gpipe = CostModel(graph, cluster, num_microbatches=m).device_in_flight
+            assert gpipe == [m] * (num_devices - 1) + [1]
             for num_stages in range(1, num_devices + 1):
                 for s in range(num_stages):
                     # stage s runs on device k >= s with num_stages - s - 1 later devices after k
                     for k in range(s, num_devices - (num_stages - s - 1)):
                         assert in_flight("1f1b", num_stages, m, s) <= budget[k]
-                    assert in_flight("1f1b", num_stages, m, s) == in_flight("1f1b", num_stages - s, m, 0)
+                        assert in_flight("gpipe", num_stages, m, s) <= gpipe[k]
+                    for name in ("1f1b", "gpipe"):
+                        assert in_flight(name, num_stages, m, s) == in_flight(name, num_stages - s, m, 0)
 
 
 def _skip_dag() -> nx.DiGraph:
@@ -231,16 +238,18 @@ def test_solve_budgets_the_inputs_and_the_collected_outputs(output_bytes, cut):
     plan = pt.solve(graph, cluster, num_microbatches=4, optimizer_slots=0, time_limit_s=5)
     pt.validate_plan(plan, graph, cluster)
     assert plan.assignment == {f"layer_{i}": cluster.names[int(i >= cut)] for i in range(6)}
-    # the last stage: weights and gradient sums 3 x 80 MB each, 4 in flight x 1 MB and 1 MB of gradients in a
-    # backward, the outputs (4 + 1) x out
-    assert plan.memory_bytes[cluster.names[1]] == (6 - cut) * (240_000_000 + 5 * 10**6) + 5 * output_bytes
+    # the last stage: weights and gradient sums 3 x 80 MB each, 1 in flight x 1 MB (GPipe's last stage) and
+    # 1 MB of gradients in a backward, the outputs (4 + 1) x out
+    assert plan.memory_bytes[cluster.names[1]] == (6 - cut) * (240_000_000 + 2 * 10**6) + 5 * output_bytes
     costs = CostModel(graph, cluster, num_microbatches=4, optimizer_slots=0)
     best = brute_force(graph, cluster, num_microbatches=4, optimizer_slots=0)
     assert costs.evaluate(plan.assignment).bottleneck_s == best
 
 
 def test_solve_refuses_when_the_collected_outputs_leave_no_cut():
-    graph = _boundary_chain(8, 20_000_000)  # 4 | 4: the last stage needs 1,080 MB (100 MB of outputs) of 1,074
+    # 4 | 4: the last stage needs 4 x 242 MB and (4 + 1) x 22 MB of outputs, 1,078 MB of 1,074; 5 | 3: the
+    # first 5 x 245 MB; 3 | 5: the last 5 x 242 MB
+    graph = _boundary_chain(8, 22_000_000)
     cluster = pt.Cluster.uniform(2, memory="1GiB")
     assert brute_force(graph, cluster, num_microbatches=4, optimizer_slots=0) is None
     with pytest.raises(pt.InfeasiblePlanError, match="fits every device"):

@@ -77,7 +77,8 @@ def test_costmodel_recomputed_stages_by_hand():
     # + one micro-batch's activations and, in the loop (M > 1), their gradients and the received input's
     assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000) + 1000
     assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
-    assert ev.memory_bytes[G2] == 400 * 5 + (4 + 1) * 40_000 + 3000  # kept: M in flight + the gradients
+    # kept, GPipe's last stage: one micro-batch in flight (its backward follows its forward) + the gradients
+    assert ev.memory_bytes[G2] == 400 * 5 + (1 + 1) * 40_000 + 3000
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
     assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000) + 1000
@@ -227,10 +228,11 @@ def test_solve_auto_recomputes_only_when_memory_needs_it(exact_chains):
     auto = pt.solve(graph, roomy, num_microbatches=4, options=options, recompute="auto")
     assert auto.recompute == (False,) * auto.num_stages  # it fits: nothing recomputed
     assert auto.bottleneck_s == pytest.approx(never.bottleneck_s)
-    # Kept, a layer needs 500 KB (4 in flight and the gradients a backward makes): none fits the first two
-    # devices (250 KB), and all four need 2 MB of the last (1.1 MB). Recomputed, a layer needs 200 KB + 4 KB
-    # of inputs + 1 KB of their gradient; the last stage stays kept (two layers: 1 MB + 1 KB).
-    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 1_100_000])]
+    # Kept, a layer needs 500 KB before the last stage (4 in flight and the gradients a backward makes): none
+    # fits the first two devices (250 KB), and all four need 800 KB of the last (500 KB; the last stage holds
+    # one micro-batch, 200 KB a layer). Recomputed, a layer needs 200 KB + 4 KB of inputs + 1 KB of their
+    # gradient; the last stage stays kept (two layers: 400 KB + 1 KB).
+    devices = [pt.Device(f"/GPU:{i}", memory=m, flops_per_s=1e9) for i, m in enumerate([250_000, 250_000, 500_000])]
     tight = pt.Cluster(devices, bandwidth=1e6)
     with pytest.raises(InfeasiblePlanError, match=r"Plan with recompute='auto'"):
         pt.solve(graph, tight, num_microbatches=4, options=options)

@@ -23,15 +23,16 @@ def two_stage_simulation(schedule: str = "gpipe") -> pt.Simulation:
 
 def test_text_timeline_columns_follow_the_simulation():
     sim = two_stage_simulation()
-    # GPU:0 forwards 0-2, sends 1-2 and 2-3; GPU:1 forwards 2-4, backwards 4-8; gradients 6-7 and 8-9;
-    # GPU:0 backwards 7-9 and 9-11.
+    # GPU:0 forwards 0-2, sends 1-2 and 2-3; GPU:1 (the last stage: each backward right after its forward)
+    # forwards 2-3, backwards 3-5, forwards 5-6, backwards 6-8; gradients 5-6 and 8-9; GPU:0 backwards 6-8
+    # and 9-11.
     assert sim.step_time_s == pytest.approx(2 * 3 + 3 + 2 * 1)
     lines = text_timeline(sim, width=11).splitlines()  # one column per second
     rows = {line.split("|")[0].strip(): line.split("|")[1] for line in lines if "|" in line}
-    assert rows["/GPU:0"] == "FF.....BBBB"
-    assert rows["/GPU:1"] == "..FFBBBB..."
+    assert rows["/GPU:0"] == "FF....BB.BB"
+    assert rows["/GPU:1"] == "..FBBFBB..."
     assert rows["/GPU:0 -> /GPU:1"] == ".>>........"
-    assert rows["/GPU:1 -> /GPU:0"] == "......<.<.."
+    assert rows["/GPU:1 -> /GPU:0"] == ".....<..<.."
     assert "gpipe schedule, 2 stages x 2 micro-batches: step 11.00 s" in lines[0]
     assert any("peak memory" in line and "(2 micro-batches in flight)" in line for line in lines)
 
