@@ -22,7 +22,8 @@ stage's figures are a node's, a coarsened unit's or a stage's alike (every term 
                     (the batch split into micro-batches, the outputs collected, held all step, and one
                     micro-batch's more: the loss's gradient of them, the metrics' temporaries)
     memory(s)     = weights + step + in_flight(s) * held + held once
-    in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe, min(K - s, M) for 1F1B
+    in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe (1 on its last stage),
+                    min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
 
 The last stage is never recomputed (its backward follows its forward at once in the runtime, which
@@ -713,7 +714,8 @@ class CostModel:
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Micro-batches whose activations ``stage`` holds at most under ``schedule``: M for GPipe, min(K - s, M) for 1F1B.
+    """Micro-batches whose activations ``stage`` holds at most under ``schedule``: M for GPipe (1 on its last
+    stage), min(K - s, M) for 1F1B.
 
     The one place the planners, the cost model and the validator take this figure from; it is the
     schedule's own count (``ScheduleFamily.in_flight``, ``Schedule.max_in_flight``), not a second formula.

@@ -429,7 +429,8 @@ class Schedule:
     def max_in_flight(self, stage: int) -> int:
         """The most micro-batches whose forward has run on ``stage`` and whose backward has not.
 
-        That many micro-batches' activations are held at once: M for GPipe, min(K - s, M) for 1F1B.
+        That many micro-batches' activations are held at once: M for GPipe (1 on its last stage), min(K - s, M)
+        for 1F1B.
 
         Raises:
             InputError: for a stage outside 0..K-1.

@@ -15,8 +15,9 @@ backward (``Plan.recompute``).
 The order on each device is a :class:`partitioner.schedule.Schedule`, the one object the runtime follows
 too; ``schedule=`` takes one, or its name:
 
-- ``"gpipe"``: every stage runs all M forwards, then all M backwards in reverse order (fill-drain).
-  Every micro-batch's activations stay until its backward: M in flight.
+- ``"gpipe"``: every stage but the last runs all M forwards, then all M backwards (fill-drain); the last
+  runs each backward right after its forward. Every micro-batch's activations stay until its backward:
+  M in flight, 1 on the last stage.
 - ``"1f1b"``: PipeDream-flush: stage s runs min(K - s - 1, M) forwards to fill the pipe, then
   alternates one forward and one backward, then drains. The same bubble as GPipe with at most K - s
   micro-batches in flight on stage s.

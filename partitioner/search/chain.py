@@ -102,7 +102,8 @@ def exact_chain(
     it), else the cost model's bound.
 
     Memory is budgeted per stage as the plan is scored (partitioner.search.bottleneck_dp, "Memory"):
-    ``schedule`` "gpipe" holds M micro-batches on every stage, "1f1b" min(K - s, M) on stage s of K.
+    ``schedule`` "gpipe" holds M micro-batches on every stage but the last (1 there), "1f1b" min(K - s, M)
+    on stage s of K.
     ``recompute`` ("never", "always", "auto") chooses each block's mode: "always" recomputes every
     block but the last, "auto" the fastest mode that fits (kept where it fits).
 

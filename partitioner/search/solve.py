@@ -83,9 +83,9 @@ def solve(
         pins: {node: device name} placements that must hold.
         cost: "flops" or "time" (measured time_s); see docs/cost-model.md.
         schedule: "gpipe" or "1f1b": the plan records it, its memory counts that schedule's micro-batches
-            in flight (M for GPipe, min(K - s, M) on stage s of K for 1F1B; the chain DP budgets each
-            stage that, CP-SAT the device at position k of D min(D - k, M)) and its step time is that
-            schedule simulated.
+            in flight (M for GPipe, 1 on its last stage; min(K - s, M) on stage s of K for 1F1B; the chain DP
+            budgets each stage that, CP-SAT the device at position k of D CostModel.device_in_flight[k]) and
+            its step time is that schedule simulated.
         options: search knobs (workers, seed, hints, resolution, coarsening).
         recompute: "never" (every stage keeps its activations), "always" (every stage but the last
             recomputes its forward in the backward: more compute, activations of one micro-batch plus
