@@ -199,7 +199,11 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("model", help=model_help)
     _add_profile_options(profile)
     _add_traceback_option(profile)
-    profile.add_argument("--no-time", action="store_true", help="skip measuring per-layer times (faster)")
+    profile.add_argument(
+        "--no-time",
+        action="store_true",
+        help="skip measuring per-layer times, their part that one sample costs and the step's own work (faster)",
+    )
     profile.add_argument("--out", help="write the layer graph JSON here (default: print a summary only)")
     return parser
 
@@ -455,7 +459,7 @@ def _check_batch_recorded(graph: nx.DiGraph, args: argparse.Namespace) -> None:
         )
 
 
-def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.DiGraph:
+def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool, measure_fixed_time: bool) -> nx.DiGraph:
     if args.model.endswith(".json"):
         return _profile_graph(args)
     _require_tensorflow(args)
@@ -477,9 +481,7 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool) -> nx.
             num_microbatches=1 if args.micro_batches == AUTO else args.micro_batches,  # auto: the whole batch
             measure_time=measure_time,
             progress=update,
-            # auto M from timed layers: each M is priced by rescaling, which needs the part of a layer's time
-            # one sample costs too (else small micro-batches look free), and the step's own work
-            measure_fixed_time=measure_time and args.micro_batches == AUTO,
+            measure_fixed_time=measure_time and measure_fixed_time,
             **_shape_options(args),
         )
 
@@ -490,7 +492,9 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if args.timeline not in (None, "-") and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise InputError(f"--timeline takes a .png, .svg or .pdf file, or - for text. Received: {args.timeline!r}.")
     cluster = _cluster(args)
-    graph = _graph(args, err, measure_time=args.cost == "time")
+    # auto M from timed layers: each M is priced by rescaling, which needs the part of a layer's time one
+    # sample costs too (else small micro-batches look free), and the step's own work
+    graph = _graph(args, err, measure_time=args.cost == "time", measure_fixed_time=args.micro_batches == AUTO)
     options: dict[str, Any] = {
         "optimizer_slots": OPTIMIZER_SLOTS[args.optimizer],
         "cost": args.cost,
@@ -746,7 +750,9 @@ def _profile(args: argparse.Namespace, err: Console) -> int:
             "'partitioner profile' measures costs for one micro-batch size: give an integer --micro-batches "
             "(or leave it out), and choose M when planning: 'partitioner plan profile.json --micro-batches auto'."
         )
-    graph = _graph(args, err, measure_time=not args.no_time)
+    # timed: also each layer at one sample and the step's own work, so that the profile planned later with
+    # --micro-batches auto --cost time prices every M by what it costs (as 'plan --micro-batches auto' does)
+    graph = _graph(args, err, measure_time=not args.no_time, measure_fixed_time=True)
     if args.out:
         save_graph(graph, args.out)
     flops = sum(f for _, f in graph.nodes(data="flops"))

@@ -702,7 +702,12 @@ def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster,
     while True:
         n, k = rng.randint(8, 20), rng.randint(2, 8)
         graph = random_chain(n, seed=rng.randint(0, 10**9))
-        need = sum(pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16).memory.values())
+        # every node holding 16 micro-batches' activations (one device alone is a last stage, which holds one)
+        need = sum(
+            pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16)
+            .node_memory_bytes("kept", 16)
+            .values()
+        )
         bandwidth = rng.choice(BANDWIDTHS)
         if rng.random() < 0.5:
             kind = "uniform"
@@ -866,7 +871,12 @@ def random_dag_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, s
     while True:
         n, k = rng.randint(6, 10), rng.randint(2, 4)
         graph = random_block_dag(n, seed=rng.randint(0, 10**9))
-        need = sum(pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16).memory.values())
+        # every node holding 16 micro-batches' activations (one device alone is a last stage, which holds one)
+        need = sum(
+            pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16)
+            .node_memory_bytes("kept", 16)
+            .values()
+        )
         bandwidth = rng.choice(BANDWIDTHS)
         if rng.random() < 0.5:
             kind = "uniform"

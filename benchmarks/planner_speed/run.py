@@ -44,7 +44,9 @@ GENERATORS = {"chain": random_chain, "dag": random_dag}
 def make_cluster(graph: Any, num_devices: int) -> pt.Cluster:
     """Uniform devices as in benchmarks/planner: 100 TFLOP/s, 50 GB/s links, and 16 GiB or 1.3x an even
     share of the graph's memory (weights, gradients, Adam slots, M activations), whichever is larger."""
-    need = sum(CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=NUM_MICROBATCHES).memory.values())
+    costs = CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=NUM_MICROBATCHES)
+    # every node holding M micro-batches' activations (one device alone is a last stage, which holds one)
+    need = sum(costs.node_memory_bytes("kept", NUM_MICROBATCHES).values())
     memory = max(16 * 2**30, int(1.3 * need / num_devices))
     return pt.Cluster.uniform(num_devices, memory=memory, flops_per_s=100e12, bandwidth="50GB/s")
 

@@ -292,9 +292,19 @@ def test_cli_plan_auto_microbatches_by_time_measures_the_fixed_part(
     plan = pt.Plan.from_json((tmp_path / "plan.json").read_text())
     assert plan.cost == "time" and plan.num_microbatches <= 4
     assert plan.step_overhead_s == 0.0 and "with the step's own work" not in capsys.readouterr().out
-    profile = tmp_path / "tiny.json"  # the profile a plan for the local devices would be made from
-    assert main(["profile", "tiny_models:build", "--batch-size", "16", "--out", str(profile)]) == 0
-    assert "step_overhead_s" not in pt.load_graph(profile).graph  # a fixed M: neither part is timed
+    # a profile of the whole batch written first and planned later: timed, it times both parts too, so auto
+    # prices M alike (without fixed_time_s in the file, the same command picks 16, one sample each)
+    profile = tmp_path / "tiny.json"
+    whole = ["--batch-size", "16", "--micro-batches", "1"]
+    assert main(["profile", "tiny_models:build", *whole, "--out", str(profile)]) == 0
+    graph = pt.load_graph(profile)
+    timed = [d for _, d in graph.nodes(data=True) if d.get("time_s")]
+    assert graph.graph["step_overhead_s"] > 0 and timed and all(d.get("fixed_time_s") is not None for d in timed)
+    later = ["plan", str(profile), "--devices", "2", "--memory", "1GiB", "--cost", "time", "--micro-batches", "auto"]
+    assert main([*later, "--out", str(tmp_path / "later.json")]) == 0, capsys.readouterr().err
+    assert pt.Plan.from_json((tmp_path / "later.json").read_text()).num_microbatches <= 4
+    assert main(["profile", "tiny_models:build", "--batch-size", "16", "--no-time", "--out", str(profile)]) == 0
+    assert "step_overhead_s" not in pt.load_graph(profile).graph  # untimed: neither part
 
 
 def test_cli_unknown_model_name(capsys, virtual_devices) -> None:
