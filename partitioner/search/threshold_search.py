@@ -1,20 +1,27 @@
-"""The threshold search for chains: the split of the shortest step, by min-sum DPs under a bound on the period.
+"""The threshold searches for chains: the split of the shortest step, by min-sum DPs under a bound on the period.
 
 The step objective (the default, docs/cost-model.md "The objective: the step"). Users pay the simulated
-step. For GPipe it has a closed form over the stages' forward f, backward b, received activation a and
-returned gradient g (:func:`_split_step`, equal to the simulator's step)::
+step, a function of the stages' forward f, backward b, received activation a and returned gradient g
+(:func:`_split_step`: GPipe's closed form ``ScheduleFamily.closed_step``, 1F1B's replay).
 
-    step = sum_s (f + b + a + g)_s + (M - 1) * (max_s max(f_s, a_s) + max_s max(b_s, g_s))
+GPipe (:func:`_closed_form_search`): its step has a closed form, max(A, B) (docs/cost-model.md, "GPipe's
+step"), and a lower bound with one period per stage, ``least_bound`` = max(W + (M - 1) q, C + (M - 1) p)
+(W every stage time, C those before the last stage, p their largest period max(f, a) + max(b, g), q the
+last stage's max(f + b, a, g)). For a threshold P on the periods before the last stage the DP
+(:func:`_last_blocks`) gives the least C per end of the stages before the last and prices every last
+block exactly; bisection on P, dropping intervals whose bound cannot win, finds the least least_bound
+and proves it.
 
-With ``period(s) = max(f, a) + max(b, g)``, :func:`_step_program` finds, for a threshold T, the least
-sum of stage times over splits whose every period is at most T (a min-sum DP), and
-:func:`_threshold_search` bisects on T to minimise ``sum + (M - 1) * max period`` (the GPipe step when
-one stage holds both maxima, below it otherwise), dropping intervals of T whose bound cannot win. The
-splits met are ranked by the exact formula, the best few simulated. The DPs are banded
+1F1B (:func:`_threshold_search`, the local search's starts): with ``period(s) = f + b`` (each link pacing
+its own way), :func:`_step_program` finds, for a threshold T, the least sum of stage times over splits
+whose every period is at most T (a min-sum DP), bisected on T to minimise ``w sum + (M - 1) max period``
+for a few weights w, dropping intervals of T whose bound cannot win.
+
+The splits met are ranked by the exact step, the best few simulated. The DPs are banded
 (:func:`_banded_program`): a block's compute and memory bound how far it reaches, and a block on device
 k must end where the devices after k can still cover the rest (:func:`_viable_ends`), so near the least
 period, where the search spends its DPs, each device's cuts lie in a narrow window: O(K^2 window^2)
-work instead of O(K^2 N^2). The search starts from the least bottleneck, found the same way
+work instead of O(K^2 N^2). The searches start from the least bottleneck, found the same way
 (:func:`_least_bottleneck`: banded min-max DPs at limits growing from a floor; the whole table of the
 bottleneck DP below on small chains).
 """
@@ -560,7 +567,10 @@ def _closed_form_search(
     narrower than STEP_TOLERANCE keeps its bound. Every split met is kept with its exact step
     (``closed_step``) for the caller to rank. The search starts at the least bottleneck
     ``least_bottleneck`` of these devices (a split within it exists), and covers the periods above it up
-    to where (M - 1) P alone reaches the shortest step found.
+    to where M P reaches the shortest step found (C holds the stage of period p, whose stage time is at
+    least p, so least_bound >= M p); last blocks whose M q exceeds the shortest step are left out (W >= q).
+    ``complete`` says no open interval can win; an interval settled for its width keeps its bound in the
+    returned one, which is what a plan's "optimal" is judged against.
     """
     family = schedule_family(schedule)
     n = tables.modes[0].prefix.shape[0] - 1
