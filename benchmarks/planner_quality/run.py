@@ -694,6 +694,13 @@ SPEEDS = (25e12, 50e12, 100e12, 200e12)  # FLOP/s the heterogeneous devices are 
 BANDWIDTHS = (10e9, 50e9, 450e9)  # bytes/s of every link, drawn per cluster
 
 
+def _need_at_16(graph: nx.DiGraph) -> int:
+    """The graph's bytes with every node holding 16 micro-batches' activations, the figure the random
+    problems' memories are drawn against (a one-device cost model's own budget is a last stage's: one)."""
+    costs = pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16)
+    return sum(costs.node_memory_bytes("kept", 16).values())
+
+
 def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, str]:
     """A random chain of 8-20 layers and a cluster of 2-8 devices (uniform, or two kinds of device
     with mixed speeds and memories), redrawn until it has at most ``max_plans`` legal placements."""
@@ -702,12 +709,7 @@ def random_chain_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster,
     while True:
         n, k = rng.randint(8, 20), rng.randint(2, 8)
         graph = random_chain(n, seed=rng.randint(0, 10**9))
-        # every node holding 16 micro-batches' activations (one device alone is a last stage, which holds one)
-        need = sum(
-            pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16)
-            .node_memory_bytes("kept", 16)
-            .values()
-        )
+        need = _need_at_16(graph)
         bandwidth = rng.choice(BANDWIDTHS)
         if rng.random() < 0.5:
             kind = "uniform"
@@ -871,12 +873,7 @@ def random_dag_pair(rng: Any, max_plans: int) -> tuple[nx.DiGraph, pt.Cluster, s
     while True:
         n, k = rng.randint(6, 10), rng.randint(2, 4)
         graph = random_block_dag(n, seed=rng.randint(0, 10**9))
-        # every node holding 16 micro-batches' activations (one device alone is a last stage, which holds one)
-        need = sum(
-            pt.CostModel(graph, pt.Cluster.uniform(1, memory=1), num_microbatches=16)
-            .node_memory_bytes("kept", 16)
-            .values()
-        )
+        need = _need_at_16(graph)
         bandwidth = rng.choice(BANDWIDTHS)
         if rng.random() < 0.5:
             kind = "uniform"

@@ -508,7 +508,7 @@ def _last_blocks(tables: _Tables, schedule: str, weight: float, limit: float, re
         )
         source, work = table, work + cells
         parents.append(parent)
-    last = _level(tables, 1)
+    last = _level(tables, 1)._replace(last=True)  # the last block, whatever the number of levels
 
     columns: list[list[np.ndarray]] = [[], [], [], [], []]
     end = np.array([n])
@@ -524,9 +524,10 @@ def _last_blocks(tables: _Tables, schedule: str, weight: float, limit: float, re
             work += len(starts)
             keep = np.isfinite(compute)
             a, g = np.broadcast_to(a[:, 0], compute.shape)[keep], np.broadcast_to(g[:, 0], compute.shape)[keep]
-            # the last block's f + b is its compute: its period is max(f + b, a, g) (last_period)
+            # the schedule's last_period, of the block's compute f + b (a last stage's period depends on it alone)
+            period = _period(schedule, compute[keep], 0.0, a, g, last=True)
             alone = np.full(compute.shape, np.inf)
-            alone[keep] = compute[keep] + a + g + weight * np.maximum(np.maximum(compute[keep], a), g)
+            alone[keep] = compute[keep] + a + g + weight * period
             before = np.zeros(len(starts)) if k < 0 or source is None else source[k, starts]
             devices = (np.full(len(starts), k2), np.full(len(starts), k))
             for column, values in zip(columns, (before, alone, *devices, starts)):
