@@ -187,6 +187,9 @@ class Evaluation:
     recompute: tuple[bool, ...] = ()  # per stage: recomputed (True) or kept
     stage_costs: tuple[ModeCost, ...] = ()  # per stage, in its mode
     sent_bytes: dict[tuple[int, int], int] | None = None  # (sending stage, receiving stage) -> bytes per micro-batch
+    # per stage: one micro-batch's model outputs collected there (step_bytes holds M + 1 of them all step; the
+    # simulator's peak_total_bytes adds each as its micro-batch's forward starts)
+    output_bytes: tuple[int, ...] = ()
 
 
 class CostModel:
@@ -304,9 +307,8 @@ class CostModel:
             for v in self.order
         }
         # what the runtime holds all step beside the layers, per node (0 where a profile predates the attributes)
-        self._collected = {
-            v: (num_microbatches + 1) * int(graph.nodes[v].get("model_output_bytes") or 0) for v in self.order
-        }
+        self._output = {v: int(graph.nodes[v].get("model_output_bytes") or 0) for v in self.order}  # one micro-batch's
+        self._collected = {v: (num_microbatches + 1) * self._output[v] for v in self.order}
         self._step = {
             v: num_microbatches * int(graph.nodes[v].get("model_input_bytes") or 0) + self._collected[v]
             for v in self.order
@@ -627,6 +629,11 @@ class CostModel:
         # the runtime collects every model output on the last stage, where the loss is: one produced on an
         # earlier stage is charged there too (its node's charge, which the planners see, stays on its stage)
         steps[used[-1]] += sum(self._collected[v] for v in self.order if where[v] != used[-1])
+        outputs = [0] * k_total  # per device, as steps: an output made before the last stage counts on both
+        for v in self.order:
+            outputs[where[v]] += self._output[v]
+            if where[v] != used[-1]:
+                outputs[used[-1]] += self._output[v]
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
@@ -670,6 +677,7 @@ class CostModel:
             recompute=recomputed,
             stage_costs=stage_costs,
             sent_bytes={(position[a], position[b]): n for (a, b), n in sorted(sent.items())},
+            output_bytes=tuple(outputs[k] for k in used),
         )
 
     def _stage_modes(

@@ -95,6 +95,10 @@ class Simulation:
     bubble_fraction: float  # idle share of the used devices over the step
     peak_memory_bytes: dict[str, int]  # weights, gradients, optimizer slots and the most activations held
     peak_in_flight: dict[str, int]  # most micro-batches whose activations a device holds at once
+    # the most bytes the used devices hold together at one moment: what one memory they share (logical CPU
+    # devices, one allocator) must hold; at most the sum of peak_memory_bytes, less where the peaks of the
+    # devices do not coincide (_peak_total_bytes)
+    peak_total_bytes: int
     timeline: tuple[Span, ...] = field(repr=False)  # sorted by start time
 
     @property
@@ -218,6 +222,8 @@ class _Stages:
         # seconds per micro-batch for each (sender, receiver) pair of stages; gradients go back over (receiver, sender)
         self.activation_s = {(a, b): n / costs.cluster.bandwidth(used[a], used[b]) for (a, b), n in sent.items()}
         self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sent.items()}
+        self.sent_bytes = dict(sent)
+        self.output_bytes = ev.output_bytes
 
 
 def _run(stages: _Stages, schedule: Schedule) -> Simulation:
@@ -302,6 +308,7 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
         bubble_fraction=sum(idle.values()) / (count * step) if step > 0 else 0.0,
         peak_memory_bytes={name: stages.costs[s].memory_bytes(in_flight[name]) for s, name in enumerate(stages.names)},
         peak_in_flight=in_flight,
+        peak_total_bytes=_peak_total_bytes(stages, timeline, arrived, num_microbatches),
         timeline=tuple(timeline),
     )
 
@@ -384,6 +391,59 @@ def _compute_ready(
             return None
         times.append(arrived[key])
     return max([0.0, *own, *times])
+
+
+def _peak_total_bytes(
+    stages: _Stages,
+    timeline: Sequence[Span],
+    arrived: Mapping[tuple[str, int, int, int], float],
+    num_microbatches: int,
+) -> int:
+    """The most bytes all stages hold at one moment of the simulated step, each stage holding at time t:
+
+    - its weights and its step's bytes (``ModeCost.step_bytes``) but the collected model outputs, all step;
+    - of the collected outputs, one micro-batch's for the work on them from the start, and one more from
+      each forward's start (M + 1 at the end, as step_bytes counts them);
+    - with n micro-batches in flight (from a forward's start to the end of its backward), n times its held
+      bytes and, while n > 0, its once bytes (``ModeCost.memory_bytes``'s terms at each moment);
+    - each activation (gradient) it receives from its arrival until the forward (backward) that reads it
+      starts: received before the stage is ready, it waits (GPipe's last stage, behind a faster stage).
+
+    Each stage's share is at most its ``peak_memory_bytes`` but the buffers waiting, and the total at
+    most their sum: the peaks of two stages need not coincide (a GPipe stage holds M micro-batches
+    before its backwards while the last stage's outputs are not yet collected).
+    """
+    fixed = sum(
+        cost.weight_bytes + cost.step_bytes - num_microbatches * out
+        for cost, out in zip(stages.costs, stages.output_bytes, strict=True)
+    )
+    # (time, in flight +1 / -1 or 0 for bytes alone, stage or -1, bytes): at equal times releases come first
+    events: list[tuple[float, int, int, int]] = []
+    begins: dict[tuple[str, int, int], float] = {}
+    for a in timeline:
+        if a.kind in _PASSES.values():
+            begins[(a.kind, a.stage, a.microbatch)] = a.start_s
+            if a.kind == "forward":
+                events.append((a.start_s, 1, a.stage, stages.output_bytes[a.stage]))
+            else:
+                events.append((a.end_s, -1, a.stage, 0))
+    for (kind, sender, receiver, m), end in arrived.items():
+        if kind == "send_activation":
+            size, reader = stages.sent_bytes[(sender, receiver)], ("forward", receiver, m)
+        else:  # a gradient goes back over the pair its activation came by
+            size, reader = stages.sent_bytes[(receiver, sender)], ("backward", receiver, m)
+        if begins[reader] > end:
+            events += [(end, 0, -1, size), (begins[reader], -1, -1, -size)]  # -1: a release, ordered first
+    in_flight = [0] * len(stages.costs)
+    held = peak = 0
+    for _, step, s, size in sorted(events, key=lambda e: (e[0], e[1] >= 0 and e[3] >= 0)):
+        held += size
+        if s >= 0 and step:
+            cost, before = stages.costs[s], in_flight[s]
+            in_flight[s] += step
+            held += step * cost.held_bytes + cost.once_bytes * ((in_flight[s] > 0) - (before > 0))
+        peak = max(peak, held)
+    return fixed + peak
 
 
 def _peak_in_flight(timeline: Sequence[Span], names: Sequence[str]) -> dict[str, int]:
