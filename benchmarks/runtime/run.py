@@ -493,8 +493,16 @@ def child_memory(model_name: str, config: str, num_microbatches: int, steps: int
     # the logical devices share one allocator: what they hold together at the simulated step's fullest
     # moment, not the sum of their peaks, which need not coincide
     simulated_bytes = sim.peak_total_bytes
+    # what each device holds when the step starts, of what the simulator counts: its stage's weights and the
+    # batch's inputs (a batch M divides is reshaped into the micro-batches, not copied); a step's allocation
+    # records count from there (runtime.step_memory)
+    start = dict.fromkeys(sim.stages, 0)
+    for node, device in plan.assignment.items():
+        attrs = graph.nodes[node]
+        start[device] += int(attrs["param_bytes"]) + plan.num_microbatches * int(attrs.get("model_input_bytes") or 0)
     predicted = {
         "bytes": simulated_bytes + kept_bytes,
+        "start_bytes": start,
         "simulated_total_bytes": simulated_bytes,
         "stage_peaks_sum_bytes": sum(sim.peak_memory_bytes.values()),
         "wrapped_model_weight_bytes": kept_bytes,
@@ -1013,7 +1021,7 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
             "| configuration | M | measured peak, highest / lowest step (MiB) | between steps (MiB) | predicted "
             "(MiB) | stages' peaks summed (MiB) | measured / predicted | goal within 10% | saving on the recomputed "
             "stages, measured / predicted (MiB) | goal >= 80% | saving of the total, measured / predicted (MiB) "
-            "| per device: step's records above its start / simulated (MiB) |",
+            "| per device: step's records above its start / simulated, less its weights and the batch (MiB) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
@@ -1049,14 +1057,18 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
 
 def per_device_cell(row: dict[str, Any]) -> str:
     """Section 5's per-device cell: what the step's allocation records held on each device beyond the step's
-    start (runtime.step_memory; the first process), against the simulator's per-device peak."""
+    start (runtime.step_memory; the first process), against the simulator's per-device peak less what the
+    device held when the step started (its weights, the batch's inputs)."""
     records = row["processes"][0].get("per_device") or {}
     if "error" in records:
         return f"not read ({records['error']})"
     if not records:
         return "-"
-    simulated = row["predicted"]["peak_bytes"]
-    cells = [f"{mib(records['step_bytes'].get(device, 0))} / {mib(simulated[device])}" for device in sorted(simulated)]
+    simulated, start = row["predicted"]["peak_bytes"], row["predicted"].get("start_bytes", {})
+    cells = [
+        f"{mib(records['step_bytes'].get(device, 0))} / {mib(simulated[device] - start.get(device, 0))}"
+        for device in sorted(simulated)
+    ]
     unknown = f"; unattributed {mib(records['unknown_bytes'])}" if records["unknown_bytes"] else ""
     return ", ".join(cells) + unknown
 

@@ -69,6 +69,8 @@ def text_timeline(sim: Simulation, *, width: int = 80) -> str:
             f"peak memory {format_bytes(sim.peak_memory_bytes[device])} "
             f"({sim.peak_in_flight[device]} micro-batches in flight)"
         )
+    if len(sim.stages) > 1:  # where the devices share one memory (logical CPU devices), what it must hold
+        lines.append(f"{'together':>{label}}  peak memory {format_bytes(sim.peak_total_bytes)} at one moment")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import InputError
 from partitioner.show.timeline import save_timeline, text_timeline
+from partitioner.units import format_bytes
 
 
 def two_stage_simulation(schedule: str = "gpipe") -> pt.Simulation:
@@ -35,6 +36,15 @@ def test_text_timeline_columns_follow_the_simulation():
     assert rows["/GPU:1 -> /GPU:0"] == ".....<..<.."
     assert "gpipe schedule, 2 stages x 2 micro-batches: step 11.00 s" in lines[0]
     assert any("peak memory" in line and "(2 micro-batches in flight)" in line for line in lines)
+    assert lines[-1].split() == [
+        "together",
+        "peak",
+        "memory",
+        *format_bytes(sim.peak_total_bytes).split(),
+        "at",
+        "one",
+        "moment",
+    ]
 
 
 def test_text_timeline_width_is_checked():
