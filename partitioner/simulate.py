@@ -223,6 +223,7 @@ class _Stages:
         self.activation_s = {(a, b): n / costs.cluster.bandwidth(used[a], used[b]) for (a, b), n in sent.items()}
         self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sent.items()}
         self.sent_bytes = dict(sent)
+        self.recompute = ev.recompute
         self.output_bytes = ev.output_bytes
 
 
@@ -308,7 +309,7 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
         bubble_fraction=sum(idle.values()) / (count * step) if step > 0 else 0.0,
         peak_memory_bytes={name: stages.costs[s].memory_bytes(in_flight[name]) for s, name in enumerate(stages.names)},
         peak_in_flight=in_flight,
-        peak_total_bytes=_peak_total_bytes(stages, timeline, arrived, num_microbatches),
+        peak_total_bytes=_peak_total_bytes(stages, timeline, arrived, done, num_microbatches),
         timeline=tuple(timeline),
     )
 
@@ -397,17 +398,22 @@ def _peak_total_bytes(
     stages: _Stages,
     timeline: Sequence[Span],
     arrived: Mapping[tuple[str, int, int, int], float],
+    done: Mapping[tuple[str, int, int], float],
     num_microbatches: int,
 ) -> int:
-    """The most bytes all stages hold at one moment of the simulated step, each stage holding at time t:
+    """The most bytes all stages hold at one moment of the simulated step, in one memory they share (a
+    tensor sent is one buffer, not a copy), each stage holding at time t:
 
     - its weights and its step's bytes (``ModeCost.step_bytes``) but the collected model outputs, all step;
     - of the collected outputs, one micro-batch's for the work on them from the start, and one more from
       each forward's start (M + 1 at the end, as step_bytes counts them);
     - with n micro-batches in flight (from a forward's start to the end of its backward), n times its held
       bytes and, while n > 0, its once bytes (``ModeCost.memory_bytes``'s terms at each moment);
-    - each activation (gradient) it receives from its arrival until the forward (backward) that reads it
-      starts: received before the stage is ready, it waits (GPipe's last stage, behind a faster stage).
+    - each activation (gradient) it sends, from the end of the action that made it until the forward
+      (backward) that reads it starts, where its own figures do not hold it: every gradient, and the
+      activations of a recomputed stage, which keeps only its inputs (a kept stage holds its outputs
+      among its activations). Made before the reader is ready, it waits: GPipe's stages before the last
+      run their forwards ahead of the last stage, which takes one micro-batch at a time.
 
     Each stage's share is at most its ``peak_memory_bytes`` but the buffers waiting, and the total at
     most their sum: the peaks of two stages need not coincide (a GPipe stage holds M micro-batches
@@ -427,13 +433,19 @@ def _peak_total_bytes(
                 events.append((a.start_s, 1, a.stage, stages.output_bytes[a.stage]))
             else:
                 events.append((a.end_s, -1, a.stage, 0))
-    for (kind, sender, receiver, m), end in arrived.items():
+    for kind, sender, receiver, m in arrived:
         if kind == "send_activation":
-            size, reader = stages.sent_bytes[(sender, receiver)], ("forward", receiver, m)
+            if not stages.recompute[sender]:
+                continue
+            size, made, reader = stages.sent_bytes[(sender, receiver)], ("forward", sender, m), ("forward", receiver, m)
         else:  # a gradient goes back over the pair its activation came by
-            size, reader = stages.sent_bytes[(receiver, sender)], ("backward", receiver, m)
-        if begins[reader] > end:
-            events += [(end, 0, -1, size), (begins[reader], -1, -1, -size)]  # -1: a release, ordered first
+            size, made, reader = (
+                stages.sent_bytes[(receiver, sender)],
+                ("backward", sender, m),
+                ("backward", receiver, m),
+            )
+        if begins[reader] > done[made]:
+            events += [(done[made], 0, -1, size), (begins[reader], -1, -1, -size)]  # -1: a release, ordered first
     in_flight = [0] * len(stages.costs)
     held = peak = 0
     for _, step, s, size in sorted(events, key=lambda e: (e[0], e[1] >= 0 and e[3] >= 0)):

@@ -217,17 +217,25 @@ def test_peak_total_is_the_most_the_stages_hold_together_not_the_sum_of_their_pe
 
 
 def test_peak_total_counts_activations_waiting_for_a_slower_stage():
-    """GPipe, M = 4: stage 0's forward takes 1.5 s, stage 1's 4.5 s, 1000 bytes sent per micro-batch. When
-    stage 1 starts its first backward (6 s), micro-batches 1, 2 and 3 have arrived and wait for its forwards
-    (3 x 1000), stage 0 holds its 4 micro-batches and its backward's working set (4 x 100 + 100) and stage 1
-    one micro-batch (100) and its working set (the received 1000 and 100): 4700, where the sum of the
-    stages' peaks is 500 + 1200."""
+    """GPipe, M = 4, stage 0 recomputed (it keeps its inputs, none here, and not the 1000 bytes it sends
+    per micro-batch): its forwards end at 1.5, 3, 4.5 and 6 s; stage 1 runs each forward (4.5 s) and
+    backward (4.5 s) in turn, so micro-batches 1, 2 and 3 wait from 3, 4.5 and 6 s until its forwards at
+    10.5, 19.5 and 28.5 s. From 6 s the stages hold 200 (stage 0: one micro-batch's activations and
+    gradients, while it holds any) + 1200 (stage 1: one micro-batch's 100 and its backward's working set,
+    the received 1000 and 100) + 3 x 1000 waiting: 4400, where the sum of the stages' peaks is 1400. A kept
+    stage 0 holds what it sends among its activations: nothing waits beside them, and its peak (500) comes
+    at 10.5 s beside stage 1's next micro-batch (1200, its working set counted while it holds one) and the
+    gradient of micro-batch 0 (1000, made by stage 1's backward, read by stage 0's): 2700."""
     graph = chain([3e12, 9e12], activation_bytes=[100, 100], edge_bytes=[1000])
     cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=1e15)
     costs = CostModel(graph, cluster, num_microbatches=4, schedule="gpipe")
-    sim = simulate_assignment(costs, {"l0": "/GPU:0", "l1": "/GPU:1"})
-    assert sim.peak_memory_bytes == {"/GPU:0": 500, "/GPU:1": 1200}
-    assert sim.peak_total_bytes == 4700
+    assignment = {"l0": "/GPU:0", "l1": "/GPU:1"}
+    sim = simulate_assignment(costs, assignment, recompute=[True, False])
+    assert sim.peak_memory_bytes == {"/GPU:0": 200, "/GPU:1": 1200}
+    assert sim.peak_total_bytes == 4400
+    kept = simulate_assignment(costs, assignment, recompute=[False, False])
+    assert kept.peak_memory_bytes == {"/GPU:0": 500, "/GPU:1": 1200}
+    assert kept.peak_total_bytes == 2700
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
