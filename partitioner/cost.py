@@ -189,7 +189,7 @@ class Evaluation:
     sent_bytes: dict[tuple[int, int], int] | None = None  # (sending stage, receiving stage) -> bytes per micro-batch
     # per stage: one micro-batch's model outputs collected there (step_bytes holds M + 1 of them all step; the
     # simulator's peak_total_bytes adds each as its micro-batch's forward starts)
-    output_bytes: tuple[int, ...] = ()
+    model_output_bytes: tuple[int, ...] = ()
 
 
 class CostModel:
@@ -677,7 +677,7 @@ class CostModel:
             recompute=recomputed,
             stage_costs=stage_costs,
             sent_bytes={(position[a], position[b]): n for (a, b), n in sorted(sent.items())},
-            output_bytes=tuple(outputs[k] for k in used),
+            model_output_bytes=tuple(outputs[k] for k in used),
         )
 
     def _stage_modes(

@@ -96,8 +96,8 @@ class Simulation:
     peak_memory_bytes: dict[str, int]  # weights, gradients, optimizer slots and the most activations held
     peak_in_flight: dict[str, int]  # most micro-batches whose activations a device holds at once
     # the most bytes the used devices hold together at one moment: what one memory they share (logical CPU
-    # devices, one allocator) must hold; at most the sum of peak_memory_bytes, less where the peaks of the
-    # devices do not coincide (_peak_total_bytes)
+    # devices, one allocator) must hold; at most the sum of peak_memory_bytes plus the sent tensors waiting
+    # for their readers, less where the peaks of the devices do not coincide (_peak_total_bytes)
     peak_total_bytes: int
     timeline: tuple[Span, ...] = field(repr=False)  # sorted by start time
 
@@ -224,7 +224,15 @@ class _Stages:
         self.gradient_s = {(b, a): n / costs.cluster.bandwidth(used[b], used[a]) for (a, b), n in sent.items()}
         self.sent_bytes = dict(sent)
         self.recompute = ev.recompute
-        self.output_bytes = ev.output_bytes
+        self.output_bytes = ev.model_output_bytes
+        # per stage: each of its nodes' outputs that later stages read, as (bytes, those stages): one buffer
+        # however many read it (peak_total_bytes)
+        stage_of = {v: used.index(k) for v, k in where.items()}
+        self.outputs_sent: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in used]
+        for u in costs.order:
+            readers = sorted({stage_of[v] for v in costs.graph.succ[u]} - {stage_of[u]})
+            if readers:
+                self.outputs_sent[stage_of[u]].append((costs.out_bytes[u], tuple(readers)))
 
 
 def _run(stages: _Stages, schedule: Schedule) -> Simulation:
@@ -409,15 +417,18 @@ def _peak_total_bytes(
       each forward's start (M + 1 at the end, as step_bytes counts them);
     - with n micro-batches in flight (from a forward's start to the end of its backward), n times its held
       bytes and, while n > 0, its once bytes (``ModeCost.memory_bytes``'s terms at each moment);
-    - each activation (gradient) it sends, from the end of the action that made it until the forward
-      (backward) that reads it starts, where its own figures do not hold it: every gradient, and the
-      activations of a recomputed stage, which keeps only its inputs (a kept stage holds its outputs
-      among its activations). Made before the reader is ready, it waits: GPipe's stages before the last
-      run their forwards ahead of the last stage, which takes one micro-batch at a time.
+    - each tensor it sends, from the end of the action that made it until the first action that reads
+      it starts (whose figures hold it from then), where the sender's figures do not hold it: every
+      gradient, and a recomputed stage's outputs, as it keeps only its inputs. A kept stage is taken to
+      hold its outputs among its activations (a layer that keeps its output for its backward, as ReLU's
+      does; a linear layer keeps its input instead, and its output waiting is not counted). Made before
+      the reader is ready, a tensor waits: GPipe's stages before the last run their forwards ahead of
+      the last stage, which takes one micro-batch at a time.
 
-    Each stage's share is at most its ``peak_memory_bytes`` but the buffers waiting, and the total at
-    most their sum: the peaks of two stages need not coincide (a GPipe stage holds M micro-batches
-    before its backwards while the last stage's outputs are not yet collected).
+    At equal times releases come before acquires. Each stage's share is at most its
+    ``peak_memory_bytes`` but the tensors waiting, and the total at most their sum plus those: the peaks
+    of two stages need not coincide (a GPipe stage holds M micro-batches before its backwards while the
+    last stage's outputs are not yet collected).
     """
     fixed = sum(
         cost.weight_bytes + cost.step_bytes - num_microbatches * out
@@ -433,22 +444,24 @@ def _peak_total_bytes(
                 events.append((a.start_s, 1, a.stage, stages.output_bytes[a.stage]))
             else:
                 events.append((a.end_s, -1, a.stage, 0))
+    waits: list[tuple[float, float, int]] = []  # (made, read, bytes)
+    for s, sends in enumerate(stages.outputs_sent):
+        if stages.recompute[s]:
+            for m in range(num_microbatches):
+                waits += [
+                    (done[("forward", s, m)], min(begins[("forward", r, m)] for r in readers), size)
+                    for size, readers in sends
+                ]
     for kind, sender, receiver, m in arrived:
-        if kind == "send_activation":
-            if not stages.recompute[sender]:
-                continue
-            size, made, reader = stages.sent_bytes[(sender, receiver)], ("forward", sender, m), ("forward", receiver, m)
-        else:  # a gradient goes back over the pair its activation came by
-            size, made, reader = (
-                stages.sent_bytes[(receiver, sender)],
-                ("backward", sender, m),
-                ("backward", receiver, m),
-            )
-        if begins[reader] > done[made]:
-            events += [(done[made], 0, -1, size), (begins[reader], -1, -1, -size)]  # -1: a release, ordered first
+        if kind == "send_gradient":  # back over the pair its activation came by: one tensor per pair
+            made, read = done[("backward", sender, m)], begins[("backward", receiver, m)]
+            waits.append((made, read, stages.sent_bytes[(receiver, sender)]))
+    for made, read, size in waits:
+        if read > made:
+            events += [(made, 0, -1, size), (read, -1, -1, -size)]  # -1: a release, ordered first
     in_flight = [0] * len(stages.costs)
     held = peak = 0
-    for _, step, s, size in sorted(events, key=lambda e: (e[0], e[1] >= 0 and e[3] >= 0)):
+    for _, step, s, size in sorted(events, key=lambda e: (e[0], e[1] >= 0)):
         held += size
         if s >= 0 and step:
             cost, before = stages.costs[s], in_flight[s]

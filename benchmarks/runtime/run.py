@@ -506,6 +506,7 @@ def child_memory(model_name: str, config: str, num_microbatches: int, steps: int
         "simulated_total_bytes": simulated_bytes,
         "stage_peaks_sum_bytes": sum(sim.peak_memory_bytes.values()),
         "wrapped_model_weight_bytes": kept_bytes,
+        "stages": list(sim.stages),  # in pipeline order, as "recompute"
         "peak_bytes": dict(sim.peak_memory_bytes),
         "in_flight": dict(sim.peak_in_flight),
         "recompute": list(plan.recompute),
@@ -811,7 +812,8 @@ def recomputed_stages_saving(row: dict[str, Any], kept: dict[str, Any]) -> tuple
     if any("step_bytes" not in r for r in records):
         return None
     simulated = [r["predicted"]["peak_bytes"] for r in (kept, row)]
-    chosen = [d for d, r in zip(simulated[1], row["predicted"]["recompute"], strict=True) if r]  # stage order
+    stages = row["predicted"].get("stages", list(simulated[1]))  # older results: the dict's (stage) order
+    chosen = [d for d, r in zip(stages, row["predicted"]["recompute"], strict=True) if r]
     measured = sum(records[0]["step_bytes"].get(d, 0) - records[1]["step_bytes"].get(d, 0) for d in chosen)
     return measured, sum(simulated[0][d] - simulated[1][d] for d in chosen)
 
@@ -1029,7 +1031,7 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
             total = stage = share = "-"
             if "saving_share" in row:
                 total = f"{mib(row['measured_saving_bytes'])} / {mib(row['predicted_saving_bytes'])}"
-                share = "records not read"
+                share = "records not read" if "stage_saving_bytes" in row else "-"  # older results: not computed
                 if row.get("stage_saving_bytes"):
                     measured, predicted = row["stage_saving_bytes"]
                     stage = f"{mib(measured)} / {mib(predicted)}"
