@@ -417,8 +417,8 @@ def _peak_total_bytes(
       each forward's start (M + 1 at the end, as step_bytes counts them);
     - with n micro-batches in flight (from a forward's start to the end of its backward), n times its held
       bytes and, while n > 0, its once bytes (``ModeCost.memory_bytes``'s terms at each moment);
-    - each tensor it sends, from the end of the action that made it until the first action that reads
-      it starts (whose figures hold it from then), where the sender's figures do not hold it: every
+    - each tensor it sends, from the end of the action that made it until the last action that reads
+      it starts (one buffer however many stages read it), where the sender's figures do not hold it: every
       gradient, and a recomputed stage's outputs, as it keeps only its inputs. A kept stage is taken to
       hold its outputs among its activations (a layer that keeps its output for its backward, as ReLU's
       does; a linear layer keeps its input instead, and its output waiting is not counted). Made before
@@ -449,7 +449,7 @@ def _peak_total_bytes(
         if stages.recompute[s]:
             for m in range(num_microbatches):
                 waits += [
-                    (done[("forward", s, m)], min(begins[("forward", r, m)] for r in readers), size)
+                    (done[("forward", s, m)], max(begins[("forward", r, m)] for r in readers), size)
                     for size, readers in sends
                 ]
     for kind, sender, receiver, m in arrived:

@@ -6,8 +6,9 @@ import itertools
 import random
 from collections import defaultdict
 
+import networkx as nx
 import pytest
-from graphs import KIB, chain, random_dag
+from graphs import KIB, add_layer, chain, random_dag
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -235,6 +236,28 @@ def test_peak_total_counts_activations_waiting_for_a_slower_stage():
     kept = simulate_assignment(costs, assignment, recompute=[False, False])
     assert kept.peak_memory_bytes == {"/GPU:0": 500, "/GPU:1": 1200}
     assert kept.peak_total_bytes == 1700
+
+
+def test_peak_total_holds_a_tensor_read_by_two_stages_once_until_its_last_reader():
+    """GPipe, M = 2, three stages a | b | c, a recomputed (it keeps nothing), its output (1000 bytes) read by
+    b and c; b keeps 100 per micro-batch and, in a backward, 1100 (the gradients of its output, 100, and
+    of its input, 1000); c keeps nothing and 1000 in a backward. Micro-batch 0's output waits from 0.5 s
+    until c's forward at 2.5 s, micro-batch 1's from 1 s until c's forward at 4.5 s (b reads it at 2.5 s,
+    one buffer). From 2.5 s: b 2 x 100 + 1100, c 1000, micro-batch 1's output 1000 = 3300 (the same from
+    3.5 s, when c's gradient for a waits for a's backward at 4.5 s in place of c's 1000). Counting the
+    output once per reading stage gave 4200; only until its first reader, 2300."""
+    graph = nx.DiGraph()
+    add_layer(graph, "a", flops=1e12)
+    add_layer(graph, "b", flops=2e12, activation_bytes=100, forward_flops=2e12)  # its backward takes no time
+    add_layer(graph, "c", flops=1e12)
+    graph.add_edge("a", "b", bytes=1000)
+    graph.add_edge("a", "c", bytes=1000)
+    graph.add_edge("b", "c", bytes=0)
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=1e30)
+    costs = CostModel(graph, cluster, num_microbatches=2, schedule="gpipe")
+    sim = simulate_assignment(costs, {"a": "/GPU:0", "b": "/GPU:1", "c": "/GPU:2"}, recompute=[True, False, False])
+    assert sim.peak_memory_bytes == {"/GPU:0": 0, "/GPU:1": 1300, "/GPU:2": 1000}
+    assert sim.peak_total_bytes == 3300
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
