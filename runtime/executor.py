@@ -15,8 +15,9 @@ order the schedule (``partitioner.schedule``) allows: each stage runs its forwar
 and holds at most the schedule's micro-batches in flight (``Schedule.windows``: M for GPipe before its
 last stage, K - s for 1F1B; the last stage one, as both schedules' rows say, and whatever a custom
 schedule says), the forward of micro-batch m waiting for the backward of m - window
-(``Executor.windows``). A recomputing stage runs its backwards one after the other, so the activations
-of one micro-batch at a time exist (those its backward computes again). Any Schedule whose rows keep
+(``Executor.windows``). Each stage runs its backwards one after the other, as its row does, so one
+backward's working set at a time exists on it (the cost model's ``once``; a recomputing stage's, the
+activations its backward computes again). Any Schedule whose rows keep
 to that order runs, a custom one too; another is refused by ``Schedule.windows``.
 
 Micro-batches have one static shape, so each stage function is traced once: a batch of B rows is split
@@ -362,8 +363,8 @@ def _without_automatic_control_dependencies() -> Any:
     for all of the previous iteration: the micro-batches would run one after the other (measured: at
     most one micro-batch between a stage's forward and its backward, under GPipe and M = 8). The body
     orders itself instead: every call's results are consumed (tokens, sums, collected outputs); each
-    stage's forwards, and a recomputing stage's backwards, are chained by tokens (they write seed states
-    and statistics; a recomputing backward holds a micro-batch's activations); no variable the loop
+    stage's forwards, and its backwards, are chained by tokens (they write seed states and statistics;
+    a backward holds its working set, a recomputing one a micro-batch's activations); no variable the loop
     reads is written before the loop ends (the optimizer runs after it). TensorFlow has no public switch
     for this: the graph attribute ``while_v2`` reads is private (``tests/runtime/test_loop.py`` checks
     that micro-batches overlap).

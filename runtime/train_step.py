@@ -46,9 +46,12 @@ class TrainStep:
     stage runs its forwards in micro-batch order and, where it holds fewer than M micro-batches
     (``Executor.windows``: 1F1B's K - s, the last stage's 1), the forward of micro-batch m only after the
     backward of micro-batch m - window: the loop carries, per stage, tokens made after its last forward
-    and its last ``window`` backwards. A recomputing stage runs its backwards one after the other too:
-    they share the seed states they draw from, and each holds a micro-batch's activations (run at once,
-    they held as many as the stage's forwards, and recomputation saved nothing). Weight gradients are
+    and its last ``window`` backwards. Each stage runs its backwards one after the other too, as its row
+    of the schedule does: each holds its working set (the gradients of one micro-batch's outputs and
+    inputs; run at once, two backwards of the CNN of benchmarks/runtime held both: its first stage's step
+    51-59 MiB against 46-48 one after the other, 1F1B M = 4, three processes each); a recomputing stage's
+    share the seed states they draw from and each holds a micro-batch's activations (run at once, they
+    held as many as the stage's forwards, and recomputation saved nothing). Weight gradients are
     summed in the loop, per stage on its device; the loss, the layer losses and, with an output mask, the
     valid steps on the last stage's; the model outputs and the batch-norm statistics of every
     micro-batch are collected for ``finish``.
@@ -111,10 +114,9 @@ class TrainStep:
             ]
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
-            # a recomputing stage's backwards one after the other: each holds a micro-batch's activations
-            "backward": [
-                [_token(s.device)] if looped and executor.options.recomputes(s.index) else [] for s in executor.stages
-            ],
+            # each stage's backwards one after the other: each holds its working set (recomputing: a
+            # micro-batch's activations)
+            "backward": [[_token(s.device)] if looped else [] for s in executor.stages],
             "window": [
                 [_token(s.device) for _ in range(w)] if looped and w < executor.num_microbatches else []
                 for s, w in zip(executor.stages, self.windows)
