@@ -628,12 +628,12 @@ class CostModel:
         position = {k: s for s, k in enumerate(used)}
         # the runtime collects every model output on the last stage, where the loss is: one produced on an
         # earlier stage is charged there too (its node's charge, which the planners see, stays on its stage)
-        steps[used[-1]] += sum(self._collected[v] for v in self.order if where[v] != used[-1])
+        elsewhere = sum(self._output[v] for v in self.order if where[v] != used[-1])  # one micro-batch's
+        steps[used[-1]] += (self.num_microbatches + 1) * elsewhere  # as _collected counts them
         outputs = [0] * k_total  # per device, as steps: an output made before the last stage counts on both
         for v in self.order:
             outputs[where[v]] += self._output[v]
-            if where[v] != used[-1]:
-                outputs[used[-1]] += self._output[v]
+        outputs[used[-1]] += elsewhere
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)

@@ -438,12 +438,11 @@ def _peak_total_bytes(
     events: list[tuple[float, int, int, int]] = []
     begins: dict[tuple[str, int, int], float] = {}
     for a in timeline:
-        if a.kind in _PASSES.values():
+        change = _holding(a)
+        if change is not None:
             begins[(a.kind, a.stage, a.microbatch)] = a.start_s
-            if a.kind == "forward":
-                events.append((a.start_s, 1, a.stage, stages.output_bytes[a.stage]))
-            else:
-                events.append((a.end_s, -1, a.stage, 0))
+            time, step = change
+            events.append((time, step, a.stage, stages.output_bytes[a.stage] if step > 0 else 0))
     waits: list[tuple[float, float, int]] = []  # (made, read, bytes)
     for s, sends in enumerate(stages.outputs_sent):
         if stages.recompute[s]:
@@ -471,14 +470,23 @@ def _peak_total_bytes(
     return fixed + peak
 
 
+def _holding(a: Span) -> tuple[float, int] | None:
+    """When ``a`` changes its stage's micro-batches in flight, held from a forward's start to its
+    backward's end: (time, +1 or -1); None for a span that does not (a transfer, an all-reduce)."""
+    if a.kind == "forward":
+        return a.start_s, 1
+    if a.kind == "backward":
+        return a.end_s, -1
+    return None
+
+
 def _peak_in_flight(timeline: Sequence[Span], names: Sequence[str]) -> dict[str, int]:
-    """Most micro-batches per device whose activations are held: from a forward's start to its backward's end."""
+    """Most micro-batches per device whose activations are held (:func:`_holding`)."""
     events: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     for a in timeline:
-        if a.kind == "forward":
-            events[a.resource].append((a.start_s, 1))
-        elif a.kind == "backward":
-            events[a.resource].append((a.end_s, -1))
+        change = _holding(a)
+        if change is not None:
+            events[a.resource].append(change)
     peak = {}
     for name, items in events.items():
         heapq.heapify(items)  # at equal times a release (-1) comes before an acquire (+1)
