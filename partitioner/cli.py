@@ -44,7 +44,7 @@ from partitioner.plan import Plan
 from partitioner.problem import RECOMPUTE
 from partitioner.schedule import SCHEDULES
 from partitioner.search import baselines as baseline_methods
-from partitioner.search.choose import AUTO, Choice, choose
+from partitioner.search.choose import AUTO, Choice, choose, timed_sizes
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import DEVICE_ORDERS
 from partitioner.search.replicas import plan_replicas
@@ -52,6 +52,7 @@ from partitioner.search.solve import solve
 from partitioner.show.report import render, replica_note, replica_table
 from partitioner.show.timeline import save_timeline, text_timeline
 from partitioner.simulate import simulate
+from partitioner.units import format_seconds
 from partitioner.validate import validate_plan
 
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
@@ -482,6 +483,8 @@ def _graph(args: argparse.Namespace, err: Console, *, measure_time: bool, measur
             measure_time=measure_time,
             progress=update,
             measure_fixed_time=measure_time and measure_fixed_time,
+            # and at the micro-batch sizes auto weighs: a device's speed changes with the rows
+            time_samples=timed_sizes(args.batch_size) if measure_time and measure_fixed_time else (),
             **_shape_options(args),
         )
 
@@ -611,7 +614,8 @@ def _plan_replicas(
 
 def _choice_note(choice: Choice) -> str:
     """'M = 8 and gpipe chosen: the shortest simulated step of 14 candidates (M in [1, 2, 4, 8, 16, 32, 64],
-    gpipe/1f1b)', saying which candidates were screened out (DAGs) and which had no plan."""
+    gpipe/1f1b)', saying why where a shorter step had more micro-batches (``choose``'s margin), which
+    candidates were screened out (DAGs) and which had no plan."""
     tried = choice.candidates
     solved = [c for c in tried if c.solved]
     counts = sorted({c.num_microbatches for c in tried})
@@ -622,8 +626,16 @@ def _choice_note(choice: Choice) -> str:
         if len(solved) == len(tried)
         else f"{len(solved)} candidates solved, the best screened of {len(tried)}"
     )
+    shortest = min((c for c in solved if c.step_time_s is not None), key=lambda c: c.step_time_s or 0.0)
+    why = "the shortest simulated step"
+    if shortest.step_time_s is not None and shortest.step_time_s < choice.plan.step_time_s:
+        why = (
+            f"the fewest micro-batches within {choice.margin:.0%} of the shortest simulated step "
+            f"(M = {shortest.num_microbatches} {shortest.schedule}, {format_seconds(shortest.step_time_s)} "
+            f"against {format_seconds(choice.plan.step_time_s)})"
+        )
     return (
-        f"M = {choice.plan.num_microbatches} and {choice.plan.schedule} chosen: the shortest simulated step of "
+        f"M = {choice.plan.num_microbatches} and {choice.plan.schedule} chosen: {why} of "
         f"{how_many} (M in {counts}, {schedules})" + (f"; no plan for {', '.join(failed)}" if failed else "")
     )
 

@@ -291,16 +291,23 @@ class CostModel:
         self.device_in_flight = [in_flight(schedule, num_devices, num_microbatches, k) for k in range(num_devices)]
         self.last_in_flight = in_flight(schedule, 1, num_microbatches, 0)
         self.max_in_flight = max(self.device_in_flight)  # the fullest stage's: the first device's
-        self.compute_s = {v: self._compute_row(v) for v in self.order}  # [node][device index], kept mode
+        # M > 1: the runtime runs the micro-batches in a loop whose stage calls it does not inline (mode_cost)
+        self.looped = num_microbatches > 1
+        layers_s = {v: self._compute_row(v) for v in self.order}  # [node][device index]
+        # with M > 1 every backward adds its weight gradients into the stage's sums (measured, cost="time")
+        summing_s = {v: self._accumulate_row(v) for v in self.order}
         shares = {v: forward_share(graph.nodes[v]) for v in self.order}
-        self.forward_s = {v: [t * shares[v] for t in self.compute_s[v]] for v in self.order}
-        self.backward_s = {v: [t * (1 - shares[v]) for t in self.compute_s[v]] for v in self.order}
+        self.forward_s = {v: [t * shares[v] for t in layers_s[v]] for v in self.order}
+        self.backward_s = {
+            v: [t * (1 - shares[v]) + a for t, a in zip(layers_s[v], summing_s[v], strict=True)] for v in self.order
+        }
+        self.compute_s = {  # [node][device index], kept mode: forward + backward
+            v: [t + a for t, a in zip(layers_s[v], summing_s[v], strict=True)] for v in self.order
+        }
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
         self.gradient_bytes = {v: gradient_bytes(graph.nodes[v]) for v in self.order}  # a backward's working set
         # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
         self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
-        # M > 1: the runtime runs the micro-batches in a loop whose stage calls it does not inline (mode_cost)
-        self.looped = num_microbatches > 1
         self._weights = {
             v: int(graph.nodes[v]["param_bytes"])
             + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
@@ -347,6 +354,16 @@ class CostModel:
             reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
             return [float(time_s) * reference / speed for speed in self.flops_per_s]
         return [float(data["flops"]) / speed for speed in self.flops_per_s]
+
+    def _accumulate_row(self, node: str) -> list[float]:
+        """[device index]: seconds a backward of ``node`` spends adding its weight gradients into the step's
+        sums, which the runtime does for every micro-batch when M > 1: the profile's measured
+        ``accumulate_time_s`` rescaled by speed as ``time_s`` is; 0 at M = 1, with cost="flops" or unmeasured."""
+        measured = self.graph.nodes[node].get("accumulate_time_s")
+        if not self.looped or self.cost != "time" or not measured:
+            return [0.0] * len(self.flops_per_s)
+        reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
+        return [float(measured) * reference / speed for speed in self.flops_per_s]
 
     def _mode_backward(self, node: str, mode: str) -> list[float]:
         return [

@@ -14,6 +14,12 @@ A layer graph is a ``networkx.DiGraph`` with one node per layer call of a Keras 
     time_s              float   measured forward + backward seconds per micro-batch (optional)
     fixed_time_s        float   the part of time_s that does not shrink with the micro-batch, in
                                 [0, time_s] (optional; 0 when absent: time_s scales with the samples)
+    time_by_samples     list    [[samples, seconds], ...]: the forward + backward timed at other
+                                micro-batch sizes (optional): rescale_graph reads the time at a size
+                                between them off the line through its two nearest measured neighbours
+    accumulate_time_s   float   measured seconds to add the node's weight gradients of one micro-batch
+                                into the step's sums, which every micro-batch pays when M > 1
+                                (optional; not priced when absent; cost="time" only, partitioner.cost)
     layer_type          str     the Keras class name (optional)
     config_digest       str     a digest of the layer's config without names (optional; structure)
     colocation_group    str     nodes sharing a group share weights: one device (optional)
@@ -150,6 +156,10 @@ def validate_graph(graph: nx.DiGraph) -> None:
                 f"Node '{node}' has fixed_time_s={fixed!r}; expected seconds between 0 and its time_s ({time_s!r}), "
                 "or no value."
             )
+        _check_time_by_samples(node, data.get("time_by_samples"))
+        accumulate = data.get("accumulate_time_s")
+        if accumulate is not None and (not _is_seconds(accumulate)):
+            raise GraphError(f"Node '{node}' has accumulate_time_s={accumulate!r}; expected seconds >= 0 or no value.")
     for u, v, data in graph.edges(data=True):
         value = data.get("bytes")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -231,9 +241,11 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
     Per-sample costs scale linearly with the samples: ``flops``, ``forward_flops``,
     ``activation_bytes``, ``model_input_bytes``, ``model_output_bytes``, ``output_bytes``, ``time_s`` and
     edge ``bytes`` are multiplied by new / measured samples per micro-batch; weights (``param_bytes``,
-    ``trainable_param_bytes``) stay. Where a node records ``fixed_time_s``
+    ``trainable_param_bytes``) and ``accumulate_time_s`` stay. Where a node records ``fixed_time_s``
     (``profiles.profile_model(measure_fixed_time=True)``), only ``time_s - fixed_time_s`` scales and the
-    fixed part stays: a micro-batch of one sample costs about what it cost when measured. Without it,
+    fixed part stays: a micro-batch of one sample costs about what it cost when measured; where it records
+    ``time_by_samples`` (``profile_model(time_samples=...)``), a size between two measured ones is read off
+    the line through them (:func:`time_at`), so the sizes measured are priced as measured. Without either,
     measured times do not scale exactly (small batches use a device less well), so rescale them over
     small factors only.
 
@@ -271,8 +283,11 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
             if data.get(key) is not None:
                 data[key] = float(data[key]) * factor
         if data.get("time_s") is not None:
-            fixed = float(data.get("fixed_time_s", 0.0))
-            data["time_s"] = fixed + (float(data["time_s"]) - fixed) * factor
+            new_time = time_at(data, measured, samples)
+            if data.get("time_by_samples"):  # the time at the profile's own size stays one of the measured points
+                table = {int(n): float(t) for n, t in data["time_by_samples"]} | {measured: float(data["time_s"])}
+                data["time_by_samples"] = [[n, table[n]] for n in sorted(table) if n != samples]
+            data["time_s"] = new_time
         for key in ("activation_bytes", *_NODE_BYTES):
             if data.get(key) is not None:
                 data[key] = round(data[key] * factor)
@@ -280,6 +295,56 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
         data["bytes"] = round(data["bytes"] * factor)
     scaled.graph.update(batch_size=batch_size, num_microbatches=num_microbatches, micro_batch_size=samples)
     return scaled
+
+
+def time_at(data: dict[str, Any], measured: int, samples: int) -> float:
+    """A node's forward + backward seconds at ``samples`` per micro-batch, from its ``time_s`` at ``measured``.
+
+    The measured points are (``measured``, ``time_s``), every (samples, seconds) of ``time_by_samples``,
+    and (0, ``fixed_time_s``) (0 seconds at 0 samples where it is absent). The time at ``samples`` is read
+    off the line through the two nearest measured points around it, or through the last two beyond the
+    largest; it is at least ``fixed_time_s``. With ``time_s`` and ``fixed_time_s`` alone this is
+    fixed + (time_s - fixed) x samples / measured; with ``time_s`` alone, time_s x samples / measured.
+
+    Example:
+        >>> data = {"time_s": 8.0, "fixed_time_s": 1.0, "time_by_samples": [[4, 4.0]]}
+        >>> [time_at(data, 8, s) for s in (2, 4, 6, 8, 16)]
+        [2.5, 4.0, 6.0, 8.0, 16.0]
+    """
+    time_s = float(data["time_s"])
+    fixed = float(data.get("fixed_time_s") or 0.0)
+    points = {0: fixed, **{int(n): float(t) for n, t in data.get("time_by_samples") or ()}, measured: time_s}
+    sizes = sorted(points)
+    if samples in points:
+        return max(points[samples], fixed)
+    above = next((i for i, n in enumerate(sizes) if n > samples), len(sizes) - 1)
+    left, right = sizes[above - 1], sizes[above]
+    slope = (points[right] - points[left]) / (right - left)
+    return max(points[left] + slope * (samples - left), fixed)
+
+
+def _is_seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)
+
+
+def _check_time_by_samples(node: str, value: Any) -> None:
+    """``time_by_samples`` is absent or a list of [samples >= 1, seconds >= 0] pairs."""
+    if value is None:
+        return
+    pairs = value if isinstance(value, (list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and not isinstance(p[0], bool)
+        and isinstance(p[0], int)
+        and p[0] >= 1
+        and _is_seconds(p[1])
+        for p in pairs
+    ):
+        raise GraphError(
+            f"Node '{node}' has time_by_samples={value!r}; expected a list of [samples, seconds] pairs "
+            "(samples an integer >= 1, seconds >= 0), or no value. Profile the model again with profiles.profile_model."
+        )
 
 
 def topological_order(graph: nx.DiGraph) -> list[str]:

@@ -40,6 +40,14 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        times (seconds = fixed + per sample x samples) gives it, within [0, time_s].
                        Small micro-batches pay it whole (kernel launches, dispatch, matmuls too small
                        to use the device); partitioner.rescale_graph keeps it when it scales time_s.
+    time_by_samples    [[samples, seconds], ...]: the call timed again at each micro-batch size of
+                       time_samples (measure_time only): a device's speed changes with the rows of its
+                       kernels (a matmul of 32 rows runs each row slower than one of 256), and
+                       partitioner.rescale_graph prices each size measured as measured, those between
+                       on the line through the nearest two
+    accumulate_time_s  seconds to add the call's weight gradients of one micro-batch into sums of their
+                       shapes (profiles.timing.accumulate_seconds; measure_fixed_time, calls with
+                       trainable weights): what the runtime's stage pays per micro-batch when M > 1
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
     model_input_bytes  an InputLayer's output bytes: the model input the runtime splits into
@@ -88,7 +96,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -125,6 +133,7 @@ def profile_model(
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
     measure_fixed_time: bool = False,
+    time_samples: Sequence[int] = (),
 ) -> nx.DiGraph:
     """Profiles a Functional or Sequential Keras model into a layer graph (see the module docstring).
 
@@ -145,7 +154,11 @@ def profile_model(
         sequence_length: the size for every unknown non-batch dimension of every input.
         measure_fixed_time: with ``measure_time``, also time each call on one sample and record
             ``fixed_time_s`` (module docstring), so that ``partitioner.rescale_graph`` prices smaller
-            micro-batches by what they really cost: what ``num_microbatches="auto"`` needs to weigh M.
+            micro-batches by what they really cost: what ``num_microbatches="auto"`` needs to weigh M;
+            also time adding each call's weight gradients into sums (``accumulate_time_s``).
+        time_samples: with ``measure_time``, micro-batch sizes (samples) to time each call at as well,
+            recorded in ``time_by_samples``: the sizes the planner will weigh (``runtime.plan_and_wrap``
+            passes those of the M that ``num_microbatches="auto"`` tries).
 
     Returns:
         A ``networkx.DiGraph`` that passes ``partitioner.graph.validate_graph``, nodes in
@@ -157,7 +170,7 @@ def profile_model(
             sequence_length leave open.
         InputError: for input_shapes that do not fit the model's inputs, batch_size < 1,
             num_microbatches < 1 or > batch_size, repeats < 1,
-            warmup < 0, or an unknown device.
+            warmup < 0, time_samples that are not sizes >= 1, or an unknown device.
 
     Example:
         >>> graph = profile_model(model, batch_size=64, num_microbatches=8)       # doctest: +SKIP
@@ -172,6 +185,7 @@ def profile_model(
     else:  # the Keras graph's own shapes: no layer is asked again
         shapes = [[tuple(t.shape) for t in call.node.output_tensors] for call in calls]
     micro_batch = math.ceil(batch_size / num_microbatches)
+    sizes = _sizes(time_samples, micro_batch)
 
     import tensorflow as tf  # lazy: the planner side stays free of TensorFlow
 
@@ -185,7 +199,7 @@ def profile_model(
         timing_device = _resolve_device(tf, device)
         graph.graph["profiled_device"] = timing_device
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
-    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup, measure_fixed_time)
+    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup, measure_fixed_time, sizes)
     counted: set[int] = set()  # ids of weights already given to a node
     dtype_flops: dict[str, float] = {}  # compute dtype -> forward FLOPs of the calls computing in it
     for done, call in enumerate(calls, start=1):
@@ -383,6 +397,8 @@ class _Trace:
     traced_bytes: int  # the upper bound of a composite without analysis: every op's outputs
     time_s: float | None
     fixed_time_s: float | None = None  # the part of time_s one sample costs too (measure_fixed_time)
+    time_by_samples: tuple[tuple[int, float], ...] = ()  # (samples, seconds) at time_samples' sizes
+    accumulate_time_s: float | None = None  # adding the weight gradients into sums (measure_fixed_time)
 
 
 class _CallProfiler:
@@ -397,6 +413,7 @@ class _CallProfiler:
         repeats: int,
         warmup: int,
         fixed_time: bool = False,
+        time_samples: Sequence[int] = (),
     ) -> None:
         self._tf = tf
         self._micro_batch = micro_batch
@@ -405,6 +422,8 @@ class _CallProfiler:
         self._repeats = repeats
         self._warmup = warmup
         self._fixed_time = fixed_time and device is not None and micro_batch > 1
+        self._accumulate = fixed_time and device is not None
+        self._time_samples = tuple(time_samples) if device is not None else ()
         self._memo: dict[tuple[int, str], _Trace] = {}
         self._traces: dict[int, _Trace] = {}  # call index -> its trace (not for InputLayers)
 
@@ -434,8 +453,14 @@ class _CallProfiler:
         key = (id(call.operation), repr(call.node.arguments.convert(lambda x: _spec_key(x, specs, call))))
         if key not in self._memo:
             trace = self._measure(call, specs)
+            if self._time_samples and trace.time_s is not None:
+                timed = tuple((n, self._time(call, self._specs(call, n))) for n in self._time_samples)
+                trace = replace(trace, time_by_samples=timed)
             if self._fixed_time:
-                trace = replace(trace, fixed_time_s=self._fixed_seconds(call, trace.time_s))
+                one = dict(trace.time_by_samples).get(1)  # one sample, where time_samples had it
+                trace = replace(trace, fixed_time_s=self._fixed_seconds(call, trace.time_s, one))
+            if self._accumulate and trainable_ids:
+                trace = replace(trace, accumulate_time_s=self._accumulate_seconds(call))
             self._memo[key] = trace
         trace = self._traces[index] = self._memo[key]
         attrs.update(
@@ -449,6 +474,10 @@ class _CallProfiler:
             attrs["time_s"] = float(trace.time_s)
         if trace.fixed_time_s is not None:
             attrs["fixed_time_s"] = float(trace.fixed_time_s)
+        if trace.time_by_samples:
+            attrs["time_by_samples"] = [[n, float(t)] for n, t in trace.time_by_samples]
+        if trace.accumulate_time_s is not None:
+            attrs["accumulate_time_s"] = float(trace.accumulate_time_s)
         return attrs
 
     def _specs(self, call: LayerCall, samples: int) -> list[Any]:
@@ -458,14 +487,23 @@ class _CallProfiler:
             for t, s in zip(call.node.input_tensors, call.sources, strict=True)
         ]
 
-    def _fixed_seconds(self, call: LayerCall, time_s: float | None) -> float | None:
+    def _fixed_seconds(self, call: LayerCall, time_s: float | None, one: float | None = None) -> float | None:
         """The part of ``time_s`` (measured at the micro-batch) that one sample costs as well: the line through
-        the time on one sample and ``time_s`` at the micro-batch, at zero samples, within [0, time_s]."""
+        the time on one sample (``one``, timed here when None) and ``time_s`` at the micro-batch, at zero
+        samples, within [0, time_s]."""
         if time_s is None:
             return None
-        one = self._time(call, self._specs(call, 1))
+        if one is None:
+            one = self._time(call, self._specs(call, 1))
         per_sample = (time_s - one) / (self._micro_batch - 1)
         return min(max(one - per_sample, 0.0), time_s)
+
+    def _accumulate_seconds(self, call: LayerCall) -> float:
+        """Seconds to add one micro-batch's gradients of the call's trainable weights into sums."""
+        from profiles.timing import accumulate_seconds
+
+        weights = _trainable_weights(call.operation)
+        return accumulate_seconds(weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup)
 
     def activation_bytes(self, calls: list[LayerCall], model_outputs: list[Source]) -> list[int]:
         """Per call, the bytes kept for its backward: the internal tensors its gradient reads, and each
@@ -709,6 +747,20 @@ def _op_output_bytes(op: Any) -> float:
 
 
 # --- arguments -------------------------------------------------------------------------------
+
+
+def _sizes(time_samples: Sequence[int], micro_batch: int) -> tuple[int, ...]:
+    """The distinct sizes of ``time_samples`` other than the micro-batch's own, ascending.
+
+    Raises:
+        InputError: for a size that is not an integer >= 1.
+    """
+    for n in time_samples:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(
+                f"time_samples must be micro-batch sizes (integers >= 1). Received: {list(time_samples)!r}."
+            )
+    return tuple(sorted(set(time_samples) - {micro_batch}))
 
 
 def _check_numbers(batch_size: Any, num_microbatches: Any, repeats: Any, warmup: Any) -> None:

@@ -87,12 +87,48 @@ def forward_backward_seconds(
         grads = tape.gradient(targets, sources)
         return targets + [g for g in grads if g is not None]
 
+    return _median_seconds(step, input_specs, device=device, repeats=repeats, warmup=warmup, exclude_call=exclude_call)
+
+
+def accumulate_seconds(variables: Sequence[Any], *, device: str, repeats: int = 5, warmup: int = 2) -> float:
+    """Returns the median seconds of adding one micro-batch's gradients of ``variables`` into sums of
+    their shapes on ``device`` (``total + gradient`` for each, in one function call, as the runtime's
+    stage sums them when M > 1), less an empty call's; 0 for no variables.
+
+    Example:
+        >>> accumulate_seconds(dense.trainable_weights, device="/CPU:0")      # doctest: +SKIP
+        0.0012
+    """
+    _check_counts(repeats, warmup)
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    if not specs:
+        return 0.0
+
+    def add(*tensors: tf.Tensor) -> list[tf.Tensor]:
+        half = len(tensors) // 2
+        return [total + gradient for total, gradient in zip(tensors[:half], tensors[half:], strict=True)]
+
+    return _median_seconds(add, specs + specs, device=device, repeats=repeats, warmup=warmup, exclude_call=True)
+
+
+def _median_seconds(
+    fn: Callable[..., Any],
+    input_specs: Sequence[tf.TensorSpec],
+    *,
+    device: str,
+    repeats: int,
+    warmup: int,
+    exclude_call: bool,
+) -> float:
+    """The median seconds of ``fn`` traced as a function on filled inputs on ``device``, less the median of
+    an empty function's on the same inputs (the two take turns) where ``exclude_call``; >= 0."""
+
     def empty(*inputs: tf.Tensor) -> tf.Tensor:
         return tf.constant(0.0)
 
     with tf.device(device):
         inputs = [_fill(spec) for spec in input_specs]
-        runs = [tf.function(step).get_concrete_function(*input_specs)]
+        runs = [tf.function(fn).get_concrete_function(*input_specs)]
         if exclude_call:
             runs.append(tf.function(empty).get_concrete_function(*input_specs))
         for _ in range(warmup):

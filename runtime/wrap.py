@@ -11,7 +11,7 @@ from partitioner.errors import InfeasiblePlanError, InputError, PlanError, Timin
 from partitioner.plan import Plan
 from partitioner.problem import check_recompute
 from partitioner.schedule import Schedule, schedule_for
-from partitioner.search.choose import AUTO, candidate_schedules, choose
+from partitioner.search.choose import AUTO, candidate_schedules, choose, timed_sizes
 from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
 from profiles.profiler import weight_bytes
@@ -82,7 +82,9 @@ def plan_and_wrap(
             once per process (``profiles.local.local_cluster``): their fixed cost per forward or
             backward (``Device.action_overhead_s``) and link bandwidth are measured, so more
             micro-batches are not free; and the model's layers are timed on the first device, at
-            the whole batch and at one sample (``profile_model(measure_fixed_time=True)``), and
+            the whole batch, at one sample and at the micro-batch sizes of the M tried
+            (``profile_model(measure_fixed_time=True, time_samples=timed_sizes(batch_size))``), with
+            the time each micro-batch spends adding its weight gradients into the step's sums, and
             planned by those times (``cost="time"``), so a micro-batch too small to use the device
             well is priced as it runs. A Cluster you pass keeps its own figures and FLOP-based
             costs (``partitioner calibrate`` writes one to keep and edit).
@@ -161,6 +163,7 @@ def plan_and_wrap(
             measure_time=timed,
             device=cluster.devices[0].name if timed else None,
             measure_fixed_time=timed,
+            time_samples=timed_sizes(batch_size) if timed else (),
             input_shapes=input_shapes,
             sequence_length=sequence_length,
         )

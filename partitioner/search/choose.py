@@ -3,9 +3,12 @@
 M and the schedule are decisions like the placement: for a global batch of B samples, every candidate
 M (the divisors of B up to :data:`MAX_MICROBATCHES`) and schedule ("gpipe", "1f1b") is planned by
 :func:`partitioner.solve` on the layer graph rescaled to micro-batches of B / M samples
-(:func:`partitioner.rescale_graph`), and the plan of the shortest simulated step that fits wins.
-Ties go to fewer micro-batches, then to GPipe. A user may fix either: an int M or a named schedule
-is the only candidate of its kind.
+(:func:`partitioner.rescale_graph`). Of the plans that fit, the one of the fewest micro-batches (then
+GPipe) whose simulated step (``Plan.step_time_s``) is within :data:`MARGIN` (5%) of the shortest
+wins: what the cost model does not price grows with M (docs/cost-model.md, "Choosing M"), so a step
+predicted a few percent shorter with more micro-batches is within the prediction's error, and the
+smaller M is the safer pick. A user may fix either: an int M or a named schedule is the only candidate
+of its kind; ``margin=0`` keeps the shortest predicted step alone.
 
 The time budget: a chain (the exact DP, milliseconds) solves every candidate, each with an equal share.
 A DAG (CP-SAT, which needs seconds) is first screened: each candidate's best baseline split (uniform,
@@ -26,14 +29,17 @@ Example:
     >>> graph.graph.update(batch_size=64, num_microbatches=1)  # costs measured for the whole batch
     >>> cluster = pt.Cluster.uniform(4, memory="16GiB", flops_per_s=100e12, action_overhead_s=20e-6)
     >>> choice = choose(graph, cluster, batch_size=64, time_limit_s=5)
-    >>> choice.plan.num_microbatches, choice.plan.schedule, choice.plan.num_stages
-    (32, 'gpipe', 4)
+    >>> choice.plan.num_microbatches, choice.plan.schedule, choice.plan.num_stages  # 10.3 ms: within 5% of 10.2
+    (16, 'gpipe', 4)
     >>> [(c.num_microbatches, round(c.step_time_s * 1e3, 1)) for c in choice.candidates if c.schedule == "gpipe"]
     [(1, 32.0), (2, 20.2), (4, 14.3), (8, 11.5), (16, 10.3), (32, 10.2), (64, 11.1)]
+    >>> choose(graph, cluster, batch_size=64, time_limit_s=5, margin=0).plan.num_microbatches
+    32
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +59,11 @@ from partitioner.simulate import simulate_assignment
 MAX_MICROBATCHES = 64  # the most micro-batches "auto" tries (the runtime calls each stage 2 x M times a step)
 SOLVED_DAG_CANDIDATES = 3  # candidates CP-SAT solves on a DAG: those of the shortest screened steps
 AUTO = "auto"
+# A plan of fewer micro-batches wins if its simulated step is within this share of the shortest: what the cost
+# model does not price grows with M (the runtime's work per micro-batch beside its layers; devices that share
+# cores slowing each other while the pipeline overlaps them), so within its error the smaller M is the safer pick
+MARGIN = 0.05
+TIMED_SIZES = 4  # the most micro-batch sizes a timed profile measures for "auto" (timed_sizes)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class Choice:
     plan: Plan  # its num_microbatches and schedule are the ones chosen
     graph: nx.DiGraph  # the graph rescaled to the chosen micro-batch: validate and simulate the plan with it
     candidates: tuple[Candidate, ...]  # in the order tried: M ascending, then gpipe before 1f1b
+    margin: float = 0.05  # the share of the shortest simulated step within which fewer micro-batches won (MARGIN)
 
 
 def candidate_microbatches(batch_size: int, num_microbatches: int | str = AUTO) -> list[int]:
@@ -97,6 +109,25 @@ def candidate_microbatches(batch_size: int, num_microbatches: int | str = AUTO) 
         )
     check_batch(batch_size, num_microbatches)
     return [num_microbatches]
+
+
+def timed_sizes(batch_size: int, num_microbatches: int | str = AUTO, most: int = TIMED_SIZES) -> list[int]:
+    """The micro-batch sizes a timed profile should measure for :func:`choose` to price each M tried.
+
+    The sizes of the candidates (ceil(batch_size / M), :func:`candidate_microbatches`), all of them where
+    there are at most ``most``, else ``most`` of them spread evenly along the sorted sizes, the smallest
+    and the largest included (``partitioner.rescale_graph`` reads the others off the line between the
+    nearest two measured).
+
+    Example:
+        >>> timed_sizes(256), timed_sizes(24, most=8), timed_sizes(24, 4)
+        ([4, 16, 64, 256], [1, 2, 3, 4, 6, 8, 12, 24], [6])
+    """
+    sizes = sorted({math.ceil(batch_size / m) for m in candidate_microbatches(batch_size, num_microbatches)})
+    if len(sizes) <= most:
+        return sizes
+    picks = sorted({round(i * (len(sizes) - 1) / (most - 1)) for i in range(most)})
+    return [sizes[i] for i in picks]
 
 
 def candidate_schedules(schedule: str = AUTO) -> list[str]:
@@ -162,6 +193,7 @@ def choose(
     schedule: str = AUTO,
     recompute: str = "never",
     time_limit_s: float = 10.0,
+    margin: float | None = None,
     **solve_options: Any,
 ) -> Choice:
     """Plans every candidate (M, schedule) and returns the one of the shortest simulated step that fits.
@@ -177,12 +209,16 @@ def choose(
         time_limit_s: the whole budget, shared equally by the candidates solved (every one on a chain,
             the SOLVED_DAG_CANDIDATES best screened on a DAG; a fixed share each, so the same input gives
             the same plan).
+        margin: how much longer a simulated step (``Plan.step_time_s``) may be than the shortest and
+            still win by having fewer micro-batches (0.05: 5%); :data:`MARGIN` when None, 0 for the
+            shortest step alone.
         **solve_options: the other arguments of :func:`partitioner.solve` (optimizer_slots, cost, pins,
             options).
 
     Returns:
-        A Choice: the plan (ties: fewer micro-batches, then GPipe), the rescaled graph it was made
-        for, and every candidate's step or error.
+        A Choice: the plan (the fewest micro-batches, then GPipe, among those simulated within
+        ``margin`` of the shortest step), the rescaled graph it was made for, and every candidate's
+        step or error.
 
     Raises:
         InfeasiblePlanError: no candidate fits (SolverTimeoutError where none was found in time); the
@@ -193,6 +229,11 @@ def choose(
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise InputError(f"time_limit_s must be a positive number of seconds. Received: {time_limit_s!r}.")
+    margin = MARGIN if margin is None else margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
+        raise InputError(
+            f"margin must be a share >= 0 of the shortest simulated step (0.05 for 5%). Received: {margin!r}."
+        )
     if batch_size is None:
         batch_size = graph.graph.get("batch_size")
         if batch_size is None:
@@ -224,7 +265,7 @@ def choose(
         )
         chosen = sorted(ranked[:SOLVED_DAG_CANDIDATES], key=pairs.index)
     share_s = time_limit_s / len(chosen)
-    best: tuple[Plan, nx.DiGraph] | None = None
+    planned: list[tuple[Plan, nx.DiGraph]] = []  # in the order tried: M ascending, GPipe first
     tried: list[Candidate] = []
     failures: list[tuple[Candidate, PartitionerError]] = []
     for m, name in pairs:
@@ -248,11 +289,14 @@ def choose(
             failures.append((tried[-1], error))
             continue
         tried.append(Candidate(m, name, plan.step_time_s, None, screen))
-        if best is None or plan.step_time_s < best[0].step_time_s * (1 - 1e-9):
-            best = (plan, scaled[m])
-    if best is None:
+        planned.append((plan, scaled[m]))
+    if not planned:
         raise _no_candidate_fits(tried, failures, batch_size)
-    return Choice(plan=best[0], graph=best[1], candidates=tuple(tried))
+    # the fewest micro-batches (then GPipe) among the plans simulated within the margin of the shortest step
+    # (the pipeline's step: the step's own work beside it is the same at every M and moves no pick)
+    shortest = min(plan.step_time_s for plan, _ in planned)
+    best = next(pair for pair in planned if pair[0].step_time_s <= shortest * (1 + margin) * (1 + 1e-9))
+    return Choice(plan=best[0], graph=best[1], candidates=tuple(tried), margin=margin)
 
 
 def _costs(

@@ -377,6 +377,8 @@ def chain_quotient(
         timed = all(d.get("time_s") is not None for d in data)
         if timed:
             attrs["time_s"] = float(sum(d["time_s"] for d in data))
+        if any(d.get("accumulate_time_s") for d in data):  # the unit's weight gradients summed per micro-batch
+            attrs["accumulate_time_s"] = float(sum(d.get("accumulate_time_s") or 0.0 for d in data))
         work = [float(d["time_s"]) if cost == "time" and timed else float(d["flops"]) for d in data]
         if sum(work) > 0 and flops > 0:  # the unit's forward share is its nodes' forward work over their work
             share = sum(w * forward_share(d) for w, d in zip(work, data)) / sum(work)

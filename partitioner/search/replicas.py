@@ -36,14 +36,14 @@ Example:
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 4 MiB of weights: data parallel
     (4, 1)
     >>> [(c.num_replicas, c.layout, round(c.step_time_s * 1e3, 2)) for c in choice.candidates]
-    [(1, 'blocks', 4.19), (2, 'blocks', 4.15), (2, 'strided', 4.15), (4, 'blocks', 4.06)]
+    [(1, 'blocks', 4.38), (2, 'blocks', 4.27), (2, 'strided', 4.27), (4, 'blocks', 4.06)]
     >>> heavy = pt.chain_graph([4e11] * 4, param_bytes=[2**33] * 4, activation_bytes=[2**20] * 4)
     >>> heavy.graph.update(batch_size=64, num_microbatches=1)
     >>> choice = plan_replicas(heavy, cluster, batch_size=64, time_limit_s=5)
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 32 GiB of weights: a pipeline
     (1, 4)
     >>> [(c.num_replicas, c.step_time_s and round(c.step_time_s * 1e3, 1)) for c in choice.candidates]
-    [(1, 4.2), (2, 179.8), (2, 179.8), (4, None)]
+    [(1, 4.4), (2, 179.8), (2, 179.8), (4, None)]
     >>> choice.best(devices_per_replica=1) is None        # data parallel does not fit: the reason says why
     True
 """

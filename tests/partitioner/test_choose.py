@@ -6,11 +6,13 @@ import pytest
 
 import partitioner as pt
 from partitioner.search.choose import (
+    MARGIN,
     MAX_MICROBATCHES,
     SOLVED_DAG_CANDIDATES,
     candidate_microbatches,
     choose,
     plan_for_batch,
+    timed_sizes,
 )
 from partitioner.synthetic import random_dag
 
@@ -53,6 +55,28 @@ def test_choose_pipelines_a_large_model_with_more_microbatches() -> None:
     assert choice.plan.num_stages == 4
     assert 1 < choice.plan.num_microbatches < 64
     assert choice.plan.step_time_s < steps[1] and choice.plan.step_time_s < steps[64]
+
+
+def test_choose_takes_the_fewest_microbatches_within_the_margin_of_the_shortest_step() -> None:
+    """The large model's steps fall with M then level off; the shortest is not what auto picks when a plan of
+    fewer micro-batches is within MARGIN of it: the fewest such (then GPipe). margin=0 keeps the shortest."""
+    graph, cluster = _chain(4e11, MiB, layers=8, batch_size=64), _cluster(4)
+    choice = choose(graph, cluster, batch_size=64, time_limit_s=5)
+    steps = [(c.num_microbatches, c.schedule, c.step_time_s) for c in choice.candidates if c.step_time_s]
+    shortest = min(step for _, _, step in steps)
+    within = [(m, name) for m, name, step in steps if step <= shortest * (1 + MARGIN)]
+    assert (choice.plan.num_microbatches, choice.plan.schedule) == within[0] and choice.margin == MARGIN
+    assert choice.plan.step_time_s > shortest  # this model's shortest step has more micro-batches
+    exact = choose(graph, cluster, batch_size=64, time_limit_s=5, margin=0)
+    assert exact.plan.step_time_s == shortest and exact.plan.num_microbatches > choice.plan.num_microbatches
+    wide = choose(graph, cluster, batch_size=64, time_limit_s=5, margin=10.0)
+    assert (wide.plan.num_microbatches, wide.plan.schedule) == (1, "gpipe")
+
+
+def test_timed_sizes_are_the_candidates_sizes_spread() -> None:
+    assert timed_sizes(256) == [4, 16, 64, 256]  # of 4, 8, ..., 256
+    assert timed_sizes(12) == [1, 3, 4, 12]  # of 1, 2, 3, 4, 6, 12
+    assert timed_sizes(12, most=10) == [1, 2, 3, 4, 6, 12] and timed_sizes(12, 5) == [3]
 
 
 def test_choose_1f1b_when_gpipe_does_not_fit() -> None:
@@ -139,6 +163,7 @@ def test_choose_reports_the_closest_candidate_when_nothing_fits() -> None:
         ({"num_microbatches": 0}, pt.InputError, r"num_microbatches must be an integer >= 1"),
         ({"schedule": "zigzag"}, pt.InputError, r"schedule must be one of"),
         ({"time_limit_s": 0}, pt.InputError, "time_limit_s must be a positive number"),
+        ({"margin": -0.1}, pt.InputError, r"margin must be a share >= 0 of the shortest simulated step .* -0.1"),
         ({"options": None, "schedule": "gpipe", "num_microbatches": 2, "pins": {"nope": "/GPU:0"}}, pt.PartitionerError,
          "nope"),
     ],

@@ -259,6 +259,27 @@ def test_costmodel_cost_time_rescales_by_profiled_speed():
     assert ev.stage_times == {G0: 3.0, G1: 5.0}  # 1 s compute + 2 MB at 1 MB/s each way
 
 
+def test_costmodel_cost_time_prices_summing_the_weight_gradients_in_every_backward_when_looped():
+    """accumulate_time_s (0.3 s on the profiled device, twice as fast as G0) is paid by every backward when
+    M > 1, not at M = 1 and not with FLOP costs: l0's 0.5 s (1.0 on G0: 1/3 forward, 2/3 backward) gets
+    0.6 s in its backward on G0, 0.15 on G1."""
+    graph = _abc()
+    for node, seconds in zip(["l0", "l1", "l2"], [0.5, 1.0, 2.0], strict=True):
+        graph.nodes[node]["time_s"] = seconds
+    graph.nodes["l0"]["accumulate_time_s"] = 0.3
+    graph.graph["profiled_flops_per_s"] = 2e9
+    devices = [Device(G0, memory="1GiB", flops_per_s=1e9), Device(G1, memory="1GiB", flops_per_s=4e9)]
+    cluster = Cluster(devices, bandwidth=1e6)
+    looped = CostModel(graph, cluster, num_microbatches=4, cost="time")
+    assert looped.forward_s["l0"] == pytest.approx([1 / 3, 1 / 12])
+    assert looped.backward_s["l0"] == pytest.approx([2 / 3 + 0.6, 1 / 6 + 0.15])
+    assert looped.compute_s["l0"] == pytest.approx([1.6, 0.4])
+    assert looped.compute_s["l1"] == [2.0, 0.5]  # no weights summed: as measured
+    assert CostModel(graph, cluster, num_microbatches=1, cost="time").compute_s["l0"] == [1.0, 0.25]
+    flops = CostModel(graph, cluster, num_microbatches=4)
+    assert flops.compute_s["l0"] == [graph.nodes["l0"]["flops"] / 1e9, graph.nodes["l0"]["flops"] / 4e9]
+
+
 def test_costmodel_cost_time_without_profiled_speed_uses_the_fastest_device():
     graph = _abc()
     for node in graph.nodes:

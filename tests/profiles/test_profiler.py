@@ -471,6 +471,40 @@ def test_profile_model_measure_fixed_time_records_the_part_one_sample_costs():
     assert wide["fixed_time_s"] <= one["time_s"] < wide["time_s"]
 
 
+def test_profile_model_time_samples_records_the_time_at_each_size_and_the_gradient_sums():
+    """time_samples times each call again at those sizes (not the profile's own, once each), which
+    rescale_graph then prices as measured; measure_fixed_time also times summing the weight gradients
+    (accumulate_time_s) on calls with weights only, and reuses the one-sample time for fixed_time_s."""
+    inputs = keras.Input((256,), name="x")
+    hidden = layers.Dense(256, name="wide")(inputs)
+    model = keras.Model(inputs, layers.Activation("relu", name="act")(hidden))
+    graph = profile_model(
+        model,
+        batch_size=64,
+        num_microbatches=1,
+        repeats=3,
+        warmup=1,
+        measure_fixed_time=True,
+        time_samples=[16, 1, 64, 16],
+    )
+    wide, act = graph.nodes["wide"], graph.nodes["act"]
+    assert [n for n, _ in wide["time_by_samples"]] == [1, 16] and all(t >= 0 for _, t in wide["time_by_samples"])
+    assert [n for n, _ in act["time_by_samples"]] == [1, 16]
+    assert wide["accumulate_time_s"] > 0 and "accumulate_time_s" not in act
+    validate_graph(graph)
+    measured = dict(wide["time_by_samples"])
+    sixteen = rescale_graph(graph, batch_size=64, num_microbatches=4).nodes["wide"]["time_s"]
+    assert sixteen == pytest.approx(max(measured[16], wide["fixed_time_s"]))
+    untimed = profile_model(model, batch_size=64, num_microbatches=1, measure_time=False, time_samples=[16])
+    assert "time_by_samples" not in untimed.nodes["wide"]
+
+
+@pytest.mark.parametrize("sizes", [[0], [2.5], [True]])
+def test_profile_model_rejects_bad_time_samples(sizes):
+    with pytest.raises(InputError, match=r"time_samples must be micro-batch sizes \(integers >= 1\). Received: "):
+        profile_model(mlp(), batch_size=4, num_microbatches=1, time_samples=sizes)
+
+
 def test_profile_model_measure_fixed_time_records_the_steps_own_work():
     """With measure_fixed_time the graph records step_overhead_s: a Keras training step of a copy of the
     model on one sample less its layers' own work there, more than nothing (the step's dispatch from
