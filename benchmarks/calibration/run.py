@@ -8,8 +8,10 @@ once), for an MLP of DEPTH Dense(WIDTH, relu) layers and a Dense(10) head at bat
    calibrate=False)``: FLOP/s measured, no fixed cost per pass, the 50 GB/s constant for the link, costs from
    FLOPs); "flops", the calibrated cluster passed as a Cluster (the fixed cost of a pass and the link measured,
    ``profiles.calibrate``; costs still from FLOPs); "timed", ``devices=2`` as a user writes it: the calibrated
-   cluster, and the layers timed on the first device at the whole batch and at one sample
-   (``profile_model(measure_fixed_time=True)``), planned by those times.
+   cluster, and the layers timed on the first device at the whole batch, at one sample and at the micro-batch
+   sizes auto weighs, with the summing of each micro-batch's weight gradients
+   (``profile_model(measure_fixed_time=True, time_samples=timed_sizes(BATCH))``), planned by those times;
+   auto takes the fewest micro-batches within 5% of the shortest simulated step (``choose``'s margin).
 2. for M = 1, 2, 4, 8, 16 and each picked M: the timed plan at that M (``solve`` on the timed graph rescaled to
    M, ``cost="time"``, the calibrated cluster), its stage count, its predicted step (``Plan.predicted_step_s``: the
    simulated step and the step's own work the profile measured, ``step_overhead_s``), and the measured steady step
@@ -86,6 +88,7 @@ def measure() -> dict[str, Any]:
     import numpy as np
 
     from partitioner import rescale_graph, solve
+    from partitioner.search.choose import timed_sizes
     from profiles import profile_model
     from profiles.local import local_cluster, local_cluster_and_sources
     from runtime import plan_and_wrap, wrap
@@ -100,8 +103,13 @@ def measure() -> dict[str, Any]:
         plan = plan_and_wrap(model, devices=devices, batch_size=BATCH, num_microbatches="auto").plan
         picked[label] = {"num_microbatches": plan.num_microbatches, "predicted_step_s": plan.predicted_step_s}
         print(f"{label}: auto picks M = {plan.num_microbatches} ({plan.num_stages} stages)", flush=True)
-    timed = profile_model(
-        model, batch_size=BATCH, num_microbatches=1, device=after.devices[0].name, measure_fixed_time=True
+    timed = profile_model(  # as plan_and_wrap(devices=2, num_microbatches="auto") profiles
+        model,
+        batch_size=BATCH,
+        num_microbatches=1,
+        device=after.devices[0].name,
+        measure_fixed_time=True,
+        time_samples=timed_sizes(BATCH),
     )
     rows = []
     for m in sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())}):
