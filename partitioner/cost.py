@@ -21,7 +21,11 @@ stage's figures are a node's, a coarsened unit's or a stage's alike (every term 
     step(v)       = M * model_input_bytes(v) + (M + 1) * model_output_bytes(v)
                     (the batch split into micro-batches, the outputs collected, held all step, and one
                     micro-batch's more: the loss's gradient of them, the metrics' temporaries)
-    memory(s)     = weights + step + in_flight(s) * held + held once
+    memory(s)     = weights + step + received(s) + in_flight(s) * held + held once
+    received(s)   = sum over the tensors s receives of bytes x in_flight(sender): the copies on s of the
+                    inputs of every micro-batch its sender holds, those s's forwards keep for its backward
+                    and those the sender ran ahead that wait for s's forwards (GPipe's last stage M - 1 of
+                    them); a recomputed stage's held bytes count in_flight(s) of them, received(s) the rest
     in_flight(s)  = the most micro-batches stage s holds under the schedule: M for GPipe (1 on its last stage),
                     min(K - s, M) for 1F1B
     step_time     = (M + K - 1) * bottleneck          for K stages and M micro-batches (either schedule)
@@ -75,6 +79,7 @@ class ModeCost:
     held_bytes: int  # bytes held per micro-batch in flight
     once_bytes: int  # bytes held once, while a backward runs
     step_bytes: int = 0  # bytes held all step whatever is in flight: the split inputs, the collected outputs
+    received_bytes: int = 0  # received inputs held beside in_flight x held: kept, all; recomputed, those waiting
 
     @property
     def compute_s(self) -> float:
@@ -82,8 +87,8 @@ class ModeCost:
         return self.forward_s + self.backward_s
 
     def memory_bytes(self, in_flight: int) -> int:
-        """Peak bytes with ``in_flight`` micro-batches held: weights + step + in_flight * held + held once.
-        Every term is a sum over nodes, so a stage's figure is the sum of its nodes'.
+        """Peak bytes with ``in_flight`` micro-batches held: weights + step + received + in_flight * held + held
+        once. Every term is a sum over nodes, so a stage's figure is the sum of its nodes'.
 
         Example:
             >>> ModeCost(0.0, 0.0, weight_bytes=100, held_bytes=10, once_bytes=0, step_bytes=8).memory_bytes(2)
@@ -92,6 +97,7 @@ class ModeCost:
         return (
             self.weight_bytes
             + self.step_bytes
+            + self.received_bytes
             + in_flight * self.held_bytes
             + (self.once_bytes if in_flight > 0 else 0)
         )
@@ -108,6 +114,7 @@ def mode_cost(
     step_bytes: int = 0,
     gradient_bytes: int = 0,
     looped: bool = False,
+    received_bytes: int = 0,
 ) -> ModeCost:
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
@@ -115,7 +122,9 @@ def mode_cost(
     the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
     (a kept stage's received buffers are not counted beside its activations, docs/cost-model.md).
     ``step_bytes``, the same in either mode, is what the runtime holds all step long beside the layers
-    (:meth:`CostModel.step_bytes`).
+    (:meth:`CostModel.step_bytes`); ``received_bytes`` the copies of received inputs held beside those
+    (:meth:`CostModel.evaluate`: in kept mode every one, recomputed the ones beyond its micro-batches in
+    flight, whose inputs ``held_bytes`` counts).
 
     With ``looped`` (M > 1: the runtime's loop calls each stage's backward as a function it does not
     inline, so the activations the call reads stay alive until it returns) a running backward also holds
@@ -136,10 +145,16 @@ def mode_cost(
     # a backward in the loop makes the gradients of its nodes' outputs and of the inputs it received
     working = gradient_bytes + input_bytes if looped else 0
     if mode == "kept":
-        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, working, step_bytes)
+        return ModeCost(forward_s, backward_s, weight_bytes, activation_bytes, working, step_bytes, received_bytes)
     if mode == "recomputed":
         return ModeCost(
-            forward_s, backward_s + forward_s, weight_bytes, input_bytes, activation_bytes + working, step_bytes
+            forward_s,
+            backward_s + forward_s,
+            weight_bytes,
+            input_bytes,
+            activation_bytes + working,
+            step_bytes,
+            received_bytes,
         )
     raise InputError(f"mode must be one of {MODES}. Received: {mode!r}.")
 
@@ -328,7 +343,7 @@ class CostModel:
         self.modes = ("kept",) if recompute == "never" else MODES
         self.mode_compute_s: dict[str, dict[str, list[float]]] = {}
         self._node_memory: dict[tuple[str, int], dict[str, int]] = {}
-        self._input_memory: dict[tuple[str, int], dict[str, int]] = {}
+        self._input_memory: dict[tuple[str, int, int], dict[str, int]] = {}
         for mode in self.modes:
             self.mode_compute_s[mode] = (
                 self.compute_s  # forward + backward, as measured
@@ -401,14 +416,30 @@ class CostModel:
             self._node_memory[key] = {v: self.node_cost(v, mode).memory_bytes(num_in_flight) for v in self.order}
         return self._node_memory[key]
 
-    def input_memory_bytes(self, mode: str, num_in_flight: int) -> dict[str, int]:
+    def input_memory_bytes(self, mode: str, num_in_flight: int, sender_in_flight: int | None = None) -> dict[str, int]:
         """{node: bytes} that a stage in ``mode`` holding ``num_in_flight`` micro-batches needs for receiving
-        the node's output: the saved input per micro-batch when recomputed, and with M > 1 its gradient,
-        which the stage's backward makes, in either mode (mode_cost)."""
-        key = (mode, num_in_flight)
+        the node's output from a stage holding ``sender_in_flight``: a copy of it for each of the sender's
+        micro-batches (the receiver's forwards keep those in flight, the rest wait for them; a recomputed
+        stage's saved inputs among them), and with M > 1 its gradient, which the receiver's backward makes
+        (mode_cost). The sender's count defaults to the most any stage holds (``max_in_flight``: M for GPipe,
+        min(D, M) for 1F1B), a bound wherever the sender is; the chain DP gives the stage right before's
+        (``ScheduleFamily.window_before``).
+
+        Example:
+            >>> from partitioner.graph import chain_graph
+            >>> graph, cluster = chain_graph([1e9] * 2, edge_bytes=[100]), Cluster.uniform(2, memory="1GiB")
+            >>> costs = CostModel(graph, cluster, num_microbatches=4)
+            >>> costs.input_memory_bytes("kept", 1)["layer_0"]  # GPipe's last stage: 4 copies, 1 gradient
+            500
+        """
+        sender = self.max_in_flight if sender_in_flight is None else sender_in_flight
+        key = (mode, num_in_flight, sender)
         if key not in self._input_memory:
+            copies = sender if mode == "kept" else max(0, sender - num_in_flight)  # recomputed: held has the rest
             self._input_memory[key] = {
-                u: mode_cost(mode, input_bytes=self.out_bytes[u], looped=self.looped).memory_bytes(num_in_flight)
+                u: mode_cost(
+                    mode, input_bytes=self.out_bytes[u], looped=self.looped, received_bytes=copies * self.out_bytes[u]
+                ).memory_bytes(num_in_flight)
                 for u in self.order
             }
         return self._input_memory[key]
@@ -625,6 +656,7 @@ class CostModel:
         inputs = [0] * k_total
         steps = [0] * k_total
         sent: dict[tuple[int, int], int] = {}
+        received: list[tuple[int, int, int]] = []  # (sender device, receiver device, bytes per micro-batch)
         successors = self.graph.succ
         for v in self.order:
             k = where[v]
@@ -640,6 +672,7 @@ class CostModel:
                 receive[receiver] += self.receive_s(v, k, receiver)
                 inputs[receiver] += self.out_bytes[v]
                 sent[(k, receiver)] = sent.get((k, receiver), 0) + self.out_bytes[v]
+                received.append((k, receiver, self.out_bytes[v]))
         used = sorted(set(where.values()))
         num_stages = len(used)
         position = {k: s for s, k in enumerate(used)}
@@ -654,6 +687,12 @@ class CostModel:
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
+        # a receiver holds a copy of a received tensor for every micro-batch its sender holds: those its
+        # forwards keep for its backward and those the sender ran ahead, waiting for its forwards; a
+        # recomputed stage's held bytes count its own micro-batches' (mode_cost), received_bytes the rest
+        copies = [0] * k_total  # sum of bytes x sender's in flight
+        for sender, receiver, size in received:
+            copies[receiver] += held[sender] * size
 
         def cost_of(k: int, mode: str) -> ModeCost:
             # Each pass a stage runs per micro-batch (forward, backward) pays the device's fixed overhead once;
@@ -668,6 +707,7 @@ class CostModel:
                 step_bytes=steps[k],
                 gradient_bytes=gradients[k],
                 looped=self.looped,
+                received_bytes=copies[k] if mode == "kept" else copies[k] - held[k] * inputs[k],
             )
 
         recomputed = self._stage_modes(

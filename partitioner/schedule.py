@@ -552,6 +552,18 @@ class ScheduleFamily(abc.ABC):
         """
         return _built(self.name, num_stages, num_microbatches).max_in_flight(stage)
 
+    def window_before(self, num_microbatches: int, in_flight: int) -> int:
+        """The micro-batches in flight of the stage right before one that holds ``in_flight``: how many
+        forwards it may run ahead, sending their outputs, of the ones the later stage has taken.
+
+        Example:
+            >>> schedule_family("gpipe").window_before(8, 1), schedule_family("gpipe").window_before(8, 8)
+            (8, 8)
+            >>> [schedule_family("1f1b").window_before(8, n) for n in (1, 3, 8)]
+            [2, 4, 8]
+        """
+        return self.in_flight(in_flight + 1, num_microbatches, 0)
+
     @abc.abstractmethod
     def in_flight_rule(self, num_microbatches: int) -> str:
         """How many micro-batches the stage holding the fewest holds, in words, for error messages."""

@@ -159,7 +159,8 @@ def memory_need(graph: nx.DiGraph, num_microbatches: int, optimizer_slots: int =
     """Bytes the whole graph needs on one device under the cost model (weights, gradients and their sums,
     slots, activations of M micro-batches in flight, the step's own terms): ``CostModel.node_memory_bytes``;
     for ``num_devices`` stages, also a typical cut's tensor (the median of the nodes' outputs sent on) for
-    each stage after the first, whose backward makes its gradient (M > 1: ``CostModel.input_memory_bytes``)."""
+    each stage after the first: a copy of it for each of the M micro-batches a GPipe sender holds, and with
+    M > 1 its gradient, which the receiver's backward makes (``CostModel.input_memory_bytes``)."""
     costs = pt.CostModel(
         graph,
         pt.Cluster.uniform(1, memory="1TiB"),
@@ -168,8 +169,8 @@ def memory_need(graph: nx.DiGraph, num_microbatches: int, optimizer_slots: int =
     )
     need = sum(costs.node_memory_bytes("kept", num_microbatches).values())
     sent = [costs.out_bytes[v] for v in costs.order if graph.out_degree(v) > 0]
-    if costs.looped and sent and num_devices > 1:
-        need += (num_devices - 1) * int(statistics.median(sent))
+    if sent and num_devices > 1:
+        need += (num_devices - 1) * (num_microbatches + costs.looped) * int(statistics.median(sent))
     return need
 
 

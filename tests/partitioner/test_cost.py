@@ -12,6 +12,7 @@ from partitioner.cluster import Cluster, Device, load_device_profile
 from partitioner.cost import CostModel, bubble_fraction, relative_gap
 from partitioner.errors import ClusterError, GraphError, InputError, PlanError
 from partitioner.graph import load_graph, rescale_graph
+from partitioner.schedule import schedule_family
 from partitioner.simulate import simulate_assignment
 
 G0, G1, G2 = "/GPU:0", "/GPU:1", "/GPU:2"
@@ -48,12 +49,17 @@ def test_costmodel_memory_by_hand():
     # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
     # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop, and on G1 the
     # gradient of the 2 MB it received (its backward makes it, to send back); G1, GPipe's last stage, holds
-    # one micro-batch's activations (its backward follows its forward)
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + (4 + 1) * (10 + 20), G1: 300 * 5 + (1 + 1) * 30 + RECEIVED}
+    # one micro-batch's activations (its backward follows its forward) and a copy of the 2 MB it receives for
+    # each of G0's 4 micro-batches (one its forward keeps, 3 G0 ran ahead, waiting for its forwards)
+    assert ev.memory_bytes == {
+        G0: (100 + 200) * 5 + (4 + 1) * (10 + 20),
+        G1: 300 * 5 + (1 + 1) * 30 + RECEIVED + 4 * RECEIVED,
+    }
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30}  # M = 1: no loop, no gradients' copy
+    # M = 1: no loop, no gradients' copy; G1 holds one copy of the 2 MB it receives
+    assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30 + RECEIVED}
 
 
 def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
@@ -64,7 +70,11 @@ def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
     graph.nodes["l1"]["output_bytes"] = 5
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    assert ev.memory_bytes == {G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5), G1: 300 * 5 + (1 + 1) * 30 + RECEIVED}
+    ahead = 4 * RECEIVED  # GPipe's last stage: a copy of its input for each of the sender's M micro-batches
+    assert ev.memory_bytes == {
+        G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5),
+        G1: 300 * 5 + (1 + 1) * 30 + RECEIVED + ahead,
+    }
     assert costs.node_cost("l1", "kept").once_bytes == 5  # a node alone prices it alike
 
 
@@ -89,9 +99,10 @@ def _abc_with_boundary() -> nx.DiGraph:
         # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
         # gradients in a backward; G1: weights 300 x 5 + the collected outputs 4 x 50 + one micro-batch's 50
         # (the loss's gradient, the metrics' temporaries) + 1 x 30 in flight (the last stage) + 30 and the
-        # received 2 MB's gradient in a backward
-        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED}),
-        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED}),
+        # received 2 MB's gradient in a backward + a copy of the received 2 MB for each of G0's micro-batches in
+        # flight (GPipe 4, 1F1B 2: the one G1's forward keeps, the rest waiting for its forwards)
+        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED + 4 * RECEIVED}),
+        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED + 2 * RECEIVED}),
     ],
 )
 def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule, expected):
@@ -108,10 +119,12 @@ def test_costmodel_node_memory_carries_the_step_terms():
     assert node == {"l0": 100 * 3 + 4000 + 5 * 10, "l1": 200 * 3 + 5 * 20, "l2": 300 * 3 + 250 + 5 * 30}
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     received = costs.input_memory_bytes("kept", 4)
-    assert received == {"l0": 10**6, "l1": RECEIVED, "l2": 0}  # a kept stage: the gradient its backward makes
+    # a kept stage: a copy for each of the sender's 4 micro-batches, and the gradient its backward makes
+    assert received == {"l0": 5 * 10**6, "l1": 5 * RECEIVED, "l2": 0}
     last = costs.node_memory_bytes("kept", 1)  # G1 is GPipe's last stage: one micro-batch in flight
     assert last["l2"] == 300 * 3 + 250 + 2 * 30
-    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: last["l2"] + received["l1"]}
+    assert costs.input_memory_bytes("kept", 1)["l1"] == 5 * RECEIVED  # the sender's M copies, whatever it holds
+    assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: last["l2"] + costs.input_memory_bytes("kept", 1)["l1"]}
 
 
 def test_costmodel_input_held_where_its_node_is():
@@ -122,7 +135,8 @@ def test_costmodel_input_held_where_its_node_is():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G1, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 2 * 50 + 10**6}  # G1 last: 1 held
+    # G1 last: 1 held, and a copy of the 1 MB from G0 for each of G0's 4 micro-batches
+    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 2 * 50 + 10**6 + 4 * 10**6}
 
 
 def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
@@ -133,7 +147,10 @@ def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
     ev = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    assert ev.memory_bytes == {G0: 300 * 3 + 4000 + 35 + 5 * 30, G1: 300 * 3 + 250 + 35 + 2 * 30 + RECEIVED}
+    assert ev.memory_bytes == {
+        G0: 300 * 3 + 4000 + 35 + 5 * 30,
+        G1: 300 * 3 + 250 + 35 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # + a copy of its input per sender's micro-batch
+    }
 
 
 def test_costmodel_one_stage_holds_batch_and_outputs_at_one_microbatch():
@@ -153,7 +170,7 @@ def test_costmodel_graph_without_boundary_bytes_prices_none():
     assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
     assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {
         G0: 300 * 3 + 5 * 30,
-        G1: 300 * 3 + 2 * 30 + RECEIVED,  # GPipe's last stage: one micro-batch held
+        G1: 300 * 3 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # GPipe's last stage: one micro-batch, 4 input copies
     }
 
 
@@ -456,3 +473,49 @@ def test_costmodel_action_overhead_is_paid_once_per_pass() -> None:
 
 def _plain(num_devices: int) -> Cluster:
     return Cluster([Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(num_devices)])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_microbatches", "copies"),
+    [
+        ("gpipe", 4, [0, 4 * 10**6, 4 * RECEIVED]),
+        ("1f1b", 4, [0, 3 * 10**6, 2 * RECEIVED]),
+        ("1f1b", 2, [0, 2 * 10**6, 2 * RECEIVED]),
+    ],
+)
+def test_costmodel_counts_a_copy_of_each_received_input_for_every_microbatch_its_sender_holds(
+    schedule, num_microbatches, copies
+):
+    """_abc on three devices: a receiver holds a copy of its input for each micro-batch its sender holds
+    (those its forwards keep for its backward, and those the sender ran ahead, waiting). GPipe (windows
+    M, M, 1): M copies on each receiver, M - 1 of them waiting on the last stage; 1F1B at M = 4 (windows
+    3, 2, 1): 3 and 2; at M = 2 (2, 2, 1): 2 and 2. Recomputed, the stage's held bytes count its own
+    micro-batches' inputs and received_bytes the rest."""
+    costs = CostModel(_abc(), _slow_cluster(3), num_microbatches=num_microbatches, schedule=schedule)
+    ev = costs.evaluate({"l0": G0, "l1": G1, "l2": G2})
+    assert [c.received_bytes for c in ev.stage_costs] == copies
+    for cost, device in zip(ev.stage_costs, (G0, G1, G2), strict=True):
+        assert ev.memory_bytes[device] == cost.memory_bytes(ev.in_flight[device])
+    # the chain DP's budget for receiving l1's output on a stage of the last stage's window, from the stage
+    # right before it: the same figure; CP-SAT's, from a sender anywhere before (the most any stage holds)
+    before = schedule_family(schedule).window_before(num_microbatches, ev.in_flight[G2])
+    last = costs.input_memory_bytes("kept", ev.in_flight[G2], before)["l1"]
+    assert last == RECEIVED + copies[2]  # + the gradient its backward makes
+    assert costs.input_memory_bytes("kept", 1)["l1"] == RECEIVED + costs.max_in_flight * RECEIVED
+    recomputed = costs.evaluate({"l0": G0, "l1": G1, "l2": G2}, recompute=(False, True, False))
+    held = recomputed.in_flight[G1]
+    assert recomputed.stage_costs[1].held_bytes == 10**6  # its saved input, per micro-batch in flight
+    assert recomputed.stage_costs[1].received_bytes == copies[1] - held * 10**6
+    assert recomputed.memory_bytes[G1] - ev.memory_bytes[G1] == (
+        recomputed.stage_costs[1].memory_bytes(held) - ev.stage_costs[1].memory_bytes(held)
+    )
+
+
+def test_costmodel_counts_a_skip_connections_inputs_against_its_own_sender():
+    """Under 1F1B (M = 4, windows 3, 2, 1) the last stage holds 3 copies of a tensor sent from the first stage,
+    2 of one sent from the stage before it."""
+    graph = _abc()
+    graph.add_edge("l0", "l2", bytes=10**6)
+    costs = CostModel(graph, _slow_cluster(3), num_microbatches=4, schedule="1f1b")
+    ev = costs.evaluate({"l0": G0, "l1": G1, "l2": G2})
+    assert [c.received_bytes for c in ev.stage_costs] == [0, 3 * 10**6, 3 * 10**6 + 2 * RECEIVED]

@@ -142,8 +142,9 @@ def test_exact_chain_step_beats_the_least_bottleneck():
     # x 2 = 11 s (B = 5.5 + 2). Shortest step: 4 | 2, A = 6 + 1.5 + (M - 1) x max(2, 2, 1 + 1) = 9.5 s
     # (B = 4 + 4); 3 | 3 gives A = 7.5 + 3 = 10.5 s, one device alone 12 s.
     graph = chain([1e12] * 6, edge_bytes=[75 * 10**8] * 5)
-    # room for the gradient of the 7.5 GB a stage receives, which its backward makes (M > 1)
-    cluster = pt.Cluster.uniform(3, memory="16GiB", flops_per_s=1e12, bandwidth=1e10)
+    # room for the 7.5 GB a stage receives: a copy for each of its sender's 2 micro-batches, and its gradient,
+    # which its backward makes (M > 1)
+    cluster = pt.Cluster.uniform(3, memory="32GiB", flops_per_s=1e12, bandwidth=1e10)
     step = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given")
     bottleneck = pt.exact_chain(graph, cluster, num_microbatches=2, device_order="given", objective="bottleneck")
     assert bottleneck.num_stages == 3 and bottleneck.step_time_s == pytest.approx(11.0)

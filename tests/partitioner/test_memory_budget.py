@@ -142,11 +142,12 @@ def _skip_dag() -> nx.DiGraph:
 
 
 def test_solve_dag_1f1b_fits_only_with_the_per_position_budget():
-    # c (10 KiB, and 10 KiB of gradients in a backward, and 2 KiB of the gradients of what it receives) fits
-    # a 22 KiB device only on the last stage (1 micro-batch in flight), a and b (3 + 3 KiB) twice over and
-    # once more on the first: the fullest stage's budget, 2 micro-batches everywhere, fits nothing.
+    # c (10 KiB, and 10 KiB of gradients in a backward, 2 KiB of the gradients of what it receives and a copy
+    # of the 2 KiB it receives for each of the first stage's 2 micro-batches) fits a 26 KiB device only on
+    # the last stage (1 micro-batch in flight), a and b (3 + 3 KiB) twice over and once more on the first:
+    # the fullest stage's budget, 2 micro-batches everywhere, fits nothing.
     graph = _skip_dag()
-    cluster = pt.Cluster.uniform(2, memory=22 * KIB, flops_per_s=1e12)
+    cluster = pt.Cluster.uniform(2, memory=26 * KIB, flops_per_s=1e12)
     assert fullest_budget_bottleneck(graph, cluster, 2) is None
     assert CostModel(graph, cluster, num_microbatches=2, schedule="1f1b").device_in_flight == [2, 1]
     for options in (pt.SolverOptions(), pt.SolverOptions(shortest_step=False, device_order="given")):

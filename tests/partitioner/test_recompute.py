@@ -77,11 +77,13 @@ def test_costmodel_recomputed_stages_by_hand():
     # + one micro-batch's activations and, in the loop (M > 1), their gradients and the received input's
     assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000) + 1000
     assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
-    # kept, GPipe's last stage: one micro-batch in flight (its backward follows its forward) + the gradients
-    assert ev.memory_bytes[G2] == 400 * 5 + (1 + 1) * 40_000 + 3000
+    # kept, GPipe's last stage: one micro-batch in flight (its backward follows its forward) + the gradients,
+    # and a copy of the 3000 B it receives for each of G1's 4 micro-batches (3 waiting for its forwards)
+    assert ev.memory_bytes[G2] == 400 * 5 + (1 + 1) * 40_000 + 3000 + 4 * 3000
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
-    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000) + 1000
+    # kept: a copy of the 1000 B it receives for each of G0's 4 micro-batches (its forwards keep them)
+    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000) + 1000 + 4 * 1000
     assert kept.compute_times[G1] == pytest.approx(9.0)
 
 
@@ -89,7 +91,9 @@ def test_costmodel_recompute_under_1f1b_counts_each_stages_in_flight():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=8, schedule="1f1b", recompute="always")
     ev = costs.evaluate(SPLIT)
     assert ev.in_flight == {G0: 3, G1: 2, G2: 1}
-    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000) + 1000
+    # + the 1000 B input of the one micro-batch G0 (window 3) runs ahead of G1 (window 2): its held bytes
+    # count the inputs of its own 2
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000) + 1000 + 1000
 
 
 def test_costmodel_recompute_given_per_stage():
@@ -143,12 +147,17 @@ def test_simulated_recomputed_stage_by_hand(schedule):
         assert spans == pytest.approx([expected] * 4)
     held = sim.peak_in_flight[G1]
     assert held == (4 if schedule == "gpipe" else 2)
-    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000) + 1000
-    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000 + 3000
+    # copies of a received input: a recomputed stage's held bytes count its own micro-batches', and those the
+    # sender runs ahead wait beside them (its window less this one's); a kept stage holds one for each of the
+    # sender's micro-batches (windows GPipe 4, 4, 1; 1F1B 3, 2, 1)
+    ahead = {"gpipe": 0, "1f1b": 1}[schedule]
+    before = {"gpipe": {G1: 4, G2: 4}, "1f1b": {G1: 3, G2: 2}}[schedule]
+    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000) + 1000 + ahead * 1000
+    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000 + 3000 + before[G2] * 3000
     # The same plan without recomputation: shorter, and it holds every activation.
     kept = pt.simulate(plan, graph, cluster, recompute="never")
     assert kept.step_time_s < sim.step_time_s
-    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000) + 1000
+    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000) + 1000 + before[G1] * 1000
 
 
 def test_plan_step_time_is_the_recomputed_simulation():

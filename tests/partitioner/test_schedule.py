@@ -302,10 +302,13 @@ def test_1f1b_memory_is_each_stages_own_and_at_most_gpipes(num_stages, num_micro
         held = min(num_stages - s, num_microbatches)
         received = KIB if s > 0 else 0
         # the micro-batches held, and one micro-batch's activation gradients and its received input's while
-        # a backward runs (M > 1)
-        assert one_f_one_b.memory_bytes[device] == weights + (held + 1) * 64 * KIB + received
+        # a backward runs (M > 1); and a copy of the received input for each micro-batch the stage before holds
+        # (those this stage's forwards keep, and those run ahead, waiting for them)
+        before = min(num_stages - s + 1, num_microbatches)
+        assert one_f_one_b.memory_bytes[device] == weights + (held + 1) * 64 * KIB + received * (1 + before)
         held_gpipe = num_microbatches if s < num_stages - 1 else 1  # its last stage: one, as 1F1B's
-        assert gpipe.memory_bytes[device] == weights + (held_gpipe + 1) * 64 * KIB + received
+        before_gpipe = num_microbatches  # every stage but the last holds M
+        assert gpipe.memory_bytes[device] == weights + (held_gpipe + 1) * 64 * KIB + received * (1 + before_gpipe)
         assert one_f_one_b.memory_bytes[device] <= gpipe.memory_bytes[device]
     sim = pt.simulate(one_f_one_b, graph, cluster)  # the plan's own schedule
     assert sim.schedule == "1f1b"

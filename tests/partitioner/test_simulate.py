@@ -223,18 +223,20 @@ def test_peak_total_counts_activations_waiting_for_a_slower_stage():
     backward (4.5 s) in turn, so micro-batches 1, 2 and 3 wait from 3, 4.5 and 6 s until its forwards at
     10.5, 19.5 and 28.5 s. From 6 s the stages hold 200 (stage 0: one micro-batch's activations and
     gradients, while it holds any) + 1200 (stage 1: one micro-batch's 100 and its backward's working set,
-    the received 1000 and 100) + 3 x 1000 waiting: 4400, where the sum of the stages' peaks is 1400. A kept
-    stage 0 holds what it sends among its activations: nothing waits beside them, and the stages' peaks
-    (500 and 1200) coincide from 6 s: 1700. (The link is free: each gradient is read as it is made.)"""
+    the received 1000 and 100) + 3 x 1000 waiting: 4400. On devices of their own, stage 1 holds a copy of the
+    received 1000 for each of stage 0's 4 micro-batches besides (5200; the peaks summed 5400); in one memory
+    they share, a received tensor is the sender's buffer. A kept stage 0 holds what it sends among its
+    activations: nothing waits beside them, and the stages' peaks but the copies (500 and 1200) coincide from
+    6 s: 1700. (The link is free: each gradient is read as it is made.)"""
     graph = chain([3e12, 9e12], activation_bytes=[100, 100], edge_bytes=[1000])
     cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=1e30)
     costs = CostModel(graph, cluster, num_microbatches=4, schedule="gpipe")
     assignment = {"l0": "/GPU:0", "l1": "/GPU:1"}
     sim = simulate_assignment(costs, assignment, recompute=[True, False])
-    assert sim.peak_memory_bytes == {"/GPU:0": 200, "/GPU:1": 1200}
+    assert sim.peak_memory_bytes == {"/GPU:0": 200, "/GPU:1": 1200 + 4 * 1000}
     assert sim.peak_total_bytes == 4400
     kept = simulate_assignment(costs, assignment, recompute=[False, False])
-    assert kept.peak_memory_bytes == {"/GPU:0": 500, "/GPU:1": 1200}
+    assert kept.peak_memory_bytes == {"/GPU:0": 500, "/GPU:1": 1200 + 4 * 1000}
     assert kept.peak_total_bytes == 1700
 
 
@@ -245,7 +247,8 @@ def test_peak_total_holds_a_tensor_read_by_two_stages_once_until_its_last_reader
     until c's forward at 2.5 s, micro-batch 1's from 1 s until c's forward at 4.5 s (b reads it at 2.5 s,
     one buffer). From 2.5 s: b 2 x 100 + 1100, c 1000, micro-batch 1's output 1000 = 3300 (the same from
     3.5 s, when c's gradient for a waits for a's backward at 4.5 s in place of c's 1000). Counting the
-    output once per reading stage gave 4200; only until its first reader, 2300."""
+    output once per reading stage gave 4200; only until its first reader, 2300. On devices of their own b and c
+    each hold a copy of a's output for both of a's micro-batches besides (2 x 1000 each)."""
     graph = nx.DiGraph()
     add_layer(graph, "a", flops=1e12)
     add_layer(graph, "b", flops=2e12, activation_bytes=100, forward_flops=2e12)  # its backward takes no time
@@ -256,7 +259,7 @@ def test_peak_total_holds_a_tensor_read_by_two_stages_once_until_its_last_reader
     cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=1e30)
     costs = CostModel(graph, cluster, num_microbatches=2, schedule="gpipe")
     sim = simulate_assignment(costs, {"a": "/GPU:0", "b": "/GPU:1", "c": "/GPU:2"}, recompute=[True, False, False])
-    assert sim.peak_memory_bytes == {"/GPU:0": 0, "/GPU:1": 1300, "/GPU:2": 1000}
+    assert sim.peak_memory_bytes == {"/GPU:0": 0, "/GPU:1": 1300 + 2000, "/GPU:2": 1000 + 2000}
     assert sim.peak_total_bytes == 3300
 
 

@@ -270,8 +270,9 @@ def test_solve_moves_work_to_the_faster_device(graph):
 
 
 def _two_nodes_of_two(inter_node: float) -> pt.Cluster:
-    """Four devices, two per machine: 100 GB/s inside a machine, ``inter_node`` bytes/s between machines."""
-    devices = [pt.Device(f"/GPU:{i}", memory="1GiB", flops_per_s=1e12) for i in range(4)]
+    """Four devices, two per machine: 100 GB/s inside a machine, ``inter_node`` bytes/s between machines; 16 GiB
+    each, room for the 1 GB tensors of the tests below waiting on GPipe's last stage (M - 1 of them)."""
+    devices = [pt.Device(f"/GPU:{i}", memory="16GiB", flops_per_s=1e12) for i in range(4)]
     matrix = [[100e9 if i // 2 == j // 2 else inter_node for j in range(4)] for i in range(4)]
     return pt.Cluster(devices, bandwidth=matrix)
 

@@ -163,7 +163,7 @@ def _tight_problem(seed: int) -> tuple[nx.DiGraph, pt.Cluster, int]:
     num_devices = 3 if num_nodes == 5 else 2
     num_microbatches = rng.choice([1, 4])
     graph = random_dag(rng, num_nodes, skip_prob=0.3)
-    need = memory_need(graph, num_microbatches)
+    need = memory_need(graph, num_microbatches, num_devices=num_devices)
     devices = [
         pt.Device(
             f"/GPU:{k}",
@@ -194,7 +194,7 @@ def _least_step(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int) -
     return least
 
 
-TIGHT_SEEDS = (1, 0, 3, 8, 10, 13, 14, 15, 18, 19, 20, 21)  # problems that fit, each "feasible" with a gap before
+TIGHT_SEEDS = (1, 0, 4, 5, 8, 9, 10, 11, 12, 13, 14, 17)  # problems that fit, each "feasible" with a gap before
 
 
 @pytest.mark.parametrize("seed", TIGHT_SEEDS)
