@@ -119,8 +119,7 @@ def mode_cost(
     """The costs of work in ``mode``: the one place the planners and the simulator take them from.
 
     Every argument is a sum over the nodes of a stage (or one node, or a unit): ``input_bytes`` are
-    the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch
-    (a kept stage's received buffers are not counted beside its activations, docs/cost-model.md).
+    the tensors the stage receives from other stages, which a recomputed stage saves per micro-batch.
     ``step_bytes``, the same in either mode, is what the runtime holds all step long beside the layers
     (:meth:`CostModel.step_bytes`); ``received_bytes`` the copies of received inputs held beside those
     (:meth:`CostModel.evaluate`: in kept mode every one, recomputed the ones beyond its micro-batches in
