@@ -503,6 +503,7 @@ def child_memory(model_name: str, config: str, num_microbatches: int, steps: int
     predicted = {
         "bytes": simulated_bytes + kept_bytes,
         "start_bytes": start,
+        "received_bytes": received_copies(plan, graph, cluster),
         "simulated_total_bytes": simulated_bytes,
         "stage_peaks_sum_bytes": sum(sim.peak_memory_bytes.values()),
         "wrapped_model_weight_bytes": kept_bytes,
@@ -803,6 +804,28 @@ def section_memory(quick: bool) -> dict[str, Any]:
     return {"repeats": repeats, "steps": steps, "models": memory_model_names(), "rows": rows}
 
 
+def received_copies(plan: Any, graph: Any, cluster: Any) -> dict[str, int]:
+    """{device: bytes} of the copies of received inputs the cost model counts on each stage (a copy per
+    micro-batch its sender holds: ``ModeCost.received_bytes``, and a recomputed stage's saved inputs): on
+    GPUs copies on the receiver, on logical CPU devices the sender's buffers, which the receiver's
+    allocation records do not hold."""
+    import partitioner as pt
+
+    costs = pt.CostModel(
+        graph,
+        cluster,
+        num_microbatches=plan.num_microbatches,
+        optimizer_slots=plan.optimizer_slots,
+        cost=plan.cost,
+        schedule=plan.schedule,
+    )
+    ev = costs.evaluate(plan.assignment, list(plan.recompute))
+    return {
+        device: cost.received_bytes + (cost.held_bytes * ev.in_flight[device] if recomputed else 0)
+        for device, cost, recomputed in zip(ev.stages, ev.stage_costs, ev.recompute, strict=True)
+    }
+
+
 def recomputed_stages_saving(row: dict[str, Any], kept: dict[str, Any]) -> tuple[int, int] | None:
     """What recomputation saved on the stages it recomputes, without it minus with it: (measured from each
     stage's allocation records, the first process of each row; simulated per-device peaks), or None where
@@ -1023,7 +1046,7 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
             "| configuration | M | measured peak, highest / lowest step (MiB) | between steps (MiB) | predicted "
             "(MiB) | stages' peaks summed (MiB) | measured / predicted | goal within 10% | saving on the recomputed "
             "stages, measured / predicted (MiB) | goal >= 80% | saving of the total, measured / predicted (MiB) "
-            "| per device: step's records above its start / simulated, less its weights and the batch (MiB) |",
+            "| per device: step's records above its start / simulated, less its weights, the batch and the copies of what it receives (MiB) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
@@ -1060,15 +1083,18 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
 def per_device_cell(row: dict[str, Any]) -> str:
     """Section 5's per-device cell: what the step's allocation records held on each device beyond the step's
     start (runtime.step_memory; the first process), against the simulator's per-device peak less what the
-    device held when the step started (its weights, the batch's inputs)."""
+    device held when the step started (its weights, the batch's inputs) and the copies of the inputs it
+    receives (on these logical devices the sender's buffers, in the sender's records)."""
     records = row["processes"][0].get("per_device") or {}
     if "error" in records:
         return f"not read ({records['error']})"
     if not records:
         return "-"
     simulated, start = row["predicted"]["peak_bytes"], row["predicted"].get("start_bytes", {})
+    received = row["predicted"].get("received_bytes", {})
     cells = [
-        f"{mib(records['step_bytes'].get(device, 0))} / {mib(simulated[device] - start.get(device, 0))}"
+        f"{mib(records['step_bytes'].get(device, 0))} / "
+        f"{mib(simulated[device] - start.get(device, 0) - received.get(device, 0))}"
         for device in sorted(simulated)
     ]
     unknown = f"; unattributed {mib(records['unknown_bytes'])}" if records["unknown_bytes"] else ""
