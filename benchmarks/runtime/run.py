@@ -1046,7 +1046,8 @@ def memory_tables(memory: dict[str, Any]) -> list[str]:
             "| configuration | M | measured peak, highest / lowest step (MiB) | between steps (MiB) | predicted "
             "(MiB) | stages' peaks summed (MiB) | measured / predicted | goal within 10% | saving on the recomputed "
             "stages, measured / predicted (MiB) | goal >= 80% | saving of the total, measured / predicted (MiB) "
-            "| per device: step's records above its start / simulated, less its weights, the batch and the copies of what it receives (MiB) |",
+            "| per device: step's records above its start / simulated, less its weights, the batch and the copies "
+            "of what it receives (MiB) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
