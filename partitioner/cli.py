@@ -220,8 +220,8 @@ def _add_profile_options(parser: argparse.ArgumentParser) -> None:
         "--micro-batches",
         type=_microbatches,
         help=f"micro-batches per step, M: the batch is split into M, or auto: the planner picks M among the "
-        f"divisors of the batch size, by the shortest step (default: {DEFAULT_MICROBATCHES}; for a profile .json, "
-        "its own)",
+        f"divisors of the batch size, the fewest within 5% of the shortest step (default: {DEFAULT_MICROBATCHES}; "
+        "for a profile .json, its own)",
     )
     parser.add_argument("--input-size", type=int, help="input height/width for keras.applications models")
     parser.add_argument(

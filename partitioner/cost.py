@@ -40,6 +40,9 @@ in_flight (it knows K - s); CP-SAT and the start heuristics, which place a node 
 stage, the most the device at position k can hold in any plan, ``device_in_flight[k]`` (M for GPipe but
 1 on the last device, min(number of devices - k, M) for 1F1B), and CP-SAT the last stage's
 ``last_in_flight`` on a device no unit follows; :meth:`CostModel.evaluate` counts each stage's own figure.
+For the copies of a received tensor (``received_copies``: one per micro-batch its sender holds) the chain DP
+budgets the stage right before's count (``ScheduleFamily.window_before``), CP-SAT the most any stage holds
+(``max_in_flight``), and ``evaluate`` each received tensor's own sender's.
 """
 
 from __future__ import annotations
@@ -365,9 +368,13 @@ class CostModel:
                     f"cost='time' needs a measured time_s on every node; node '{node}' has none. "
                     "Profile with measure_time=True, or use cost='flops'."
                 )
-            reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
-            return [float(time_s) * reference / speed for speed in self.flops_per_s]
+            return self._measured_row(float(time_s))
         return [float(data["flops"]) / speed for speed in self.flops_per_s]
+
+    def _measured_row(self, seconds: float) -> list[float]:
+        """[device index]: ``seconds`` measured on the profiled device, rescaled by each device's speed."""
+        reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
+        return [seconds * reference / speed for speed in self.flops_per_s]
 
     def _accumulate_row(self, node: str) -> list[float]:
         """[device index]: seconds a backward of ``node`` spends adding its weight gradients into the step's
@@ -376,8 +383,7 @@ class CostModel:
         measured = self.graph.nodes[node].get("accumulate_time_s")
         if not self.looped or self.cost != "time" or not measured:
             return [0.0] * len(self.flops_per_s)
-        reference = self.graph.graph.get("profiled_flops_per_s") or max(self.flops_per_s)
-        return [float(measured) * reference / speed for speed in self.flops_per_s]
+        return self._measured_row(float(measured))
 
     def _mode_backward(self, node: str, mode: str) -> list[float]:
         return [
@@ -434,7 +440,7 @@ class CostModel:
         sender = self.max_in_flight if sender_in_flight is None else sender_in_flight
         key = (mode, num_in_flight, sender)
         if key not in self._input_memory:
-            copies = sender if mode == "kept" else max(0, sender - num_in_flight)  # recomputed: held has the rest
+            copies = received_copies(mode, sender, num_in_flight)
             self._input_memory[key] = {
                 u: mode_cost(
                     mode, input_bytes=self.out_bytes[u], looped=self.looped, received_bytes=copies * self.out_bytes[u]
@@ -686,12 +692,11 @@ class CostModel:
         held = [0] * k_total
         for s, k in enumerate(used):
             held[k] = in_flight(self.schedule, num_stages, self.num_microbatches, s)
-        # a receiver holds a copy of a received tensor for every micro-batch its sender holds: those its
-        # forwards keep for its backward and those the sender ran ahead, waiting for its forwards; a
-        # recomputed stage's held bytes count its own micro-batches' (mode_cost), received_bytes the rest
-        copies = [0] * k_total  # sum of bytes x sender's in flight
+        # the copies of received tensors each device holds beside its held bytes, per mode (received_copies)
+        copies = {mode: [0] * k_total for mode in MODES}
         for sender, receiver, size in received:
-            copies[receiver] += held[sender] * size
+            for mode in MODES:
+                copies[mode][receiver] += received_copies(mode, held[sender], held[receiver]) * size
 
         def cost_of(k: int, mode: str) -> ModeCost:
             # Each pass a stage runs per micro-batch (forward, backward) pays the device's fixed overhead once;
@@ -706,7 +711,7 @@ class CostModel:
                 step_bytes=steps[k],
                 gradient_bytes=gradients[k],
                 looped=self.looped,
-                received_bytes=copies[k] if mode == "kept" else copies[k] - held[k] * inputs[k],
+                received_bytes=copies[mode][k],
             )
 
         recomputed = self._stage_modes(
@@ -775,6 +780,18 @@ class CostModel:
     def fits(self, evaluation: Evaluation) -> bool:
         """True iff every device's memory holds what the placement puts on it."""
         return all(evaluation.memory_bytes[d.name] <= d.memory_bytes for d in self.cluster.devices)
+
+
+def received_copies(mode: str, sender_in_flight: int, in_flight: int) -> int:
+    """Copies of a received tensor a stage holds beside its held bytes: one for each micro-batch its sender
+    holds (those the stage's forwards keep for its backward, and those the sender ran ahead, waiting for its
+    forwards); in recomputed mode less its own micro-batches', whose saved inputs its held bytes count.
+
+    Example:
+        >>> received_copies("kept", 8, 1), received_copies("recomputed", 8, 8), received_copies("recomputed", 3, 2)
+        (8, 0, 1)
+    """
+    return sender_in_flight if mode == "kept" else max(0, sender_in_flight - in_flight)
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:

@@ -146,7 +146,7 @@ def validate_graph(graph: nx.DiGraph) -> None:
                     "value. Profile the model again with profiles.profile_model."
                 )
         time_s = data.get("time_s")
-        if time_s is not None and (not isinstance(time_s, (int, float)) or time_s < 0 or not math.isfinite(time_s)):
+        if time_s is not None and not _is_seconds(time_s):
             raise GraphError(f"Node '{node}' has time_s={time_s!r}; expected seconds >= 0 or no value.")
         fixed = data.get("fixed_time_s")
         if fixed is not None and (
@@ -302,14 +302,16 @@ def time_at(data: dict[str, Any], measured: int, samples: int) -> float:
 
     The measured points are (``measured``, ``time_s``), every (samples, seconds) of ``time_by_samples``,
     and (0, ``fixed_time_s``) (0 seconds at 0 samples where it is absent). The time at ``samples`` is read
-    off the line through the two nearest measured points around it, or through the last two beyond the
-    largest; it is at least ``fixed_time_s``. With ``time_s`` and ``fixed_time_s`` alone this is
-    fixed + (time_s - fixed) x samples / measured; with ``time_s`` alone, time_s x samples / measured.
+    off the line through the two nearest measured points around it; beyond the largest, off the line
+    through (0, ``fixed_time_s``) and the largest (the largest size's cost per sample: two noisy points
+    close together could make a line that falls); it is at least ``fixed_time_s``. With ``time_s`` and
+    ``fixed_time_s`` alone this is fixed + (time_s - fixed) x samples / measured; with ``time_s`` alone,
+    time_s x samples / measured.
 
     Example:
         >>> data = {"time_s": 8.0, "fixed_time_s": 1.0, "time_by_samples": [[4, 4.0]]}
         >>> [time_at(data, 8, s) for s in (2, 4, 6, 8, 16)]
-        [2.5, 4.0, 6.0, 8.0, 16.0]
+        [2.5, 4.0, 6.0, 8.0, 15.0]
     """
     time_s = float(data["time_s"])
     fixed = float(data.get("fixed_time_s") or 0.0)
@@ -317,8 +319,8 @@ def time_at(data: dict[str, Any], measured: int, samples: int) -> float:
     sizes = sorted(points)
     if samples in points:
         return max(points[samples], fixed)
-    above = next((i for i, n in enumerate(sizes) if n > samples), len(sizes) - 1)
-    left, right = sizes[above - 1], sizes[above]
+    above = next((i for i, n in enumerate(sizes) if n > samples), None)
+    left, right = (sizes[above - 1], sizes[above]) if above is not None else (0, sizes[-1])
     slope = (points[right] - points[left]) / (right - left)
     return max(points[left] + slope * (samples - left), fixed)
 

@@ -47,7 +47,8 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
                        on the line through the nearest two
     accumulate_time_s  seconds to add the call's weight gradients of one micro-batch into sums of their
                        shapes (profiles.timing.accumulate_seconds; measure_fixed_time, calls with
-                       trainable weights): what the runtime's stage pays per micro-batch when M > 1
+                       trainable weights, a shared layer's first call only, as param_bytes): what the
+                       runtime's stage pays per micro-batch when M > 1
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
     model_input_bytes  an InputLayer's output bytes: the model input the runtime splits into
@@ -476,7 +477,7 @@ class _CallProfiler:
             attrs["fixed_time_s"] = float(trace.fixed_time_s)
         if trace.time_by_samples:
             attrs["time_by_samples"] = [[n, float(t)] for n, t in trace.time_by_samples]
-        if trace.accumulate_time_s is not None:
+        if trace.accumulate_time_s is not None and trainable_bytes > 0:  # a shared layer's weights: its first call
             attrs["accumulate_time_s"] = float(trace.accumulate_time_s)
         return attrs
 
@@ -502,8 +503,16 @@ class _CallProfiler:
         """Seconds to add one micro-batch's gradients of the call's trainable weights into sums."""
         from profiles.timing import accumulate_seconds
 
+        tf = self._tf
         weights = _trainable_weights(call.operation)
-        return accumulate_seconds(weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup)
+        try:
+            return accumulate_seconds(weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup)
+        except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
+            raise TimingError(
+                f"Timing the sum of '{call.operation.name}' ({type(call.operation).__name__})'s weight gradients on "
+                f"{self._device} failed: {_summary(err)}. Expected weights that fit on the device; profile with "
+                "measure_fixed_time=False to skip it."
+            ) from err
 
     def activation_bytes(self, calls: list[LayerCall], model_outputs: list[Source]) -> list[int]:
         """Per call, the bytes kept for its backward: the internal tensors its gradient reads, and each

@@ -77,8 +77,8 @@ def plan_and_wrap(
             of TensorFlow device names, or a partitioner.Cluster of local devices.
         batch_size: the global batch size fit() will see.
         num_microbatches: M, micro-batches per step, or "auto": the planner tries the divisors of
-            ``batch_size`` up to 64 and keeps the M of the shortest predicted step
-            (``partitioner.search.choose``). Local devices given as a count or names are calibrated
+            ``batch_size`` up to 64 and keeps the fewest micro-batches within 5% of the shortest
+            predicted step (``partitioner.search.choose``). Local devices given as a count or names are calibrated
             once per process (``profiles.local.local_cluster``): their fixed cost per forward or
             backward (``Device.action_overhead_s``) and link bandwidth are measured, so more
             micro-batches are not free; and the model's layers are timed on the first device, at

@@ -1,14 +1,15 @@
-"""Chooses the number of micro-batches and the schedule for a global batch: plans each, keeps the shortest step.
+"""Chooses the number of micro-batches and the schedule for a global batch: plans each, keeps the fewest
+micro-batches within a margin of the shortest step.
 
 M and the schedule are decisions like the placement: for a global batch of B samples, every candidate
 M (the divisors of B up to :data:`MAX_MICROBATCHES`) and schedule ("gpipe", "1f1b") is planned by
 :func:`partitioner.solve` on the layer graph rescaled to micro-batches of B / M samples
-(:func:`partitioner.rescale_graph`). Of the plans that fit, the one of the fewest micro-batches (then
-GPipe) whose simulated step (``Plan.step_time_s``) is within :data:`MARGIN` (5%) of the shortest
-wins: what the cost model does not price grows with M (docs/cost-model.md, "Choosing M"), so a step
-predicted a few percent shorter with more micro-batches is within the prediction's error, and the
-smaller M is the safer pick. A user may fix either: an int M or a named schedule is the only candidate
-of its kind; ``margin=0`` keeps the shortest predicted step alone.
+(:func:`partitioner.rescale_graph`). Of the plans that fit, those of the fewest micro-batches whose
+simulated step (``Plan.step_time_s``) is within :data:`MARGIN` (5%) of the shortest win, and of them
+the shorter step (ties: GPipe): what the cost model does not price grows with M (docs/cost-model.md,
+"Choosing M"), so a step predicted a few percent shorter with more micro-batches is within the
+prediction's error, and the smaller M is the safer pick. A user may fix either: an int M or a named
+schedule is the only candidate of its kind; ``margin=0`` keeps the shortest predicted step alone.
 
 The time budget: a chain (the exact DP, milliseconds) solves every candidate, each with an equal share.
 A DAG (CP-SAT, which needs seconds) is first screened: each candidate's best baseline split (uniform,
@@ -85,7 +86,7 @@ class Choice:
     plan: Plan  # its num_microbatches and schedule are the ones chosen
     graph: nx.DiGraph  # the graph rescaled to the chosen micro-batch: validate and simulate the plan with it
     candidates: tuple[Candidate, ...]  # in the order tried: M ascending, then gpipe before 1f1b
-    margin: float = 0.05  # the share of the shortest simulated step within which fewer micro-batches won (MARGIN)
+    margin: float = MARGIN  # the share of the shortest simulated step within which fewer micro-batches won
 
 
 def candidate_microbatches(batch_size: int, num_microbatches: int | str = AUTO) -> list[int]:
@@ -196,7 +197,7 @@ def choose(
     margin: float | None = None,
     **solve_options: Any,
 ) -> Choice:
-    """Plans every candidate (M, schedule) and returns the one of the shortest simulated step that fits.
+    """Plans every candidate (M, schedule) and returns the fewest micro-batches within ``margin`` of the shortest step.
 
     Args:
         graph: a layer graph that records the batch its costs were measured at (``micro_batch_size``,
@@ -216,9 +217,9 @@ def choose(
             options).
 
     Returns:
-        A Choice: the plan (the fewest micro-batches, then GPipe, among those simulated within
-        ``margin`` of the shortest step), the rescaled graph it was made for, and every candidate's
-        step or error.
+        A Choice: the plan (the fewest micro-batches among those simulated within ``margin`` of the
+        shortest step, then the shorter step of that M, GPipe on ties), the rescaled graph it was made
+        for, and every candidate's step or error.
 
     Raises:
         InfeasiblePlanError: no candidate fits (SolverTimeoutError where none was found in time); the
@@ -292,10 +293,18 @@ def choose(
         planned.append((plan, scaled[m]))
     if not planned:
         raise _no_candidate_fits(tried, failures, batch_size)
-    # the fewest micro-batches (then GPipe) among the plans simulated within the margin of the shortest step
-    # (the pipeline's step: the step's own work beside it is the same at every M and moves no pick)
+    # the fewest micro-batches among the plans simulated within the margin of the shortest step (the pipeline's
+    # step: the step's own work beside it is the same at every M and moves no pick), then that M's shortest
+    # step (ties: GPipe, tried first)
     shortest = min(plan.step_time_s for plan, _ in planned)
-    best = next(pair for pair in planned if pair[0].step_time_s <= shortest * (1 + margin) * (1 + 1e-9))
+    fewest = min(p.num_microbatches for p, _ in planned if p.step_time_s <= shortest * (1 + margin) * (1 + 1e-9))
+    best: tuple[Plan, nx.DiGraph] | None = None
+    for pair in planned:
+        if pair[0].num_microbatches == fewest and (
+            best is None or pair[0].step_time_s < best[0].step_time_s * (1 - 1e-9)
+        ):
+            best = pair
+    assert best is not None  # the plan of the shortest step is within the margin of itself
     return Choice(plan=best[0], graph=best[1], candidates=tuple(tried), margin=margin)
 
 

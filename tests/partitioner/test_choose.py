@@ -59,13 +59,15 @@ def test_choose_pipelines_a_large_model_with_more_microbatches() -> None:
 
 def test_choose_takes_the_fewest_microbatches_within_the_margin_of_the_shortest_step() -> None:
     """The large model's steps fall with M then level off; the shortest is not what auto picks when a plan of
-    fewer micro-batches is within MARGIN of it: the fewest such (then GPipe). margin=0 keeps the shortest."""
+    fewer micro-batches is within MARGIN of it: the fewest such, and that M's shorter schedule (ties: GPipe).
+    margin=0 keeps the shortest."""
     graph, cluster = _chain(4e11, MiB, layers=8, batch_size=64), _cluster(4)
     choice = choose(graph, cluster, batch_size=64, time_limit_s=5)
     steps = [(c.num_microbatches, c.schedule, c.step_time_s) for c in choice.candidates if c.step_time_s]
     shortest = min(step for _, _, step in steps)
-    within = [(m, name) for m, name, step in steps if step <= shortest * (1 + MARGIN)]
-    assert (choice.plan.num_microbatches, choice.plan.schedule) == within[0] and choice.margin == MARGIN
+    fewest = min(m for m, _, step in steps if step <= shortest * (1 + MARGIN))
+    assert choice.plan.num_microbatches == fewest and choice.margin == MARGIN
+    assert choice.plan.step_time_s == min(step for m, _, step in steps if m == fewest)  # that M's shorter schedule
     assert choice.plan.step_time_s > shortest  # this model's shortest step has more micro-batches
     exact = choose(graph, cluster, batch_size=64, time_limit_s=5, margin=0)
     assert exact.plan.step_time_s == shortest and exact.plan.num_microbatches > choice.plan.num_microbatches

@@ -329,15 +329,16 @@ def test_rescale_graph_keeps_the_fixed_part_of_a_measured_time():
 
 def test_rescale_graph_prices_each_measured_size_as_measured_and_between_on_the_line():
     """Timed at 4 samples (0.5 s), 1 (0.2 s) and 16 (3.0 s; a device slower per sample there than the line
-    through 1 and 4 says, 0.1 s a sample: 1.7 s): 16 samples cost 3.0 s, not 1.7; 8 samples read 1.5 s off
-    the line through (4, 0.5) and (16, 3.0); 32 extend that last segment (6.33 s), 2 the first (0.3 s)."""
+    through 1 and 4 says, 0.1 s a sample: 1.7 s): 16 samples cost 3.0 s, not 1.7; 8 samples read 1.33 s off
+    the line through (4, 0.5) and (16, 3.0), 2 samples 0.3 s off the line through (1, 0.2) and (4, 0.5); 32
+    samples 5.9 s off the line through (0, 0.1) and the largest, (16, 3.0)."""
     graph = _profiled()
     graph.nodes["layer_0"].update(fixed_time_s=0.1, time_by_samples=[[1, 0.2], [16, 3.0]])
     times = {
         n: rescale_graph(graph, batch_size=32 * n // 4, num_microbatches=8).nodes["layer_0"]["time_s"]
         for n in (1, 2, 8, 16, 32)
     }
-    assert times == pytest.approx({1: 0.2, 2: 0.3, 8: 0.5 + 4 * 2.5 / 12, 16: 3.0, 32: 3.0 + 16 * 2.5 / 12})
+    assert times == pytest.approx({1: 0.2, 2: 0.3, 8: 0.5 + 4 * 2.5 / 12, 16: 3.0, 32: 0.1 + 32 * 2.9 / 16})
     again = rescale_graph(rescale_graph(graph, batch_size=64, num_microbatches=8), batch_size=32, num_microbatches=8)
     assert again.nodes["layer_0"]["time_s"] == pytest.approx(0.5)  # back at the profile's size: as measured
     assert again.nodes["layer_0"]["time_by_samples"] == [[1, 0.2], [8, pytest.approx(0.5 + 4 * 2.5 / 12)], [16, 3.0]]

@@ -497,6 +497,10 @@ def test_profile_model_time_samples_records_the_time_at_each_size_and_the_gradie
     assert sixteen == pytest.approx(max(measured[16], wide["fixed_time_s"]))
     untimed = profile_model(model, batch_size=64, num_microbatches=1, measure_time=False, time_samples=[16])
     assert "time_by_samples" not in untimed.nodes["wide"]
+    # a layer called twice sums its weights' gradients once a micro-batch: charged on its first call
+    twice = profile_model(shared(), batch_size=4, num_microbatches=1, repeats=1, warmup=0, measure_fixed_time=True)
+    charged = [d.get("accumulate_time_s") for _, d in twice.nodes(data=True) if d["layer_type"] == "Dense"]
+    assert len(charged) == 2 and charged[0] is not None and charged[1] is None
 
 
 @pytest.mark.parametrize("sizes", [[0], [2.5], [True]])
