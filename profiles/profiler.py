@@ -93,11 +93,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -503,16 +504,21 @@ class _CallProfiler:
         """Seconds to add one micro-batch's gradients of the call's trainable weights into sums."""
         from profiles.timing import accumulate_seconds
 
-        tf = self._tf
         weights = _trainable_weights(call.operation)
-        try:
+        what = f"the sum of '{call.operation.name}' ({type(call.operation).__name__})'s weight gradients"
+        with self._timing(
+            what, "Expected weights that fit on the device; profile with measure_fixed_time=False to skip it."
+        ):
             return accumulate_seconds(weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup)
+
+    @contextlib.contextmanager
+    def _timing(self, what: str, expected: str) -> Iterator[None]:
+        """Turns what TensorFlow raises while timing ``what`` into one TimingError line."""
+        tf = self._tf
+        try:
+            yield
         except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
-            raise TimingError(
-                f"Timing the sum of '{call.operation.name}' ({type(call.operation).__name__})'s weight gradients on "
-                f"{self._device} failed: {_summary(err)}. Expected weights that fit on the device; profile with "
-                "measure_fixed_time=False to skip it."
-            ) from err
+            raise TimingError(f"Timing {what} on {self._device} failed: {_summary(err)}. {expected}") from err
 
     def activation_bytes(self, calls: list[LayerCall], model_outputs: list[Source]) -> list[int]:
         """Per call, the bytes kept for its backward: the internal tensors its gradient reads, and each
@@ -572,23 +578,21 @@ class _CallProfiler:
         """Forward + backward seconds of the call on ``specs`` (profiles.timing); its variables restored."""
         from profiles.timing import forward_backward_seconds
 
-        tf = self._tf
         state = [(v, v.numpy()) for v in getattr(call.operation, "variables", [])]
+        what = f"'{call.operation.name}' ({type(call.operation).__name__}) forward + backward"
+        expected = (
+            "Expected a differentiable layer that fits on the device; profile with measure_time=False to skip timing."
+        )
         try:
-            return forward_backward_seconds(
-                _forward_fn(call),
-                specs,
-                _trainable_weights(call.operation),
-                device=str(self._device),
-                repeats=self._repeats,
-                warmup=self._warmup,
-            )
-        except (tf.errors.OpError, LookupError, ValueError, TypeError) as err:
-            raise TimingError(
-                f"Timing '{call.operation.name}' ({type(call.operation).__name__}) forward + backward on "
-                f"{self._device} failed: {_summary(err)}. Expected a differentiable layer that "
-                "fits on the device; profile with measure_time=False to skip timing."
-            ) from err
+            with self._timing(what, expected):
+                return forward_backward_seconds(
+                    _forward_fn(call),
+                    specs,
+                    _trainable_weights(call.operation),
+                    device=str(self._device),
+                    repeats=self._repeats,
+                    warmup=self._warmup,
+                )
         finally:
             for variable, value in state:  # running the layer moved BN statistics and seeds
                 variable.assign(value)
