@@ -283,11 +283,10 @@ def rescale_graph(graph: nx.DiGraph, batch_size: int, num_microbatches: int = 1)
             if data.get(key) is not None:
                 data[key] = float(data[key]) * factor
         if data.get("time_s") is not None:
-            new_time = time_at(data, measured, samples)
+            timed = _timed_sizes(data, measured)
+            data["time_s"] = time_at(data, measured, samples)
             if data.get("time_by_samples"):  # the time at the profile's own size stays one of the measured points
-                table = {int(n): float(t) for n, t in data["time_by_samples"]} | {measured: float(data["time_s"])}
-                data["time_by_samples"] = [[n, table[n]] for n in sorted(table) if n != samples]
-            data["time_s"] = new_time
+                data["time_by_samples"] = [[n, timed[n]] for n in sorted(timed) if n != samples]
         for key in ("activation_bytes", *_NODE_BYTES):
             if data.get(key) is not None:
                 data[key] = round(data[key] * factor)
@@ -313,9 +312,8 @@ def time_at(data: dict[str, Any], measured: int, samples: int) -> float:
         >>> [time_at(data, 8, s) for s in (2, 4, 6, 8, 16)]
         [2.5, 4.0, 6.0, 8.0, 15.0]
     """
-    time_s = float(data["time_s"])
     fixed = float(data.get("fixed_time_s") or 0.0)
-    points = {0: fixed, **{int(n): float(t) for n, t in data.get("time_by_samples") or ()}, measured: time_s}
+    points = {0: fixed, **_timed_sizes(data, measured)}
     sizes = sorted(points)
     if samples in points:
         return max(points[samples], fixed)
@@ -323,6 +321,11 @@ def time_at(data: dict[str, Any], measured: int, samples: int) -> float:
     left, right = (sizes[above - 1], sizes[above]) if above is not None else (0, sizes[-1])
     slope = (points[right] - points[left]) / (right - left)
     return max(points[left] + slope * (samples - left), fixed)
+
+
+def _timed_sizes(data: dict[str, Any], measured: int) -> dict[int, float]:
+    """{samples: seconds} a node was timed at: ``time_by_samples`` and its ``time_s`` at ``measured``."""
+    return {int(n): float(t) for n, t in data.get("time_by_samples") or ()} | {measured: float(data["time_s"])}
 
 
 def _is_seconds(value: Any) -> bool:

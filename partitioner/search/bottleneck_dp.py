@@ -191,11 +191,17 @@ def _memory_binds(costs: CostModel, num_in_flight: int) -> bool:
     smallest = min(d.memory_bytes for d in costs.cluster.devices)
     for mode in costs.modes:
         whole = sum(costs.node_memory_bytes(mode, num_in_flight).values())
-        sender = schedule_family(costs.schedule).window_before(costs.num_microbatches, num_in_flight)
-        received = max(costs.input_memory_bytes(mode, num_in_flight, sender).values(), default=0)
+        received = max(_received(costs, mode, num_in_flight).values(), default=0)
         if whole + received > smallest:
             return True
     return False
+
+
+def _received(costs: CostModel, mode: str, num_in_flight: int) -> dict[str, int]:
+    """{node: bytes} a chain's stage holding ``num_in_flight`` needs for receiving the node's output: from the
+    stage right before it, which holds ``ScheduleFamily.window_before`` micro-batches."""
+    sender = schedule_family(costs.schedule).window_before(costs.num_microbatches, num_in_flight)
+    return costs.input_memory_bytes(mode, num_in_flight, sender)
 
 
 def _tables(costs: CostModel) -> _Tables:
@@ -225,9 +231,7 @@ def _modes(costs: CostModel, num_in_flight: int) -> list[_Mode]:
         forward = np.array([[c.forward_s for c in row] for row in node]).reshape(n, k_total)
         backward = np.array([[c.backward_s for c in row] for row in node]).reshape(n, k_total)
         memory = costs.node_memory_bytes(mode, num_in_flight)
-        # a chain's stage receives from the stage right before it, which holds window_before micro-batches
-        sender = schedule_family(costs.schedule).window_before(costs.num_microbatches, num_in_flight)
-        received = costs.input_memory_bytes(mode, num_in_flight, sender)
+        received = _received(costs, mode, num_in_flight)
         overhead = np.array(costs.action_overhead_s, dtype=np.float64)
         fixed = mode_cost(mode, forward_s=1.0, backward_s=1.0)  # how often each pass pays it in this mode
         modes.append(
