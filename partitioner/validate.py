@@ -35,13 +35,7 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "
             "Plan again for this cluster."
         )
-    costs = CostModel(
-        graph,
-        cluster,
-        num_microbatches=plan.num_microbatches,
-        optimizer_slots=plan.optimizer_slots,
-        schedule=plan.schedule,
-    )
+    costs = CostModel.for_plan(plan, graph, cluster, cost="flops")  # memory and structure: no times needed
     where = costs.check_assignment(plan.assignment)
     if len(plan.recompute) != plan.num_stages or plan.recompute[-1:] == (True,):
         raise PlanError(

@@ -265,6 +265,7 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
 
     import partitioner as pt
     from profiles import profile_model
+    from profiles.calibrate import measure_pool_capacity
     from profiles.local import measure_flops_per_s
     from runtime import wrap
 
@@ -280,7 +281,12 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
         graph = profile_model(model, batch_size=BATCH, num_microbatches=num_microbatches, device=devices[0])
         pt.save_graph(graph, graph_file)
         flops = measure_flops_per_s(devices[0])
-        cluster = pt.Cluster([pt.Device(d, memory="4GiB", flops_per_s=flops) for d in devices[:num_devices]])
+        # the devices share this machine's cores: their pool's capacity measured in this very configuration (with
+        # one inter-op thread nothing runs at once: about 1)
+        shared: dict[str, Any] = {}
+        if num_devices > 1:
+            shared = {"pool": "host CPU", "pool_capacity": measure_pool_capacity(devices[:num_devices])}
+        cluster = pt.Cluster([pt.Device(d, memory="4GiB", flops_per_s=flops, **shared) for d in devices[:num_devices]])
         plan = pt.baselines.by_time(graph, cluster, num_microbatches=num_microbatches, cost="time")
         simulated = plan.step_time_s  # the GPipe schedule simulated with the measured layer times
         by_flops = pt.CostModel(graph, cluster, num_microbatches=num_microbatches)  # the same split, from FLOPs
@@ -811,14 +817,7 @@ def received_copies(plan: Any, graph: Any, cluster: Any) -> dict[str, int]:
     allocation records do not hold."""
     import partitioner as pt
 
-    costs = pt.CostModel(
-        graph,
-        cluster,
-        num_microbatches=plan.num_microbatches,
-        optimizer_slots=plan.optimizer_slots,
-        cost=plan.cost,
-        schedule=plan.schedule,
-    )
+    costs = pt.CostModel.for_plan(plan, graph, cluster)
     ev = costs.evaluate(plan.assignment, list(plan.recompute))
     return {
         device: cost.received_bytes + (cost.held_bytes * ev.in_flight[device] if recomputed else 0)
