@@ -742,6 +742,12 @@ def _calibrate(args: argparse.Namespace, err: Console) -> int:
         ("flops_per_s", f"{device.flops_per_s / 1e9:.1f} GFLOP/s"),
         ("action_overhead_s", f"{device.action_overhead_s * 1e6:.1f} µs per forward or backward of a stage"),
         ("bandwidth_bytes_per_s", "no link (one device)" if link is None else f"{link / 1e9:.1f} GB/s"),
+        (
+            "pool_capacity",
+            "no pool"
+            if device.pool is None
+            else f"{device.pool_capacity:.2f} of {cluster.num_devices} devices' work at once ({device.pool})",
+        ),
     ]
     from rich.table import Table
 

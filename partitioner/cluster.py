@@ -80,6 +80,10 @@ class Device:
     peak_flops_per_s: tuple[tuple[str, float], ...] = ()  # (dtype, peak FLOP/s), sorted; () for one rate
     efficiency: float = 1.0  # share of the peak reached in training, in (0, 1]
     action_overhead_s: float = 0.0  # fixed seconds per forward or backward of a stage (per micro-batch)
+    # devices of one pool share one processor (logical devices of one CPU or one GPU): together they compute at
+    # most pool_capacity devices' worth at once (the simulator shares it among those busy); None: its own processor
+    pool: str | None = None
+    pool_capacity: float = 1.0
 
     def __init__(
         self,
@@ -93,6 +97,8 @@ class Device:
         efficiency: float = 1.0,
         dtype: str = "float32",  # with peaks and no flops_per_s: the dtype whose speed flops_per_s is
         action_overhead_s: float = 0.0,
+        pool: str | None = None,
+        pool_capacity: float = 1.0,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ClusterError(f"A device needs a non-empty name such as '/GPU:0'. Received: {name!r}.")
@@ -112,6 +118,20 @@ class Device:
                 f"Device '{name}': action_overhead_s is the fixed seconds a stage's forward or backward of one "
                 f"micro-batch costs beyond its FLOPs, a finite number >= 0. Received: {action_overhead_s!r}."
             )
+        if pool is not None and (not isinstance(pool, str) or not pool.strip()):
+            raise ClusterError(
+                f"Device '{name}': pool names the processor it shares with other devices, a non-empty string such "
+                f"as 'host CPU', or None for a device of its own. Received: {pool!r}."
+            )
+        if (
+            isinstance(pool_capacity, bool)
+            or not isinstance(pool_capacity, (int, float))
+            or not 0 < pool_capacity < math.inf
+        ):
+            raise ClusterError(
+                f"Device '{name}': pool_capacity is how many devices' worth of work its pool computes at once (1.57: "
+                f"two busy devices each run at 0.785 of their speed), a finite number > 0. Received: {pool_capacity!r}."
+            )
         peaks = tuple(
             sorted(
                 (str(key), parse_rate(value, name=f"peak_flops_per_s['{key}'] of device '{name}'", unit="FLOP/s"))
@@ -126,6 +146,8 @@ class Device:
         object.__setattr__(self, "peak_flops_per_s", peaks)
         object.__setattr__(self, "efficiency", float(efficiency))
         object.__setattr__(self, "action_overhead_s", float(action_overhead_s))
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "pool_capacity", float(pool_capacity))
         if flops_per_s is None and peaks:
             try:
                 flops_per_s = self.flops_per_s_for(dtype)
@@ -184,6 +206,9 @@ class Device:
             data["efficiency"] = self.efficiency
         if self.action_overhead_s:
             data["action_overhead_s"] = self.action_overhead_s
+        if self.pool is not None:
+            data["pool"] = self.pool
+            data["pool_capacity"] = self.pool_capacity
         return data
 
 
@@ -230,6 +255,17 @@ class Cluster:
                 f"Device names must be unique. Received duplicates: {duplicates} (two spellings of one "
                 "TensorFlow device, such as '/GPU:0' and '/device:GPU:0', are one name)."
             )
+        capacity: dict[str, float] = {}
+        for device in devices:
+            if (
+                device.pool is not None
+                and capacity.setdefault(device.pool, device.pool_capacity) != device.pool_capacity
+            ):
+                raise ClusterError(
+                    f"The devices of pool '{device.pool}' give two capacities ({capacity[device.pool]:g} and "
+                    f"{device.pool_capacity:g} on '{device.name}'); a pool is one processor: give its devices one "
+                    "pool_capacity."
+                )
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "_index", {key: i for i, key in enumerate(keys)})
@@ -295,6 +331,25 @@ class Cluster:
     def bandwidth(self, sender: int, receiver: int) -> float:
         """Bytes/s from device index ``sender`` to device index ``receiver`` (inf for itself)."""
         return self.bandwidth_bytes_per_s[sender][receiver]
+
+    def pools(self) -> dict[str, tuple[float, tuple[int, ...]]]:
+        """{pool: (capacity, indices of its devices)} for each pool of two or more devices that cannot all
+        compute at full speed at once (capacity below their count): the pools the simulator shares.
+
+        Example:
+            >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
+            >>> Cluster(cpu).pools()
+            {'host CPU': (1.5, (0, 1))}
+        """
+        members: dict[str, list[int]] = {}
+        for i, device in enumerate(self.devices):
+            if device.pool is not None:
+                members.setdefault(device.pool, []).append(i)
+        return {
+            pool: (self.devices[idx[0]].pool_capacity, tuple(idx))
+            for pool, idx in members.items()
+            if len(idx) > 1 and self.devices[idx[0]].pool_capacity < len(idx)
+        }
 
     @property
     def total_memory_bytes(self) -> int:
@@ -381,6 +436,8 @@ class Cluster:
                 peak_flops_per_s=dict(d.peak_flops_per_s),
                 efficiency=d.efficiency,
                 action_overhead_s=d.action_overhead_s,
+                pool=d.pool,
+                pool_capacity=d.pool_capacity,
             )
             for d, m in zip(self.devices, memory_bytes, strict=True)
         ]
@@ -494,6 +551,8 @@ class Cluster:
                         peak_flops_per_s=d.get("peak_flops_per_s"),
                         efficiency=d.get("efficiency", 1.0),
                         action_overhead_s=d.get("action_overhead_s", 0.0),
+                        pool=d.get("pool"),
+                        pool_capacity=d.get("pool_capacity", 1.0),
                     )
                     for d in data["devices"]
                 ]

@@ -52,7 +52,6 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import networkx as nx
 import numpy as np
@@ -62,9 +61,6 @@ from partitioner.errors import InputError, PlanError
 from partitioner.graph import gradient_bytes, topological_order, trainable_param_bytes
 from partitioner.problem import Problem, check_recompute
 from partitioner.schedule import schedule_family
-
-if TYPE_CHECKING:
-    from partitioner.plan import Plan
 
 MODES = ("kept", "recomputed")
 # Backward FLOPs per forward FLOP: gradients for the inputs and the trainable weights (2x), or for the
@@ -279,36 +275,6 @@ class CostModel:
         costs = cls.__new__(cls)
         costs._price(problem)
         return costs
-
-    @classmethod
-    def for_plan(
-        cls,
-        plan: Plan,
-        graph: nx.DiGraph,
-        cluster: Cluster,
-        *,
-        num_microbatches: int | None = None,
-        cost: str | None = None,
-    ) -> CostModel:
-        """The cost model ``plan`` was made with: its M (or ``num_microbatches``), optimizer slots, cost source
-        (or ``cost``: "flops" prices a plan on a graph profiled without times) and schedule, on ``cluster``.
-
-        Example:
-            >>> import partitioner as pt
-            >>> graph, cluster = pt.chain_graph([1e12] * 4), pt.Cluster.uniform(2, memory="1GiB")
-            >>> plan = pt.solve(graph, cluster, num_microbatches=4, schedule="1f1b")
-            >>> costs = CostModel.for_plan(plan, graph, cluster)
-            >>> costs.num_microbatches, costs.schedule
-            (4, '1f1b')
-        """
-        return cls(
-            graph,
-            cluster,
-            num_microbatches=plan.num_microbatches if num_microbatches is None else num_microbatches,
-            optimizer_slots=plan.optimizer_slots,
-            cost=plan.cost if cost is None else cost,
-            schedule=plan.schedule,
-        )
 
     def _price(self, problem: Problem) -> None:
         """Precomputes every node's costs for ``problem`` (the constructor's work, once its arguments are checked)."""

@@ -14,7 +14,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from partitioner.cost import bubble_fraction, relative_gap
+import networkx as nx
+
+from partitioner.cluster import Cluster
+from partitioner.cost import CostModel, bubble_fraction, relative_gap
 from partitioner.errors import PlanError
 from partitioner.schedule import SCHEDULES
 
@@ -139,6 +142,28 @@ class Plan:
     def fits_memory(self) -> bool:
         """True iff every device's predicted memory is within its capacity."""
         return all(self.memory_bytes[d] <= self.capacity_bytes[d] for d in self.devices)
+
+    def cost_model(
+        self, graph: nx.DiGraph, cluster: Cluster, *, num_microbatches: int | None = None, cost: str | None = None
+    ) -> CostModel:
+        """The cost model this plan was made with: its M (or ``num_microbatches``), optimizer slots, cost source
+        (or ``cost``: "flops" prices a plan on a graph profiled without times) and schedule, on ``cluster``.
+
+        Example:
+            >>> import partitioner as pt
+            >>> graph, cluster = pt.chain_graph([1e12] * 4), pt.Cluster.uniform(2, memory="1GiB")
+            >>> costs = pt.solve(graph, cluster, num_microbatches=4, schedule="1f1b").cost_model(graph, cluster)
+            >>> costs.num_microbatches, costs.schedule
+            (4, '1f1b')
+        """
+        return CostModel(
+            graph,
+            cluster,
+            num_microbatches=self.num_microbatches if num_microbatches is None else num_microbatches,
+            optimizer_slots=self.optimizer_slots,
+            cost=self.cost if cost is None else cost,
+            schedule=self.schedule,
+        )
 
     # ----- JSON ----------------------------------------------------------------------------------
 

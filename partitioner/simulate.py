@@ -22,6 +22,10 @@ too; ``schedule=`` takes one, or its name:
   alternates one forward and one backward, then drains. The same bubble as GPipe with at most K - s
   micro-batches in flight on stage s.
 
+Devices that share one processor (``Device.pool``: logical devices split from one CPU or GPU) slow each
+other: while k of a pool of capacity C compute at once, each runs at min(1, C / k) of its speed, so the
+replay goes event by event there (``Cluster.pools``; docs/cost-model.md, "Devices that share a processor").
+
 On a uniform pipeline without transfer time both give (M + K - 1) / M times the ideal step and a
 bubble of (K - 1) / (M + K - 1), the closed form (tests hold the simulator to it exactly).
 
@@ -143,14 +147,7 @@ def simulate(
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "
             "Simulate with the cluster the plan was made for."
         )
-    costs = CostModel(
-        graph,
-        cluster,
-        num_microbatches=plan.num_microbatches if num_microbatches is None else num_microbatches,
-        optimizer_slots=plan.optimizer_slots,
-        cost=plan.cost,
-        schedule=plan.schedule,
-    )
+    costs = plan.cost_model(graph, cluster, num_microbatches=num_microbatches)
     simulation = simulate_assignment(
         costs, plan.assignment, schedule=schedule, recompute=plan.recompute if recompute is None else recompute
     )
@@ -225,6 +222,12 @@ class _Stages:
         self.sent_bytes = dict(sent)
         self.recompute = ev.recompute
         self.output_bytes = ev.model_output_bytes
+        # (capacity, stages) of each pool of devices sharing one processor that two or more stages use
+        self.pools = [
+            (capacity, shared)
+            for capacity, members in costs.cluster.pools().values()
+            if len(shared := tuple(used.index(i) for i in members if i in used)) > capacity
+        ]
         # per stage: each of its nodes' outputs that later stages read, as (bytes, those stages): one buffer
         # however many read it (peak_total_bytes)
         stage_of = {v: used.index(k) for v, k in where.items()}
@@ -236,70 +239,13 @@ class _Stages:
 
 
 def _run(stages: _Stages, schedule: Schedule) -> Simulation:
-    """List scheduling of every compute and transfer span; each resource runs its queue in order."""
-    count = len(stages.names)
-    num_microbatches = schedule.num_microbatches
-    # Each device's queue is its stage's row of the schedule: (kind, microbatch). Dependencies are resolved
-    # as spans finish.
-    compute_queue = [[(_PASSES[a.kind], a.microbatch) for a in row] for row in schedule.actions]
-    links: dict[tuple[int, int], float] = {**stages.activation_s, **stages.gradient_s}
-    link_queue: dict[tuple[int, int], list[tuple[str, int]]] = {pair: [] for pair in links}
-    for s in range(count):  # a link sends in the order its sender produces
-        for kind, m in compute_queue[s]:
-            wanted = "send_activation" if kind == "forward" else "send_gradient"
-            table = stages.activation_s if kind == "forward" else stages.gradient_s
-            for pair in table:
-                if pair[0] == s:
-                    link_queue[pair].append((wanted, m))
-    inputs_forward = {b: [a for (a, bb) in stages.activation_s if bb == b] for b in range(count)}
-    inputs_backward = {a: [b for (b, aa) in stages.gradient_s if aa == a] for a in range(count)}
-
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, m) -> end of a compute action
-    arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, sender, receiver, m) -> end of a transfer
-    device_free = [0.0] * count
-    link_free = dict.fromkeys(links, 0.0)
-    compute_next = [0] * count
-    link_next = dict.fromkeys(links, 0)
-    timeline: list[Span] = []
-    pending = sum(len(q) for q in compute_queue) + sum(len(q) for q in link_queue.values())
-    while pending:
-        progressed = False
-        for s in range(count):
-            while compute_next[s] < len(compute_queue[s]):
-                kind, m = compute_queue[s][compute_next[s]]
-                ready = _compute_ready(kind, s, m, done, arrived, inputs_forward, inputs_backward)
-                if ready is None:
-                    break
-                start = max(device_free[s], ready)
-                end = start + (stages.forward_s[s] if kind == "forward" else stages.backward_s[s])
-                done[(kind, s, m)] = end
-                device_free[s] = end
-                timeline.append(Span(kind, stages.names[s], s, m, start, end))
-                compute_next[s] += 1
-                pending -= 1
-                progressed = True
-        for pair, queue in link_queue.items():
-            while link_next[pair] < len(queue):
-                kind, m = queue[link_next[pair]]
-                source = ("forward" if kind == "send_activation" else "backward", pair[0], m)
-                if source not in done:
-                    break
-                start = max(link_free[pair], done[source])
-                end = start + links[pair]
-                arrived[(kind, pair[0], pair[1], m)] = end
-                link_free[pair] = end
-                resource = f"{stages.names[pair[0]]} -> {stages.names[pair[1]]}"
-                timeline.append(Span(kind, resource, pair[0], m, start, end))
-                link_next[pair] += 1
-                pending -= 1
-                progressed = True
-        if not progressed:  # cannot happen: a Schedule validates against these dependencies where it is built
-            raise PlanError(
-                f"The {schedule.name} schedule deadlocked in the simulator; this is a bug, please report it.\n"
-                + schedule.grid()
-            )
-
+    """Replays ``schedule`` on the stages: every compute and transfer span, each resource running its queue in
+    order; devices that share a processor (``Cluster.pools``) share it while they compute at once."""
+    queues = _Queues(stages, schedule)
+    replay = _replay_shared if stages.pools else _replay
+    timeline, done, arrived = replay(stages, queues, schedule)
     timeline.sort(key=lambda a: (a.start_s, a.end_s, a.resource))
+    count = len(stages.names)
     step = max((a.end_s for a in timeline), default=0.0)
     busy = {name: 0.0 for name in stages.names}
     for a in timeline:
@@ -309,7 +255,7 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
     in_flight = _peak_in_flight(timeline, stages.names)
     return Simulation(
         schedule=schedule.name,
-        num_microbatches=num_microbatches,
+        num_microbatches=schedule.num_microbatches,
         stages=stages.names,
         step_time_s=step,
         busy_s=busy,
@@ -317,9 +263,150 @@ def _run(stages: _Stages, schedule: Schedule) -> Simulation:
         bubble_fraction=sum(idle.values()) / (count * step) if step > 0 else 0.0,
         peak_memory_bytes={name: stages.costs[s].memory_bytes(in_flight[name]) for s, name in enumerate(stages.names)},
         peak_in_flight=in_flight,
-        peak_total_bytes=_peak_total_bytes(stages, timeline, arrived, done, num_microbatches),
+        peak_total_bytes=_peak_total_bytes(stages, timeline, arrived, done, schedule.num_microbatches),
         timeline=tuple(timeline),
     )
+
+
+_Done = dict[tuple[str, int, int], float]  # (kind, stage, m) -> end of a compute action
+_Arrived = dict[tuple[str, int, int, int], float]  # (kind, sender, receiver, m) -> end of a transfer
+
+
+class _Queues:
+    """Each device's queue (its stage's row of the schedule: (kind, microbatch)) and each link's (in the order its
+    sender produces), with the replay's progress through them and the transfers it has placed."""
+
+    def __init__(self, stages: _Stages, schedule: Schedule) -> None:
+        count = len(stages.names)
+        self.compute = [[(_PASSES[a.kind], a.microbatch) for a in row] for row in schedule.actions]
+        self.link_s: dict[tuple[int, int], float] = {**stages.activation_s, **stages.gradient_s}
+        self.link: dict[tuple[int, int], list[tuple[str, int]]] = {pair: [] for pair in self.link_s}
+        for s in range(count):
+            for kind, m in self.compute[s]:
+                wanted = "send_activation" if kind == "forward" else "send_gradient"
+                table = stages.activation_s if kind == "forward" else stages.gradient_s
+                for pair in table:
+                    if pair[0] == s:
+                        self.link[pair].append((wanted, m))
+        self.inputs_forward = {b: [a for (a, bb) in stages.activation_s if bb == b] for b in range(count)}
+        self.inputs_backward = {a: [b for (b, aa) in stages.gradient_s if aa == a] for a in range(count)}
+        self.compute_next = [0] * count
+        self.link_next = dict.fromkeys(self.link_s, 0)
+        self.link_free = dict.fromkeys(self.link_s, 0.0)
+        self.pending = sum(len(q) for q in self.compute) + sum(len(q) for q in self.link.values())
+
+    def ready(self, s: int, done: _Done, arrived: _Arrived) -> tuple[str, int, float] | None:
+        """Device s's next action and when its inputs are all there, or None (queue done, or an input unknown)."""
+        if self.compute_next[s] >= len(self.compute[s]):
+            return None
+        kind, m = self.compute[s][self.compute_next[s]]
+        at = _compute_ready(kind, s, m, done, arrived, self.inputs_forward, self.inputs_backward)
+        return None if at is None else (kind, m, at)
+
+    def send(self, stages: _Stages, done: _Done, arrived: _Arrived, timeline: list[Span]) -> bool:
+        """Places every transfer whose data is made (a link sends one at a time, in its queue's order)."""
+        progressed = False
+        for pair, queue in self.link.items():
+            while self.link_next[pair] < len(queue):
+                kind, m = queue[self.link_next[pair]]
+                source = ("forward" if kind == "send_activation" else "backward", pair[0], m)
+                if source not in done:
+                    break
+                start = max(self.link_free[pair], done[source])
+                end = start + self.link_s[pair]
+                arrived[(kind, pair[0], pair[1], m)] = end
+                self.link_free[pair] = end
+                resource = f"{stages.names[pair[0]]} -> {stages.names[pair[1]]}"
+                timeline.append(Span(kind, resource, pair[0], m, start, end))
+                self.link_next[pair] += 1
+                self.pending -= 1
+                progressed = True
+        return progressed
+
+
+def _deadlock(schedule: Schedule) -> PlanError:
+    # cannot happen: a Schedule validates against these dependencies where it is built
+    return PlanError(
+        f"The {schedule.name} schedule deadlocked in the simulator; this is a bug, please report it.\n"
+        + schedule.grid()
+    )
+
+
+def _replay(stages: _Stages, queues: _Queues, schedule: Schedule) -> tuple[list[Span], _Done, _Arrived]:
+    """List scheduling: each action starts when its device is free and its inputs are there, and runs at its
+    device's full speed, so its end is known when it starts."""
+    done: _Done = {}
+    arrived: _Arrived = {}
+    device_free = [0.0] * len(stages.names)
+    timeline: list[Span] = []
+    while queues.pending:
+        progressed = False
+        for s in range(len(stages.names)):
+            while (next_action := queues.ready(s, done, arrived)) is not None:
+                kind, m, ready = next_action
+                start = max(device_free[s], ready)
+                end = start + (stages.forward_s[s] if kind == "forward" else stages.backward_s[s])
+                done[(kind, s, m)] = end
+                device_free[s] = end
+                timeline.append(Span(kind, stages.names[s], s, m, start, end))
+                queues.compute_next[s] += 1
+                queues.pending -= 1
+                progressed = True
+        progressed = queues.send(stages, done, arrived, timeline) or progressed
+        if not progressed:
+            raise _deadlock(schedule)
+    return timeline, done, arrived
+
+
+def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tuple[list[Span], _Done, _Arrived]:
+    """Event by event, for devices that share a processor: while k devices of a pool of capacity C compute at
+    once, each runs at min(1, C / k) of its own speed (processor sharing), so an action's end is known only as
+    the others start and end. Devices outside a pool run at full speed; transfers take their own time."""
+    count = len(stages.names)
+    pool_of = [-1] * count  # the index of each stage's pool in stages.pools, -1 for none
+    for p, (_, members) in enumerate(stages.pools):
+        for s in members:
+            pool_of[s] = p
+    done: _Done = {}
+    arrived: _Arrived = {}
+    timeline: list[Span] = []
+    running: dict[int, tuple[str, int, float, float]] = {}  # stage -> (kind, m, start, seconds of work left)
+    now = 0.0
+    while queues.pending:
+        queues.send(stages, done, arrived, timeline)
+        waits = []
+        for s in range(count):
+            if s in running or (next_action := queues.ready(s, done, arrived)) is None:
+                continue
+            kind, m, ready = next_action
+            if ready <= now:
+                work = stages.forward_s[s] if kind == "forward" else stages.backward_s[s]
+                running[s] = (kind, m, now, work)
+                queues.compute_next[s] += 1
+            else:
+                waits.append(ready)
+        busy = [0] * len(stages.pools)
+        for s in running:
+            if pool_of[s] >= 0:
+                busy[pool_of[s]] += 1
+        rate = {s: 1.0 if pool_of[s] < 0 else min(1.0, stages.pools[pool_of[s]][0] / busy[pool_of[s]]) for s in running}
+        ends = {s: now + left / rate[s] for s, (_, _, _, left) in running.items()}
+        if not ends and not waits:
+            if queues.pending:
+                raise _deadlock(schedule)
+            break
+        later = min([*ends.values(), *waits])
+        for s in sorted(running):
+            kind, m, start, left = running[s]
+            if ends[s] <= later + 1e-12 * max(1.0, abs(later)):
+                done[(kind, s, m)] = later
+                timeline.append(Span(kind, stages.names[s], s, m, start, later))
+                del running[s]
+                queues.pending -= 1
+            else:
+                running[s] = (kind, m, start, left - rate[s] * (later - now))
+        now = later
+    return timeline, done, arrived
 
 
 def chain_step(
@@ -336,7 +423,9 @@ def chain_step(
     Each array is [K, P] (P pipelines, or [K] for one): stage s's forward and backward seconds per
     micro-batch, the seconds its activation takes to arrive from stage s - 1 and its gradient to go back
     (0 for stage 0). Every action of the schedule runs as the simulator runs it: when its device is free
-    and its inputs have arrived, each link one transfer at a time in the order its sender produces.
+    and its inputs have arrived, each link one transfer at a time in the order its sender produces. Each
+    device computes at its own speed: devices that share a processor (``Cluster.pools``) are the
+    simulator's alone, so there this is a bound from below.
     Returns the step of each pipeline ([P], or a 0-d array).
 
     Example:

@@ -7,7 +7,6 @@ import dataclasses
 import networkx as nx
 
 from partitioner.cluster import Cluster, same_devices
-from partitioner.cost import CostModel
 from partitioner.errors import PlanError
 from partitioner.graph import colocation_groups, structure, topological_order
 from partitioner.plan import Plan
@@ -35,7 +34,7 @@ def validate_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, check_memo
             f"The plan was made for devices {list(plan.devices)} but the cluster has {cluster.names}. "
             "Plan again for this cluster."
         )
-    costs = CostModel.for_plan(plan, graph, cluster, cost="flops")  # memory and structure: no times needed
+    costs = plan.cost_model(graph, cluster, cost="flops")  # memory and structure: no times needed
     where = costs.check_assignment(plan.assignment)
     if len(plan.recompute) != plan.num_stages or plan.recompute[-1:] == (True,):
         raise PlanError(

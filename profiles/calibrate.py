@@ -1,5 +1,5 @@
-"""Measures on the devices at hand the two costs the planner prices besides FLOPs: the fixed seconds of a pass
-and the bandwidth of a link.
+"""Measures on the devices at hand what the planner prices besides FLOPs: the fixed seconds of a pass, the
+bandwidth of a link, and how much of the devices' work one processor runs at once when they share it.
 
 What each function times, and why that shape::
 
@@ -14,12 +14,17 @@ What each function times, and why that shape::
                            does from the stage before it
     bandwidth_bytes_per_s  a tensor made on one device read on another, inside a          bytes / (median seconds of
                            tf.function, at a large and a tiny size                        the large copy - the tiny)
+    pool_capacity          a chain of Dense-sized matmuls (1024 wide, 128 rows) and        n x (median alone) /
+                           their gradient, on the first device alone, then one chain on    (median together),
+                           each of the n devices at once in one tf.function                in [1, n]
 
 The runtime's loop (runtime/executor.py) calls each stage's function once per forward and once per backward
 of a micro-batch; a call that TensorFlow does not inline costs the same whatever the micro-batch's size, which
 is the ``action_overhead_s`` of ``partitioner.Device`` (docs/cost-model.md, "Fixed cost per action"). The ops
 inside a real stage add their own fixed costs on top (one executor dispatch each): the figure measured here is
-the least a pass costs, not all of it.
+the least a pass costs, not all of it. Logical devices split from one CPU (or one GPU) share its cores: two
+stages computing at once each run slower than one alone, which ``pool_capacity`` of ``partitioner.Device``
+says and the simulator applies (docs/cost-model.md, "Devices that share a processor").
 
 Example:
     >>> measure_action_overhead_s("/device:CPU:0") > 0                       # doctest: +SKIP
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -39,6 +45,7 @@ from profiles.timing import sync_device
 
 _OVERHEAD: dict[tuple[str, str | None, int], float] = {}  # (device, peer, calls) -> seconds, once per process
 _BANDWIDTH: dict[tuple[str, str, int], float] = {}  # (sender, receiver, bytes) -> bytes/s, once per process
+_CAPACITY: dict[tuple[str, ...], float] = {}  # devices -> devices' worth computed at once, once per process
 
 
 def measure_action_overhead_s(
@@ -135,6 +142,68 @@ def measure_bandwidth(
     # a copy faster than the clock can tell from the tiny one: the bandwidth is at least num_bytes per microsecond
     _BANDWIDTH[key] = num_bytes / max(extra, 1e-6)
     return _BANDWIDTH[key]
+
+
+def measure_pool_capacity(
+    device_names: Sequence[str],
+    *,
+    width: int = 1024,
+    rows: int = 128,
+    depth: int = 4,
+    num_rounds: int = 7,
+) -> float:
+    """How many devices' worth of work the devices named compute at once, where they share one processor.
+
+    Times a chain of ``depth`` Dense-like layers (``rows x width`` by ``width x width`` matmuls with a tanh)
+    and its gradient on the first device alone, then one such chain on each device at once, in one
+    tf.function whose chains TensorFlow's executor runs side by side. n devices of their own would take as
+    long together as one alone (capacity n); devices that take turns on one core, n times as long
+    (capacity 1). Returns n x alone / together, clipped to [1, n] (noise can push it past either end).
+
+    Raises:
+        InputError: for fewer than two devices or a non-positive size.
+
+    Example:
+        >>> 1 <= measure_pool_capacity(["/device:CPU:0", "/device:CPU:1"]) <= 2    # doctest: +SKIP
+        True
+    """
+    names = tuple(device_names)
+    if len(names) < 2:
+        raise InputError(f"A pool's capacity needs two devices or more. Received: {list(names)}.")
+    for value, name in ((width, "width"), (rows, "rows"), (depth, "depth"), (num_rounds, "num_rounds")):
+        _check_count(value, name)
+    if names in _CAPACITY:
+        return _CAPACITY[names]
+    weights = []
+    for name in names:
+        with tf.device(name):
+            weights.append(tf.random.normal([width, width], stddev=width**-0.5))
+
+    def chain(x: Any, w: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = x
+            for _ in range(depth):
+                y = tf.tanh(tf.matmul(y, w))
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, w)[:1, :1]
+
+    def on(devices: Sequence[int]) -> Any:
+        def run(*ws: Any) -> Any:
+            outs = []
+            for i, w in zip(devices, ws, strict=True):
+                with tf.device(names[i]):
+                    outs.append(chain(tf.ones([rows, width]), w))
+            return outs
+
+        chosen = [weights[i] for i in devices]
+        concrete = tf.function(run, autograph=False).get_concrete_function(*chosen)
+        return lambda: concrete(*chosen)
+
+    alone = _median_seconds(on([0]), names[0], num_rounds)
+    together = _median_seconds(on(range(len(names))), names[0], num_rounds)
+    _CAPACITY[names] = min(max(len(names) * alone / together, 1.0), float(len(names)))
+    return _CAPACITY[names]
 
 
 def _boundary(device_name: str) -> Any:

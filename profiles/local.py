@@ -14,6 +14,10 @@ Where the numbers come from::
     action_overhead_s ``action_overhead_s``, else measured once on the first device (a ``_noinline``
                       call from a loop, alternating with the second device where there is one:
                       :func:`profiles.calibrate.measure_action_overhead_s`); 0 with ``calibrate=False``
+    pool, pool_capacity  two or more logical devices of one processor (the host CPU's, or the GPUs split
+                      from the one physical GPU) form one pool; its capacity ``pool_capacity``, else
+                      measured once on all of them (:func:`profiles.calibrate.measure_pool_capacity`);
+                      no pool with ``calibrate=False``, one device, or several physical GPUs
 
 :func:`local_cluster_and_sources` also says where each figure came from (what ``partitioner calibrate``
 writes into the cluster file). Calibration is the default where a figure is not given: without the fixed
@@ -36,7 +40,7 @@ import tensorflow as tf
 
 from partitioner.cluster import DEFAULT_BANDWIDTH, Cluster, Device
 from partitioner.errors import ClusterError, InputError
-from profiles.calibrate import measure_action_overhead_s, measure_bandwidth
+from profiles.calibrate import measure_action_overhead_s, measure_bandwidth, measure_pool_capacity
 from profiles.timing import sync_device
 
 _MEASURED: dict[tuple[str, int, str], float] = {}  # (device, size, dtype) -> FLOP/s, once per process
@@ -51,6 +55,7 @@ def local_cluster(
     action_overhead_s: float | None = None,
     names: list[str] | None = None,
     calibrate: bool = True,
+    pool_capacity: float | None = None,
 ) -> Cluster:
     """Returns a cluster of TensorFlow's local logical devices: the GPUs if any, else the CPUs.
 
@@ -65,8 +70,10 @@ def local_cluster(
             the first two devices when None (``DEFAULT_BANDWIDTH``, 50 GB/s, without calibration).
         action_overhead_s: every device's fixed seconds per forward or backward of a stage
             (``partitioner.Device``); measured when None (0 without calibration).
-        calibrate: measure the bandwidth and the fixed cost of a pass where they are not given
-            (FLOP/s are measured either way).
+        calibrate: measure the bandwidth, the fixed cost of a pass and a pool's capacity where they are
+            not given (FLOP/s are measured either way).
+        pool_capacity: how many devices' worth of work logical devices of one processor compute at once
+            (``partitioner.Device``); measured when None (no pool without calibration).
 
     Returns:
         A ``partitioner.Cluster`` whose device names are TensorFlow's, e.g. '/device:GPU:0'.
@@ -90,6 +97,7 @@ def local_cluster(
         action_overhead_s=action_overhead_s,
         names=names,
         calibrate=calibrate,
+        pool_capacity=pool_capacity,
     )[0]
 
 
@@ -102,11 +110,13 @@ def local_cluster_and_sources(
     action_overhead_s: float | None = None,
     names: list[str] | None = None,
     calibrate: bool = True,
+    pool_capacity: float | None = None,
 ) -> tuple[Cluster, dict[str, str]]:
     """``local_cluster``, and where each of its figures came from: {field: "measured: ..." or "given" or ...}.
 
     The fields are those of the cluster file: ``memory_bytes``, ``flops_per_s``, ``action_overhead_s``,
-    ``bandwidth_bytes_per_s``. ``partitioner calibrate`` writes the mapping into the file as ``source``.
+    ``bandwidth_bytes_per_s``, ``pool_capacity``. ``partitioner calibrate`` writes the mapping into the file as
+    ``source``.
 
     Example:
         >>> cluster, sources = local_cluster_and_sources(2)                      # doctest: +SKIP
@@ -162,11 +172,45 @@ def local_cluster_and_sources(
         sources["bandwidth_bytes_per_s"] = "DEFAULT_BANDWIDTH, a documented constant (50 GB/s, about PCIe 4.0 x16)"
     else:
         sources["bandwidth_bytes_per_s"] = "given"
+    pool = _pool_name(kind, names)
+    if pool is None:
+        sources["pool_capacity"] = "none: " + (
+            "one device" if len(names) == 1 else "the GPUs are not split from one physical GPU"
+        )
+    elif pool_capacity is not None:
+        sources["pool_capacity"] = "given"
+    elif calibrate:
+        pool_capacity = measure_pool_capacity(names)
+        sources["pool_capacity"] = (
+            f"measured: a chain of 1024-wide matmuls and its gradient on {first} alone, then on all "
+            f"{len(names)} at once"
+        )
+    else:
+        pool = None
+        sources["pool_capacity"] = "none: not calibrated (each device computes as if it had its processor alone)"
     devices = [
-        Device(name, memory=size, flops_per_s=flops_per_s, action_overhead_s=action_overhead_s)
+        Device(
+            name,
+            memory=size,
+            flops_per_s=flops_per_s,
+            action_overhead_s=action_overhead_s,
+            pool=pool,
+            pool_capacity=pool_capacity if pool is not None and pool_capacity is not None else 1.0,
+        )
         for name, size in zip(names, memories, strict=True)
     ]
     return Cluster(devices, bandwidth=bandwidth, name=f"local {len(devices)}x {kind}"), sources
+
+
+def _pool_name(kind: str, names: list[str]) -> str | None:
+    """The processor the devices named share, or None: logical CPU devices are the host's; logical GPUs share
+    one when TensorFlow sees one physical GPU (several physical GPUs split in several: which is whose is not
+    told, so none)."""
+    if len(names) < 2:
+        return None
+    if kind == "CPU":
+        return "host CPU"
+    return "GPU 0" if len(tf.config.list_physical_devices("GPU")) == 1 else None
 
 
 def measure_flops_per_s(

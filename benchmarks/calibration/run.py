@@ -139,6 +139,7 @@ def measure() -> dict[str, Any]:
             "flops_per_s": device.flops_per_s,
             "action_overhead_s": device.action_overhead_s,
             "bandwidth_bytes_per_s": after.bandwidth(0, 1),
+            "pool_capacity": device.pool_capacity if device.pool is not None else None,
             "source": sources,
         },
         "picked": picked,
@@ -152,7 +153,12 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         f"{results['model']}; 2 logical CPU devices; {results['machine']}; run of {results['date']}.",
         f"Calibrated: {cal['flops_per_s'] / 1e9:.1f} GFLOP/s, action_overhead_s "
-        f"{cal['action_overhead_s'] * 1e6:.1f} µs, link {cal['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s.",
+        f"{cal['action_overhead_s'] * 1e6:.1f} µs, link {cal['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
+        + (
+            f", the two devices' pool {cal['pool_capacity']:.2f} devices' worth at once."
+            if cal.get("pool_capacity")
+            else " (no pool: each device priced as if it had the cores alone)."
+        ),
         "",
         "| M | stages | picked by auto | predicted step (ms) | of which the step's own work (ms) | measured step (ms) "
         "| measured / predicted - 1 | vs best measured |",

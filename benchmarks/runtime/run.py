@@ -815,9 +815,8 @@ def received_copies(plan: Any, graph: Any, cluster: Any) -> dict[str, int]:
     micro-batch its sender holds: ``ModeCost.received_bytes``, and a recomputed stage's saved inputs): on
     GPUs copies on the receiver, on logical CPU devices the sender's buffers, which the receiver's
     allocation records do not hold."""
-    import partitioner as pt
 
-    costs = pt.CostModel.for_plan(plan, graph, cluster)
+    costs = plan.cost_model(graph, cluster)
     ev = costs.evaluate(plan.assignment, list(plan.recompute))
     return {
         device: cost.received_bytes + (cost.held_bytes * ev.in_flight[device] if recomputed else 0)

@@ -181,3 +181,33 @@ def test_choose_needs_a_batch_size() -> None:
         choose(graph, _cluster(2))
     with pytest.raises(pt.GraphError, match="does not record the batch size"):
         choose(graph, _cluster(2), batch_size=8)
+
+
+def test_devices_that_share_one_processor_are_planned_by_the_shared_step() -> None:
+    """Four devices split from one processor that runs one device's work at a time (pool capacity 1): a
+    pipeline's overlap gains nothing there, so the planner keeps the model on one device; given capacity for
+    all four, the same model pipelines over them, as on separate devices."""
+
+    def pooled(capacity: float) -> pt.Cluster:
+        devices = [
+            pt.Device(
+                f"/CPU:{i}",
+                memory="16GiB",
+                flops_per_s=100e12,
+                action_overhead_s=20e-6,
+                pool="host",
+                pool_capacity=capacity,
+            )
+            for i in range(4)
+        ]
+        return pt.Cluster(devices)
+
+    graph = _chain(4e11, MiB, layers=8, batch_size=64)
+    one_at_a_time = choose(graph, pooled(1.0), batch_size=64, time_limit_s=5)
+    assert one_at_a_time.plan.num_stages == 1
+    separate = choose(graph, pooled(4.0), batch_size=64, time_limit_s=5)
+    assert separate.plan.num_stages == 4
+    assert separate.plan.step_time_s == choose(graph, _cluster(4), batch_size=64, time_limit_s=5).plan.step_time_s
+    # what the plan reports is the shared simulation
+    shared = one_at_a_time.plan
+    assert shared.step_time_s == pytest.approx(pt.simulate(shared, one_at_a_time.graph, pooled(1.0)).step_time_s)

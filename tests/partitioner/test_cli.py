@@ -563,7 +563,7 @@ def test_cli_calibrate_writes_a_cluster_file_that_loads(tmp_path, capsys, virtua
     out_file = tmp_path / "cluster.json"
     assert main(["calibrate", "--devices", "2", "--memory", "1GiB", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
-    for field in ("memory_bytes", "flops_per_s", "action_overhead_s", "bandwidth_bytes_per_s"):
+    for field in ("memory_bytes", "flops_per_s", "action_overhead_s", "bandwidth_bytes_per_s", "pool_capacity"):
         assert field in printed
     cluster = pt.Cluster.from_json(out_file)
     assert cluster.names == virtual_devices[:2]
@@ -573,3 +573,4 @@ def test_cli_calibrate_writes_a_cluster_file_that_loads(tmp_path, capsys, virtua
     assert sources["memory_bytes"] == "given"
     assert sources["action_overhead_s"].startswith("measured: ")
     assert "by side: 256: " in sources["flops_per_s"]
+    assert sources["pool_capacity"].startswith("measured: ") and cluster.pools()["host CPU"][1] == (0, 1)

@@ -382,3 +382,38 @@ def test_cluster_index_finds_any_spelling_of_a_device() -> None:
 def test_cluster_refuses_two_spellings_of_one_device() -> None:
     with pytest.raises(ClusterError, match=r"Received duplicates: \['/GPU:0', '/device:GPU:0'\] \(two spellings"):
         Cluster([Device("/GPU:0", memory="1GiB"), Device("/device:GPU:0", memory="1GiB")])
+
+
+def pooled(capacity: float, num_devices: int = 2, pool: str = "host CPU") -> list[Device]:
+    return [Device(f"/CPU:{i}", memory="1GiB", pool=pool, pool_capacity=capacity) for i in range(num_devices)]
+
+
+def test_device_pool_round_trips_and_names_the_shared_pools():
+    cluster = Cluster([*pooled(1.5), Device("/GPU:0", memory="1GiB")])
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    assert cluster.pools() == {"host CPU": (1.5, (0, 1))}
+    assert Cluster(pooled(2.0)).pools() == {}  # two devices' worth for two devices: nothing shared
+    assert Cluster(pooled(1.5)).take(1).pools() == {}  # one device of the pool left
+    assert cluster.with_headroom(0.1).devices[0].pool_capacity == 1.5
+    assert "pool" not in Device("/GPU:0", memory="1GiB").to_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pool": ""}, r"pool names the processor it shares .* Received: ''"),
+        ({"pool": 3}, r"pool names the processor it shares"),
+        ({"pool": "cpu", "pool_capacity": 0}, r"pool_capacity is how many devices' worth .* Received: 0"),
+        ({"pool": "cpu", "pool_capacity": math.inf}, r"pool_capacity .* a finite number > 0"),
+        ({"pool": "cpu", "pool_capacity": True}, r"pool_capacity .* Received: True"),
+    ],
+)
+def test_device_rejects_a_bad_pool(kwargs, match):
+    with pytest.raises(ClusterError, match=match):
+        Device("/CPU:0", memory="1GiB", **kwargs)
+
+
+def test_cluster_refuses_one_pool_with_two_capacities():
+    devices = [*pooled(1.5, 1), Device("/CPU:1", memory="1GiB", pool="host CPU", pool_capacity=1.8)]
+    with pytest.raises(ClusterError, match=r"pool 'host CPU' give two capacities \(1.5 and 1.8 on '/CPU:1'\)"):
+        Cluster(devices)

@@ -280,3 +280,40 @@ def test_without_transfers_the_peak_total_is_at_most_the_sum_of_the_stages_peaks
     stages = list(zip(ev.stage_costs, ev.model_output_bytes, strict=True))
     fixed = sum(c.weight_bytes + c.step_bytes - m * out for c, out in stages)
     assert sim.peak_total_bytes >= fixed + max(c.held_bytes + out for c, out in stages)
+
+
+def pooled_pair(capacity: float | None, num_microbatches: int, schedule: str) -> pt.Simulation:
+    """Two stages of forward 1 s and backward 2 s on two devices that share a processor of ``capacity``."""
+    graph = chain([3e12, 3e12], param_bytes=[KIB, KIB], activation_bytes=[KIB, KIB], edge_bytes=[0])
+    devices = [
+        pt.Device(
+            f"/CPU:{i}", memory="1GiB", flops_per_s=FLOPS_PER_S, pool=capacity and "cpu", pool_capacity=capacity or 1
+        )
+        for i in range(2)
+    ]
+    costs = CostModel(graph, pt.Cluster(devices, bandwidth=1e30), num_microbatches=num_microbatches, schedule=schedule)
+    return simulate_assignment(costs, {"l0": "/CPU:0", "l1": "/CPU:1"}, schedule=schedule)
+
+
+def test_devices_sharing_a_processor_slow_each_other_while_both_compute():
+    # GPipe, M = 2, capacity 1.5 (two busy devices each at 0.75): F0 on stage 0 alone [0, 1]; F1 | stage 1's F0
+    # together, 4/3 s; stage 1's B0 alone [7/3, 13/3]; stage 0's B0 | stage 1's F1 and then its B1: F1 ends at
+    # 17/3, B0 (1 s of work left) at 7; stage 1's B1 alone to 8; stage 0's B1 alone to 10 (9 s unshared)
+    shared = pooled_pair(1.5, 2, "gpipe")
+    assert shared.step_time_s == pytest.approx(10.0, rel=1e-12)
+    assert pooled_pair(None, 2, "gpipe").step_time_s == pytest.approx(9.0, rel=1e-12)
+    spans = {(a.resource, a.kind, a.microbatch): (a.start_s, a.end_s) for a in shared.timeline}
+    assert spans[("/CPU:1", "forward", 0)] == pytest.approx((1.0, 7 / 3))
+    assert spans[("/CPU:0", "backward", 0)] == pytest.approx((13 / 3, 7.0))
+    assert shared.busy_s == pytest.approx({"/CPU:0": 1 + 4 / 3 + 8 / 3 + 2, "/CPU:1": 4 / 3 + 2 + 4 / 3 + 7 / 3})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_a_pool_of_one_device_capacity_runs_the_work_one_at_a_time_and_of_two_as_if_unshared(schedule, m):
+    assert pooled_pair(1.0, m, schedule).step_time_s == pytest.approx(m * 6.0, rel=1e-12)  # the pool never idles
+    assert pooled_pair(2.0, m, schedule).step_time_s == pooled_pair(None, m, schedule).step_time_s
+    between = pooled_pair(1.5, m, schedule).step_time_s
+    assert pooled_pair(None, m, schedule).step_time_s <= between <= m * 6.0
+    if m == 1:  # nothing overlaps: nothing is shared
+        assert between == pytest.approx(6.0)

@@ -9,7 +9,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from partitioner.errors import InputError  # noqa: E402
-from profiles.calibrate import measure_action_overhead_s, measure_bandwidth  # noqa: E402
+from profiles.calibrate import measure_action_overhead_s, measure_bandwidth, measure_pool_capacity  # noqa: E402
 from runtime.devices import resolve_devices  # noqa: E402
 
 
@@ -26,12 +26,20 @@ def test_measure_bandwidth_is_positive_and_finite(virtual_devices):
     assert 0 < rate < math.inf
 
 
+def test_measure_pool_capacity_is_between_one_device_and_all(virtual_devices):
+    capacity = measure_pool_capacity(virtual_devices[:2], width=128, rows=16, depth=2, num_rounds=3)
+    assert 1.0 <= capacity <= 2.0
+    assert measure_pool_capacity(virtual_devices[:2], width=128, rows=16, depth=2, num_rounds=3) == capacity
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
         (lambda: measure_action_overhead_s("/CPU:0", num_calls=0), r"num_calls must be a positive integer"),
         (lambda: measure_action_overhead_s("/CPU:0", num_rounds=True), r"num_rounds must be a positive integer"),
         (lambda: measure_bandwidth("/CPU:0", "/CPU:1", num_bytes=-1), r"num_bytes must be a positive integer"),
+        (lambda: measure_pool_capacity(["/CPU:0"]), r"A pool's capacity needs two devices or more"),
+        (lambda: measure_pool_capacity(["/CPU:0", "/CPU:1"], depth=0), r"depth must be a positive integer"),
     ],
 )
 def test_measurements_reject_bad_counts(call, message):

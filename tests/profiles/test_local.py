@@ -29,8 +29,17 @@ def test_local_cluster_calibrate_measures_and_records_each_source(virtual_device
     cluster, sources = local_cluster_and_sources(2, calibrate=True)
     assert [d.action_overhead_s > 0 for d in cluster.devices] == [True, True]
     assert len({d.action_overhead_s for d in cluster.devices}) == 1  # one figure for all: plans do not jitter
-    assert sorted(sources) == ["action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s", "memory_bytes"]
-    for field in ("action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s"):
+    assert sorted(sources) == [
+        "action_overhead_s",
+        "bandwidth_bytes_per_s",
+        "flops_per_s",
+        "memory_bytes",
+        "pool_capacity",
+    ]
+    # the two logical devices share this machine's cores: one pool, its capacity measured
+    assert [d.pool for d in cluster.devices] == ["host CPU", "host CPU"]
+    assert 1.0 <= cluster.devices[0].pool_capacity <= 2.0
+    for field in ("action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s", "pool_capacity"):
         assert sources[field].startswith("measured: "), (field, sources[field])
         assert virtual_devices[0] in sources[field]
     assert sources["memory_bytes"] == "the machine's RAM split over 2"
@@ -41,13 +50,18 @@ def test_local_cluster_without_calibration_keeps_the_constants(virtual_devices):
     assert [d.action_overhead_s for d in cluster.devices] == [0.0, 0.0]
     assert cluster.bandwidth(0, 1) == DEFAULT_BANDWIDTH
     assert sources["action_overhead_s"] == "none: not calibrated"
+    assert [d.pool for d in cluster.devices] == [None, None] and cluster.pools() == {}
+    assert sources["pool_capacity"].startswith("none: not calibrated")
     assert sources["bandwidth_bytes_per_s"].startswith("DEFAULT_BANDWIDTH")
     assert sources["flops_per_s"] == "given"
 
 
 def test_local_cluster_given_figures_are_not_measured(virtual_devices):
-    cluster, sources = local_cluster_and_sources(2, flops_per_s=1e9, action_overhead_s=3e-4, bandwidth="10GB/s")
+    cluster, sources = local_cluster_and_sources(
+        2, flops_per_s=1e9, action_overhead_s=3e-4, bandwidth="10GB/s", pool_capacity=1.5
+    )
     assert [d.action_overhead_s for d in cluster.devices] == [3e-4, 3e-4]
+    assert cluster.pools() == {"host CPU": (1.5, (0, 1))} and sources["pool_capacity"] == "given"
     assert cluster.bandwidth(0, 1) == 10e9
     assert [sources[f] for f in ("action_overhead_s", "bandwidth_bytes_per_s", "flops_per_s")] == ["given"] * 3
 
