@@ -441,9 +441,9 @@ def choose_tables(results: dict[str, Any]) -> str:
         f"time limit {section['time_limit_s']} s for each column's whole planning. `fixed` = `pt.solve(graph, "
         f"cluster, num_microbatches={NUM_MICROBATCHES})` with GPipe, what the tables above use; `chosen` = "
         f"`pt.plan_for_batch(graph, cluster, batch_size={section['batch_size']})`, M among the divisors of the "
-        "batch and GPipe or 1F1B, by the shortest simulated step. Steps in ms from the simulator, each plan in its "
-        "own schedule. solved = candidates planned (chains: all; DAGs: the 3 best screened by baselines) / "
-        "candidates with a plan among them.",
+        "batch and GPipe or 1F1B, the fewest micro-batches within 5% of the shortest simulated step (`choose`'s "
+        "margin). Steps in ms from the simulator, each plan in its own schedule. solved = candidates planned "
+        "(chains: all; DAGs: the 3 best screened by baselines) / candidates with a plan among them.",
         "",
         "| model | nodes | cluster | fixed: K | fixed: step | chosen: M | schedule | K | step | fixed / chosen "
         "| solved / with a plan | planning s (fixed, chosen) |",
