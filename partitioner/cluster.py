@@ -132,6 +132,11 @@ class Device:
                 f"Device '{name}': pool_capacity is how many devices' worth of work its pool computes at once (1.57: "
                 f"two busy devices each run at 0.785 of their speed), a finite number > 0. Received: {pool_capacity!r}."
             )
+        if pool is None and pool_capacity != 1.0:
+            raise ClusterError(
+                f"Device '{name}': pool_capacity={pool_capacity:g} without a pool: name the processor the device "
+                "shares, e.g. pool='host CPU', or leave pool_capacity out for a device of its own."
+            )
         peaks = tuple(
             sorted(
                 (str(key), parse_rate(value, name=f"peak_flops_per_s['{key}'] of device '{name}'", unit="FLOP/s"))
@@ -333,8 +338,9 @@ class Cluster:
         return self.bandwidth_bytes_per_s[sender][receiver]
 
     def pools(self) -> dict[str, tuple[float, tuple[int, ...]]]:
-        """{pool: (capacity, indices of its devices)} for each pool of two or more devices that cannot all
-        compute at full speed at once (capacity below their count): the pools the simulator shares.
+        """{pool: (capacity, indices of its devices)} for each pool whose devices cannot all compute at full speed
+        at once (capacity below their count): the pools the simulator shares. One device of a pool of
+        capacity below 1 (a replica's share of a processor, ``partitioner.search.replicas``) runs slower alone.
 
         Example:
             >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
@@ -348,7 +354,7 @@ class Cluster:
         return {
             pool: (self.devices[idx[0]].pool_capacity, tuple(idx))
             for pool, idx in members.items()
-            if len(idx) > 1 and self.devices[idx[0]].pool_capacity < len(idx)
+            if self.devices[idx[0]].pool_capacity < len(idx)
         }
 
     @property
@@ -425,8 +431,26 @@ class Cluster:
         object.__setattr__(cut, "reserved_for", reason)
         return cut
 
-    def _with_memory(self, memory_bytes: Sequence[int]) -> Cluster:
-        """This cluster with the devices' memory replaced, all else kept (names, speeds, links)."""
+    def with_pool_capacities(self, capacities: Mapping[str, float]) -> Cluster:
+        """This cluster with the capacity of each pool named in ``capacities`` replaced, all else kept.
+
+        Example:
+            >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
+            >>> Cluster(cpu).with_pool_capacities({"host CPU": 0.75}).pools()
+            {'host CPU': (0.75, (0, 1))}
+        """
+        changed = self._with_memory(
+            [d.memory_bytes for d in self.devices],
+            [capacities.get(d.pool, d.pool_capacity) if d.pool is not None else 1.0 for d in self.devices],
+        )
+        for kept in ("memory_headroom", "memory_reserved", "reserved_for"):
+            object.__setattr__(changed, kept, getattr(self, kept))
+        return changed
+
+    def _with_memory(self, memory_bytes: Sequence[int], pool_capacity: Sequence[float] | None = None) -> Cluster:
+        """This cluster with the devices' memory (and pools' capacities) replaced, all else kept (names, speeds,
+        links)."""
+        capacity = pool_capacity if pool_capacity is not None else [d.pool_capacity for d in self.devices]
         devices = [
             Device(
                 d.name,
@@ -437,9 +461,9 @@ class Cluster:
                 efficiency=d.efficiency,
                 action_overhead_s=d.action_overhead_s,
                 pool=d.pool,
-                pool_capacity=d.pool_capacity,
+                pool_capacity=c,
             )
-            for d, m in zip(self.devices, memory_bytes, strict=True)
+            for d, m, c in zip(self.devices, memory_bytes, capacity, strict=True)
         ]
         return Cluster(devices, bandwidth=[list(row) for row in self.bandwidth_bytes_per_s], name=self.name)
 
@@ -506,7 +530,8 @@ class Cluster:
         """Builds a cluster from its JSON form (explicit devices, or a bundled device profile).
 
         Two forms are read. Explicit: ``devices`` (name, memory_bytes, flops_per_s, and optionally
-        peak_flops_per_s and efficiency) and ``bandwidth_bytes_per_s`` (a number or a matrix). From a
+        peak_flops_per_s and efficiency, action_overhead_s, pool and pool_capacity) and
+        ``bandwidth_bytes_per_s`` (a number or a matrix). From a
         profile: ``device_profile`` (a file under partitioner/hardware/devices), ``num_devices``,
         optionally ``dtype`` (the compute dtype assumed for a graph that does not say its own; default
         float32) and ``efficiency`` (overrides the profile's share of peak), and either

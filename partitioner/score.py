@@ -1,7 +1,8 @@
 """Scores a placement into a Plan: the cost model's figures and the step of its schedule simulated.
 
 :class:`partitioner.plan.Plan` is a plain record; this is where one is made from a placement, so that
-``plan.py`` needs neither the cost model nor the simulator (and the simulator can take plans).
+``plan.py`` needs no simulator (and the simulator can take plans); ``Plan.cost_model`` builds the cost
+model a plan was made with.
 
 Example:
     >>> costs = pt.CostModel(graph, cluster, num_microbatches=8, recompute="auto")    # doctest: +SKIP

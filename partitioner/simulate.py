@@ -26,7 +26,7 @@ Devices that share one processor (``Device.pool``: logical devices split from on
 other: while k of a pool of capacity C compute at once, each runs at min(1, C / k) of its speed, so the
 replay goes event by event there (``Cluster.pools``; docs/cost-model.md, "Devices that share a processor").
 
-On a uniform pipeline without transfer time both give (M + K - 1) / M times the ideal step and a
+On a uniform pipeline without transfer time (devices of their own) both give (M + K - 1) / M times the ideal step and a
 bubble of (K - 1) / (M + K - 1), the closed form (tests hold the simulator to it exactly).
 
 Example:
@@ -94,7 +94,7 @@ class Simulation:
     num_microbatches: int
     stages: tuple[str, ...]  # used devices in pipeline order
     step_time_s: float  # from the first action's start to the last action's end
-    busy_s: dict[str, float]  # seconds each device computes
+    busy_s: dict[str, float]  # seconds each device computes (on a shared processor: the slowed seconds)
     idle_s: dict[str, float]  # step_time_s - busy_s
     bubble_fraction: float  # idle share of the used devices over the step
     peak_memory_bytes: dict[str, int]  # weights, gradients, optimizer slots and the most activations held
@@ -370,7 +370,7 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
     done: _Done = {}
     arrived: _Arrived = {}
     timeline: list[Span] = []
-    running: dict[int, tuple[str, int, float, float]] = {}  # stage -> (kind, m, start, seconds of work left)
+    running: dict[int, tuple[str, int, float, float, float]] = {}  # stage -> (kind, m, start, work, work left)
     now = 0.0
     while queues.pending:
         queues.send(stages, done, arrived, timeline)
@@ -381,7 +381,7 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
             kind, m, ready = next_action
             if ready <= now:
                 work = stages.forward_s[s] if kind == "forward" else stages.backward_s[s]
-                running[s] = (kind, m, now, work)
+                running[s] = (kind, m, now, work, work)
                 queues.compute_next[s] += 1
             else:
                 waits.append(ready)
@@ -390,21 +390,22 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
             if pool_of[s] >= 0:
                 busy[pool_of[s]] += 1
         rate = {s: 1.0 if pool_of[s] < 0 else min(1.0, stages.pools[pool_of[s]][0] / busy[pool_of[s]]) for s in running}
-        ends = {s: now + left / rate[s] for s, (_, _, _, left) in running.items()}
+        ends = {s: now + left / rate[s] for s, (_, _, _, _, left) in running.items()}
         if not ends and not waits:
             if queues.pending:
                 raise _deadlock(schedule)
             break
         later = min([*ends.values(), *waits])
         for s in sorted(running):
-            kind, m, start, left = running[s]
-            if ends[s] <= later + 1e-12 * max(1.0, abs(later)):
+            kind, m, start, work, left = running[s]
+            left -= rate[s] * (later - now)
+            if ends[s] == later or left <= 1e-12 * work:  # done (what rounding leaves is no work)
                 done[(kind, s, m)] = later
                 timeline.append(Span(kind, stages.names[s], s, m, start, later))
                 del running[s]
                 queues.pending -= 1
             else:
-                running[s] = (kind, m, start, left - rate[s] * (later - now))
+                running[s] = (kind, m, start, work, left)
         now = later
     return timeline, done, arrived
 

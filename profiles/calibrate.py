@@ -45,7 +45,7 @@ from profiles.timing import sync_device
 
 _OVERHEAD: dict[tuple[str, str | None, int], float] = {}  # (device, peer, calls) -> seconds, once per process
 _BANDWIDTH: dict[tuple[str, str, int], float] = {}  # (sender, receiver, bytes) -> bytes/s, once per process
-_CAPACITY: dict[tuple[str, ...], float] = {}  # devices -> devices' worth computed at once, once per process
+_CAPACITY: dict[tuple[Any, ...], float] = {}  # (devices, sizes) -> devices' worth computed at once, once per process
 
 
 def measure_action_overhead_s(
@@ -172,8 +172,9 @@ def measure_pool_capacity(
         raise InputError(f"A pool's capacity needs two devices or more. Received: {list(names)}.")
     for value, name in ((width, "width"), (rows, "rows"), (depth, "depth"), (num_rounds, "num_rounds")):
         _check_count(value, name)
-    if names in _CAPACITY:
-        return _CAPACITY[names]
+    key = (names, width, rows, depth, num_rounds)
+    if key in _CAPACITY:
+        return _CAPACITY[key]
     weights = []
     for name in names:
         with tf.device(name):
@@ -200,10 +201,10 @@ def measure_pool_capacity(
         concrete = tf.function(run, autograph=False).get_concrete_function(*chosen)
         return lambda: concrete(*chosen)
 
-    alone = _median_seconds(on([0]), names[0], num_rounds)
-    together = _median_seconds(on(range(len(names))), names[0], num_rounds)
-    _CAPACITY[names] = min(max(len(names) * alone / together, 1.0), float(len(names)))
-    return _CAPACITY[names]
+    alone = _median_seconds(on([0]), names[:1], num_rounds)
+    together = _median_seconds(on(range(len(names))), names, num_rounds)  # every device synced: all done
+    _CAPACITY[key] = min(max(len(names) * alone / together, 1.0), float(len(names)))
+    return _CAPACITY[key]
 
 
 def _boundary(device_name: str) -> Any:
@@ -218,16 +219,21 @@ def _boundary(device_name: str) -> Any:
     return tf.function(call, autograph=False, experimental_attributes={"_noinline": True})
 
 
-def _median_seconds(run: Any, device_name: str, num_rounds: int) -> float:
-    """Median wall seconds of ``run()`` after two untimed calls, the device synced after each."""
-    for _ in range(2):
+def _median_seconds(run: Any, devices: str | Sequence[str], num_rounds: int) -> float:
+    """Median wall seconds of ``run()`` after two untimed calls, each device named synced after each."""
+    names = [devices] if isinstance(devices, str) else list(devices)
+
+    def synced() -> None:
         run()
-    sync_device(device_name)
+        for name in names:
+            sync_device(name)
+
+    for _ in range(2):
+        synced()
     rounds = []
     for _ in range(num_rounds):
         start = time.perf_counter()
-        run()
-        sync_device(device_name)
+        synced()
         rounds.append(time.perf_counter() - start)
     return statistics.median(rounds)
 

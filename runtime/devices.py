@@ -72,6 +72,21 @@ def canonical(name: str) -> str:
     return name[len(task) :] if task and name.startswith(f"{task}/device:") else name
 
 
+def require_devices(devices: Sequence[str], available: Sequence[str] | None = None) -> list[str]:
+    """The devices named, canonical (``canonical``), once each exists here; nothing is measured.
+
+    Raises:
+        ClusterError: naming the devices that do not exist here, and listing those that do.
+    """
+    available = local_device_names() if available is None else list(available)
+    names = [canonical(str(d)) for d in devices]
+    known = {canonical(a) for a in available}
+    missing = [d for d in names if d not in known]
+    if missing or not names:
+        raise ClusterError(f"Device(s) {missing or '[]'} do not exist here. TensorFlow sees: {available}.")
+    return names
+
+
 def resolve_devices(
     devices: int | Sequence[str] | Cluster,
     *,
@@ -99,11 +114,7 @@ def resolve_devices(
             )
         names = available[:devices]
     else:
-        names = [canonical(str(d)) for d in devices]
-        known = {canonical(a) for a in available}
-        missing = [d for d in names if d not in known]
-        if missing or not names:
-            raise ClusterError(f"Device(s) {missing or '[]'} do not exist here. TensorFlow sees: {available}.")
+        names = require_devices(devices, available)
     from profiles.local import local_cluster
 
     # A worker of several (runtime.workers) does not calibrate: each would measure its own figures, and the

@@ -16,7 +16,7 @@ from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
 from profiles.profiler import weight_bytes
 from profiles.shapes import InputShapes
-from runtime.devices import canonical, resolve_devices
+from runtime.devices import canonical, require_devices, resolve_devices
 from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
@@ -265,7 +265,7 @@ def wrap(
         num_replicas=_num_replicas(replicas),
     )
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
-    resolve_devices(list(plan.devices))  # raises, listing the devices that exist, if one is missing
+    require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
     if validate or not _same_names(model, plan):

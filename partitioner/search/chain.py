@@ -87,7 +87,9 @@ def exact_chain(
     """Returns the plan of a chain graph with the shortest step (or the least bottleneck).
 
     With ``objective="step"`` (the default) the plan has the shortest simulated step over every split,
-    stage count and (with "search") device order (partitioner.search.threshold_search): status
+    stage count and (with "search") device order (each device at its own speed: on devices that share a
+    processor the step searched is a bound from below on the simulated one)
+    (partitioner.search.threshold_search): status
     "optimal" when that is proven (GPipe, every order searched, or a step that meets
     ``CostModel.step_lower_bound_s``), else "feasible"; ``step_lower_bound_s`` is the proven bound on the
     step and ``gap`` is against it. ``lower_bound_s`` stays a bound on the bottleneck.

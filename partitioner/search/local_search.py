@@ -3,7 +3,8 @@
 1F1B has no closed form (a stage's warm-up forwards and its first backward wait on different stages).
 Its step is still exact for a given split: ``_split_step`` (partitioner.search.threshold_search)
 replays the schedule on the stages' (f, b, a, g) (partitioner.simulate.chain_step), the simulator's step
-without its spans. The search is not exact: the threshold searches (weighing sum and period as
+without its spans (on devices of their own: a shared processor, ``Device.pool``, is the simulator's alone).
+The search is not exact: the threshold searches (weighing sum and period as
 ONE_F_ONE_B_WEIGHTS of partitioner.search.chain say) and the
 least-bottleneck split of every prefix of devices give starts, and a local search
 (:func:`_local_search`: boundaries moved, stages split, merged or moved to an idle device) improves the

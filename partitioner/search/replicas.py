@@ -17,7 +17,10 @@ timeline): its weight gradients all-reduced with the same stage of the other rep
 (``cost.allreduce_s``, a ring over the group's devices), so the step ends when the last ``R`` does.
 ``R`` does not overlap the stage's backward: the runtime runs it after the micro-batch loop
 (``runtime.train_step``), as this prices it. The replicas' stages run alike, so the step of replica 0
-is the step. Memory is checked per device by the plan of replica 0 (every replica's devices hold the
+is the step; where the replicas' devices share a processor (``Device.pool``: logical devices of one CPU),
+replica 0 is planned and simulated with its share of each pool's capacity (C / D where every replica lies
+on the pool), the other replicas computing alike at once. Memory is checked per device by the plan of replica
+0 (every replica's devices hold the
 same); the all-reduce's own buffers are not priced yet (issue 21).
 
 The candidate of the shortest step wins (ties: fewer replicas, then blocks). Its plan records the
@@ -161,7 +164,7 @@ def plan_replicas(
         try:
             chosen = choose(
                 graph,
-                subset(cluster, groups[0], name=cluster.name if d == 1 else f"{cluster.name}, replica 0 of {d}"),
+                _replica_zero(cluster, groups, name=cluster.name if d == 1 else f"{cluster.name}, replica 0 of {d}"),
                 batch_size=batch_size // d,
                 num_microbatches=num_microbatches,
                 schedule=schedule,
@@ -214,6 +217,23 @@ def _groups(cluster: Cluster, num_replicas: int, layout: str) -> tuple[tuple[str
     return tuple(tuple(names[r + j * num_replicas] for j in range(k)) for r in range(num_replicas))
 
 
+def _replica_zero(cluster: Cluster, groups: Sequence[Sequence[str]], name: str) -> Cluster:
+    """Replica 0's devices, with their links; where devices of one pool (a shared processor) serve several
+    replicas, each pool's capacity scaled by replica 0's share of its devices there: the replicas compute
+    alike at once, so while k of replica 0's devices of the pool compute, (share of all) / (share of replica
+    0) x k do (C / D on a pool every replica lies on)."""
+    zero = subset(cluster, groups[0], name=name)
+    pools = {d.pool: d.pool_capacity for d in zero.devices if d.pool is not None}
+    if not pools or len(groups) == 1:
+        return zero
+    members = [cluster.devices[cluster.index(n)] for group in groups for n in group]
+    share = {
+        pool: capacity * sum(d.pool == pool for d in zero.devices) / sum(d.pool == pool for d in members)
+        for pool, capacity in pools.items()
+    }
+    return zero.with_pool_capacities(share)
+
+
 def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequence[Sequence[str]]) -> Plan:
     """``plan`` (replica 0's) with the replicas' devices, each stage's R after its last action, and the step."""
     position = {name: k for k, name in enumerate(groups[0])}
@@ -225,7 +245,8 @@ def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequ
     if len(groups) == 1:
         return dataclasses.replace(plan, reduce_times=reduce_times)
     replicated = dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=reduce_times)
-    step = simulate(replicated, graph, subset(cluster, plan.devices)).step_time_s  # R priced by the simulator
+    zero = _replica_zero(cluster, groups, cluster.name)
+    step = simulate(replicated, graph, subset(zero, plan.devices)).step_time_s  # R priced by the simulator
     return dataclasses.replace(replicated, step_time_s=step)
 
 

@@ -406,6 +406,7 @@ def test_device_pool_round_trips_and_names_the_shared_pools():
         ({"pool": "cpu", "pool_capacity": 0}, r"pool_capacity is how many devices' worth .* Received: 0"),
         ({"pool": "cpu", "pool_capacity": math.inf}, r"pool_capacity .* a finite number > 0"),
         ({"pool": "cpu", "pool_capacity": True}, r"pool_capacity .* Received: True"),
+        ({"pool_capacity": 2.0}, r"pool_capacity=2 without a pool: name the processor .* pool='host CPU'"),
     ],
 )
 def test_device_rejects_a_bad_pool(kwargs, match):
@@ -417,3 +418,10 @@ def test_cluster_refuses_one_pool_with_two_capacities():
     devices = [*pooled(1.5, 1), Device("/CPU:1", memory="1GiB", pool="host CPU", pool_capacity=1.8)]
     with pytest.raises(ClusterError, match=r"pool 'host CPU' give two capacities \(1.5 and 1.8 on '/CPU:1'\)"):
         Cluster(devices)
+
+
+def test_cluster_file_with_a_bad_pool_says_which_device():
+    data = Cluster(pooled(1.5)).to_dict()
+    data["devices"][1]["pool_capacity"] = -1
+    with pytest.raises(ClusterError, match=r"Device '/CPU:1': pool_capacity is how many devices' worth"):
+        Cluster.from_dict(data)

@@ -63,6 +63,29 @@ def test_small_weights_train_data_parallel_and_each_stage_pays_its_all_reduce() 
     assert plan.status == "heuristic"  # M and the schedule chosen: no bound over every D
 
 
+def test_replicas_on_one_shared_processor_are_priced_with_their_share_of_it() -> None:
+    """The small-weights model of the test above on 4 logical devices of one processor: with room for all
+    four (capacity 4) it trains data parallel as on separate GPUs; with one device's work at a time
+    (capacity 1) each of 4 replicas computes at a quarter of its speed, so data parallelism gains nothing
+    and 4 replicas step no faster than the model on one device."""
+
+    def pooled(capacity: float) -> pt.Cluster:
+        devices = [
+            pt.Device(f"/CPU:{i}", memory="80GiB", flops_per_s=100e12, pool="host", pool_capacity=capacity)
+            for i in range(4)
+        ]
+        return pt.Cluster(devices, bandwidth=100e9)
+
+    graph = _graph(2**20)
+    roomy = plan_replicas(graph, pooled(4.0), batch_size=64, time_limit_s=5)
+    assert (roomy.plan.num_replicas, roomy.plan.num_stages) == (4, 1)
+    shared = plan_replicas(graph, pooled(1.0), batch_size=64, time_limit_s=5)
+    steps = {(c.num_replicas, c.layout): c.step_time_s for c in shared.candidates}
+    assert steps[(4, "blocks")] >= steps[(1, "blocks")] * (1 - 1e-9)
+    assert steps[(4, "blocks")] == pytest.approx(4 * roomy.plan.step_time_s - 3 * roomy.plan.reduce_times["/CPU:0"])
+    assert shared.plan.step_time_s == pytest.approx(steps[(1, "blocks")])
+
+
 def test_heavy_weights_across_a_slow_network_keep_the_all_reduce_inside_a_node() -> None:
     """2 replicas of 2 stages: "strided" puts each stage's group inside a node (its all-reduce on the fast
     links) and the pipeline's activations across; "blocks" the other way round. Weights of 1 GiB per layer

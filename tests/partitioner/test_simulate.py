@@ -317,3 +317,99 @@ def test_a_pool_of_one_device_capacity_runs_the_work_one_at_a_time_and_of_two_as
     assert pooled_pair(None, m, schedule).step_time_s <= between <= m * 6.0
     if m == 1:  # nothing overlaps: nothing is shared
         assert between == pytest.approx(6.0)
+
+
+def _work_done(sim: pt.Simulation, action: pt.Span, pools: dict[str, tuple[float, set[str]]]) -> float:
+    """The seconds of work ``action`` received: its span integrated at min(1, C / k(t)), k(t) the devices of
+    its pool computing at t, read from the timeline alone (an independent check of the processor sharing)."""
+    pool = next(((c, members) for c, members in pools.values() if action.resource in members), None)
+    if pool is None:
+        return action.duration_s
+    capacity, members = pool
+    busy = [a for a in sim.timeline if a.kind in ("forward", "backward") and a.resource in members]
+    cuts = sorted({action.start_s, action.end_s, *(t for a in busy for t in (a.start_s, a.end_s))})
+    done = 0.0
+    for lo, hi in itertools.pairwise(cuts):
+        if lo < action.start_s or hi > action.end_s or hi <= lo:
+            continue
+        middle = (lo + hi) / 2
+        k = sum(a.start_s <= middle < a.end_s for a in busy)
+        done += (hi - lo) * min(1.0, capacity / k)
+    return done
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@given(
+    seed=st.integers(0, 10**6),
+    k=st.integers(2, 4),
+    m=st.integers(1, 5),
+    capacity=st.floats(0.5, 4.0),
+    bandwidth=st.sampled_from([1e30, 1e7]),
+)
+@settings(max_examples=25, deadline=None)
+def test_a_pool_gives_each_action_its_work_at_the_shared_speed(schedule, seed, k, m, capacity, bandwidth):
+    """Random DAGs on k devices, the first two or all of them in one pool, links free or slow: the timeline
+    obeys resources and data; every action, integrated at min(1, C / k(t)) over its span, received exactly
+    its work; the step is at least the unshared one."""
+    rng = random.Random(seed)
+    graph = random_dag(rng, 12)
+    pooled = k if rng.random() < 0.5 else 2
+    devices = [
+        pt.Device(
+            f"/CPU:{i}",
+            memory="1GiB",
+            flops_per_s=FLOPS_PER_S,
+            pool="cpu" if i < pooled else None,
+            pool_capacity=capacity if i < pooled else 1.0,
+        )
+        for i in range(k)
+    ]
+    cluster = pt.Cluster(devices, bandwidth=bandwidth)
+    alone = pt.Cluster.uniform(k, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=bandwidth, prefix="/CPU:")
+    plan = pt.baselines.by_time(graph, alone, num_microbatches=m)
+    shared = pt.simulate(plan, graph, cluster, schedule=schedule)
+    unshared = pt.simulate(plan, graph, alone, schedule=schedule)
+    _check_timeline(shared, graph, plan)
+    work = {(a.kind, a.stage, a.microbatch): a.duration_s for a in unshared.timeline}
+    pools = {"cpu": (capacity, {d.name for d in devices[:pooled]})}
+    for a in shared.timeline:
+        if a.kind in ("forward", "backward"):
+            assert _work_done(shared, a, pools) == pytest.approx(work[(a.kind, a.stage, a.microbatch)], rel=1e-9)
+    assert shared.step_time_s >= unshared.step_time_s * (1 - 1e-12)
+    if capacity >= pooled:  # room for every pooled device: nothing is shared
+        assert shared.step_time_s == unshared.step_time_s
+
+
+def test_the_event_replay_without_sharing_is_the_list_replay():
+    """With a pool that has room for every stage forced through the event-by-event replay, every span is the
+    list scheduler's (same order, same times): the two replays differ only in the shared speed."""
+    from partitioner.schedule import schedule_for
+    from partitioner.simulate import _Queues, _replay, _replay_shared, _Stages
+
+    graph = random_dag(random.Random(7), 14)
+    cluster = pt.Cluster.uniform(3, memory="1GiB", flops_per_s=FLOPS_PER_S, bandwidth=1e7)
+    for schedule in ("gpipe", "1f1b"):
+        costs = CostModel(graph, cluster, num_microbatches=4, schedule=schedule)
+        plan = pt.baselines.by_time(graph, cluster, num_microbatches=4)
+        stages = _Stages(costs, plan.assignment, None)
+        stages.pools = [(3.0, (0, 1, 2))]
+        order = schedule_for(schedule, len(stages.names), 4)
+        listed, _, _ = _replay(stages, _Queues(stages, order), order)
+        evented, _, _ = _replay_shared(stages, _Queues(stages, order), order)
+        spans = [sorted((a.resource, a.kind, a.microbatch, a.start_s, a.end_s) for a in r) for r in (evented, listed)]
+        assert [span[:3] for span in spans[0]] == [span[:3] for span in spans[1]]
+        times = [[t for span in r for t in span[3:]] for r in spans]
+        assert times[0] == pytest.approx(times[1], rel=1e-12)
+
+
+def test_a_pooled_stage_of_no_work_ends_where_it_starts():
+    """A stage with nothing to compute (0 FLOPs, no fixed cost) in a pool: its actions take no time, the
+    replay moves on, and the step is the other stage's work."""
+    graph = chain([0.0, 3e12], param_bytes=[KIB, KIB], activation_bytes=[KIB, KIB], edge_bytes=[0])
+    devices = [
+        pt.Device(f"/CPU:{i}", memory="1GiB", flops_per_s=FLOPS_PER_S, pool="cpu", pool_capacity=1.0) for i in range(2)
+    ]
+    costs = CostModel(graph, pt.Cluster(devices, bandwidth=1e30), num_microbatches=3)
+    sim = simulate_assignment(costs, {"l0": "/CPU:0", "l1": "/CPU:1"})
+    assert sim.step_time_s == pytest.approx(3 * 3.0)
+    assert sim.busy_s["/CPU:0"] == 0.0

@@ -26,6 +26,18 @@ def test_measure_bandwidth_is_positive_and_finite(virtual_devices):
     assert 0 < rate < math.inf
 
 
+@pytest.mark.parametrize(("together", "expected"), [(1.5, 2 / 1.5), (0.9, 2.0), (3.0, 1.0)])
+def test_pool_capacity_is_n_times_alone_over_together_clipped_to_one_and_n(
+    virtual_devices, monkeypatch, together, expected
+):
+    import profiles.calibrate as calibrate
+
+    seconds = iter([1.0, together])  # the chain on the first device alone, then one on each device at once
+    monkeypatch.setattr(calibrate, "_median_seconds", lambda *args: next(seconds))
+    monkeypatch.setattr(calibrate, "_CAPACITY", {})
+    assert calibrate.measure_pool_capacity(virtual_devices[:2], width=8, rows=2, depth=1) == pytest.approx(expected)
+
+
 def test_measure_pool_capacity_is_between_one_device_and_all(virtual_devices):
     capacity = measure_pool_capacity(virtual_devices[:2], width=128, rows=16, depth=2, num_rounds=3)
     assert 1.0 <= capacity <= 2.0
