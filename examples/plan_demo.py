@@ -101,6 +101,12 @@ console.rule("[bold]4. Plan")
 cluster = local_cluster(NUM_DEVICES, memory=MEMORY)
 for device in cluster.devices:
     console.print(f"  {device.name}: {format_flops(device.flops_per_s)}FLOP/s measured, {MEMORY}", highlight=False)
+if cluster.devices[0].pool is not None:
+    console.print(
+        f"  the {NUM_DEVICES} devices share one processor ({cluster.devices[0].pool}): "
+        f"{cluster.devices[0].pool_capacity:.2f} devices' worth of work at once, measured",
+        highlight=False,
+    )
 plan = pt.solve(graph, cluster, num_microbatches=NUM_MICROBATCHES, time_limit_s=10)
 pt.validate_plan(plan, graph, cluster)
 baselines = [split(graph, cluster, num_microbatches=NUM_MICROBATCHES) for split in pt.baselines.BASELINES.values()]
@@ -161,10 +167,10 @@ console.print(text_timeline(pt.simulate(plan, graph, cluster), width=80), highli
 console.print(
     "plan.step_time_s is the GPipe schedule simulated action by action (above; the closed-form bound "
     f"(M + K - 1) x bottleneck is {format_seconds(plan.fill_drain_step_s or 0.0)}), each layer's FLOPs counted at "
-    "the matmul FLOP/s measured on its device. It assumes the devices compute in parallel, but these "
-    f"{NUM_DEVICES} logical devices share {os.cpu_count()} cores, and convolutions and small ops run below "
-    "matmul speed: a slower measured step is expected here. "
-    "The profiler's measured layer times (cost='time') include that second effect.",
+    f"the matmul FLOP/s measured on its device, and these {NUM_DEVICES} logical devices sharing "
+    f"{os.cpu_count()} cores as measured (their pool: each of k devices computing at once runs at "
+    "min(1, capacity / k) of its speed). Convolutions and small ops run below matmul speed: a slower measured "
+    "step is expected here. The profiler's measured layer times (cost='time') include that effect.",
     highlight=False,
 )
 report = placement_report(wrapped)
