@@ -1,11 +1,12 @@
-"""Trains a character-level GPT on Python's own standard library, split across 4 virtual devices.
+"""Trains a character-level GPT on Python's own standard library, split across up to 4 virtual devices.
 
 What it shows: a decoder-only transformer written the ordinary functional way, with nothing custom:
 token and position ``Embedding`` layers added with ``tok + pos`` (the positions come from the
 tokens through ``keras.ops``: Keras ops in the graph), then pre-LayerNorm blocks of
 ``MultiHeadAttention(use_causal_mask=True)`` and an MLP with residual additions, then a
-language-model head. ``runtime.plan_and_wrap`` profiles it, plans its split over 4 devices and
-trains it as a pipeline; the loss curve is printed, and the wrapped model writes a few characters
+language-model head. ``runtime.plan_and_wrap`` profiles it, plans its split over 4 devices (it may
+leave one idle: the 4 logical devices share this machine's cores, and a stage more would not shorten the
+step) and trains it as a pipeline; the loss curve is printed, and the wrapped model writes a few characters
 by greedy decoding (each next character is the most likely one under ``wrapped.predict``).
 
 Data: REAL text that ships with Python, no download: the source code of a few standard-library

@@ -79,7 +79,8 @@ def test_plan_demo_prints_measured_and_predicted_step() -> None:
     assert "Observed placement" in out
     assert "measured step, pipelined (median)" in out
     assert "predicted step, plan.step_time_s" in out
-    assert "gpipe schedule, 4 stages x" in out and "/device:CPU:0 -> /device:CPU:1 |" in out  # the text timeline
+    # the text timeline; the planner may leave a device idle: 4 logical devices share this machine's cores (their pool)
+    assert re.search(r"gpipe schedule, [234] stages x", out) and "/device:CPU:0 -> /device:CPU:1 |" in out
     assert "every variable on its planned device: True" in out
 
 
@@ -91,7 +92,7 @@ def test_char_gpt_learns_stdlib_text() -> None:
     assert match is not None, out[-3000:]
     first, last = map(float, match.groups())
     assert last < first
-    assert len(re.findall(r"^stage \d on ", out, flags=re.MULTILINE)) == 4
+    assert 2 <= len(re.findall(r"^stage \d on ", out, flags=re.MULTILINE)) <= 4  # split over up to 4 devices
     assert re.search(r"^stage 0 on .*\bcumsum\b.*\badd\b", out, flags=re.MULTILINE)  # keras.ops and tok + pos, placed
     assert re.search(r"^greedy continuation: '.{60}'$", out, flags=re.MULTILINE)
     assert number_after("largest logit difference:", out) < 1e-4
@@ -105,7 +106,7 @@ def test_keras_hub_gpt2_pipelines_a_backbone() -> None:
     assert match is not None, out[-3000:]
     assert float(match.group(2)) < float(match.group(1))
     stages = re.findall(r"^stage \d on .*$", out, flags=re.MULTILINE)
-    assert len(stages) == 4 and all("transformer_layer_" in s for s in stages)  # the backbone's layers split
+    assert 2 <= len(stages) <= 4 and all("transformer_layer_" in s for s in stages)  # the backbone's layers split
     assert "every variable on its planned device: True" in out
     differences = re.findall(r"largest logit difference ([0-9.]+e[-+][0-9]+)", out)
     assert len(differences) == 2 and all(float(d) < 1e-4 for d in differences)  # another length; the saved file
