@@ -40,7 +40,11 @@ ceil(batch_size / num_microbatches)), ``compute_dtype`` (the dtype the layers co
 rescale times to other devices), ``step_overhead_s`` (seconds a training step of the model spends beyond
 its layers' forward and backward, once per step whatever the plan: the framework's step, the loss, the
 optimizer's update; ``profiles.profile_model(measure_fixed_time=True)`` measures it on
-``profiled_device``, and ``Plan.predicted_step_s`` adds it for a cluster that has that device). Profiles
+``profiled_device``, and ``Plan.predicted_step_s`` adds it for a cluster that has that device),
+``model_time_by_samples`` ([[samples, seconds, layers' seconds], ...]: the whole model's forward and backward
+timed at each size its layers were timed at, and what its layers timed one call at a time added up to there;
+``profiles.profile_model`` scales the layers' ``time_s``, ``time_by_samples`` and ``fixed_time_s`` to the
+model's, so that a size's times add up to the model's; a record, the costs read only the node times). Profiles
 written before the node attributes ``model_input_bytes`` and ``model_output_bytes`` lack them (priced as
 0), those before ``output_bytes`` lack it (the backward's gradients priced as the node's activations,
 :func:`gradient_bytes`); graph-level ones of the same names, from a development version, are dropped on
@@ -72,6 +76,7 @@ _GRAPH_KEYS = (
     "profiled_device",
     "profiled_flops_per_s",
     "step_overhead_s",
+    "model_time_by_samples",
 )
 # optional, per micro-batch: they scale with its samples
 _NODE_BYTES = ("model_input_bytes", "model_output_bytes", "output_bytes")

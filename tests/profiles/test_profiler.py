@@ -13,7 +13,13 @@ from tf_split import kept_for_backward  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.cost import CostModel, forward_share  # noqa: E402
 from partitioner.errors import InputError, ProfileError  # noqa: E402
-from partitioner.graph import rescale_graph, topological_order, validate_graph  # noqa: E402
+from partitioner.graph import (  # noqa: E402
+    graph_from_dict,
+    graph_to_dict,
+    rescale_graph,
+    topological_order,
+    validate_graph,
+)
 from profiles import load_profile, profile_model, save_profile  # noqa: E402
 
 layers = keras.layers
@@ -536,6 +542,75 @@ def test_profile_model_warns_when_the_steps_copy_cannot_train(monkeypatch):
         graph = profile_model(mlp(), batch_size=4, num_microbatches=2, repeats=1, warmup=0, measure_fixed_time=True)
     assert "step_overhead_s" not in graph.graph
     assert all("fixed_time_s" in d for _, d in graph.nodes(data=True) if d["layer_type"] != "InputLayer")
+
+
+def _whole_model(fn) -> bool:
+    return "_scale_to_model" in getattr(fn, "__qualname__", "")
+
+
+def test_profile_model_scales_the_calls_times_to_the_whole_model(monkeypatch):
+    """At each size the calls were timed at, their times are scaled to add up to the whole model's forward +
+    backward timed there (stubbed: each call 1 ms + 0.1 ms a sample, the model 60% of the calls' sum at one
+    sample, 80% at 2, 50% at 4); fixed_time_s comes from the scaled times; the record survives a save."""
+    from profiles import timing
+
+    def stub(fn, specs, variables=(), **kwargs):
+        samples = specs[0].shape[0]
+        one_call = 1e-3 + 1e-4 * samples
+        if _whole_model(fn):
+            return {1: 0.6, 2: 0.8, 4: 0.5}[samples] * 2 * one_call  # mlp(): two timed calls
+        return one_call
+
+    monkeypatch.setattr(timing, "forward_backward_seconds", stub)
+    graph = profile_model(
+        mlp(), batch_size=8, num_microbatches=2, repeats=1, warmup=0, measure_fixed_time=True, time_samples=[2]
+    )
+    records = {n: (model, layers) for n, model, layers in graph.graph["model_time_by_samples"]}
+    assert sorted(records) == [1, 2, 4]
+    for n, factor in ((1, 0.6), (2, 0.8), (4, 0.5)):
+        assert records[n][1] == pytest.approx(2 * (1e-3 + 1e-4 * n))
+        assert records[n][0] == pytest.approx(factor * records[n][1])
+    hidden = graph.nodes["hidden"]
+    assert hidden["time_s"] == pytest.approx(0.5 * 1.4e-3)
+    assert hidden["time_by_samples"] == [[2, pytest.approx(0.8 * 1.2e-3)]]
+    one, four = 0.6 * 1.1e-3, 0.5 * 1.4e-3  # the line through them at zero samples: within [0, time_s]
+    assert hidden["fixed_time_s"] == pytest.approx(min(max(one - (four - one) / 3, 0.0), four))
+    assert sum(d["time_s"] for _, d in graph.nodes(data=True)) == pytest.approx(records[4][0])
+    saved = graph_from_dict(graph_to_dict(graph))
+    assert saved.graph["model_time_by_samples"] == graph.graph["model_time_by_samples"]
+
+
+def test_profile_model_whole_model_time_matches_the_scaled_calls():
+    """Timed for real: at the profile's size the calls' times add up to the model's recorded seconds, and the
+    model's weights come back as they were (its batch normalization ran)."""
+    model = cnn()
+    before = [v.numpy().copy() for v in model.variables]
+    graph = profile_model(model, batch_size=8, num_microbatches=2, repeats=2, warmup=1)
+    ((samples, seconds, layers_s),) = graph.graph["model_time_by_samples"]
+    assert samples == 4 and seconds > 0 and layers_s > 0
+    assert sum(d["time_s"] for _, d in graph.nodes(data=True)) == pytest.approx(seconds)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables, strict=True))
+
+
+def test_profile_model_warns_and_keeps_the_calls_times_where_the_model_cannot_be_timed_whole(monkeypatch):
+    from profiles import timing
+
+    timed = timing.forward_backward_seconds
+
+    def whole_fails(fn, *args, **kwargs):
+        if _whole_model(fn):
+            raise MemoryError("out of memory")
+        return timed(fn, *args, **kwargs)
+
+    monkeypatch.setattr(timing, "forward_backward_seconds", whole_fails)
+    with pytest.warns(
+        UserWarning,
+        match=r"Could not time the forward and backward of 'mlp' as a whole on .*CPU:0 \(MemoryError: out of memory\); "
+        "its layers' times are kept as timed one call at a time",
+    ):
+        graph = profile_model(mlp(), batch_size=4, num_microbatches=2, repeats=1, warmup=0)
+    assert "model_time_by_samples" not in graph.graph
+    assert all(d["time_s"] >= 0 for _, d in graph.nodes(data=True))
 
 
 def test_profile_model_measure_time_on_named_device(virtual_devices):
