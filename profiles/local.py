@@ -40,7 +40,12 @@ import tensorflow as tf
 
 from partitioner.cluster import DEFAULT_BANDWIDTH, Cluster, Device
 from partitioner.errors import ClusterError, InputError
-from profiles.calibrate import measure_action_overhead_s, measure_bandwidth, measure_pool_capacity
+from profiles.calibrate import (
+    measure_action_overhead_s,
+    measure_bandwidth,
+    measure_model_pool_capacity,
+    measure_pool_capacity,
+)
 from profiles.timing import sync_device
 
 _MEASURED: dict[tuple[str, int, str], float] = {}  # (device, size, dtype) -> FLOP/s, once per process
@@ -200,6 +205,39 @@ def local_cluster_and_sources(
         for name, size in zip(names, memories, strict=True)
     ]
     return Cluster(devices, bandwidth=bandwidth, name=f"local {len(devices)}x {kind}"), sources
+
+
+def with_model_pool_capacities(
+    cluster: Cluster,
+    model: Any,
+    samples: int,
+    *,
+    input_shapes: Any = None,
+    sequence_length: int | None = None,
+) -> Cluster:
+    """``cluster`` with each pool's capacity measured with ``model``'s own forward and backward on ``samples``
+    samples (:func:`profiles.calibrate.measure_model_pool_capacity`) in place of the matmul chain's, all else
+    kept; the same cluster where it has no pool. What ``plan_and_wrap`` plans with where it times the model:
+    the model's layers are timed as the whole model runs alone (``profiles.profile_model`` scales them to it),
+    and the capacity says how much of that speed each of the pool's devices keeps when they compute at once.
+    Where the model's passes cannot run on every device at once (memory), warns and keeps the cluster's.
+    """
+    import warnings
+
+    capacities = {}
+    for pool, (_, members) in cluster.pools().items():
+        names = [cluster.devices[i].name for i in members]
+        try:
+            capacities[pool] = measure_model_pool_capacity(
+                model, names, samples, input_shapes=input_shapes, sequence_length=sequence_length
+            )
+        except (tf.errors.OpError, MemoryError) as error:
+            warnings.warn(
+                f"Could not run '{getattr(model, 'name', 'the model')}' on the {len(names)} devices of {pool} at "
+                f"once ({type(error).__name__}); planning with the pool's capacity measured by a matmul chain.",
+                stacklevel=2,
+            )
+    return cluster.with_pool_capacities(capacities) if capacities else cluster
 
 
 def _pool_name(kind: str, names: list[str]) -> str | None:

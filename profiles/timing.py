@@ -76,18 +76,25 @@ def forward_backward_seconds(
     variables = list(variables)
 
     def step(*inputs: tf.Tensor) -> list[Any]:
-        watched = [x for x in inputs if x.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            outputs = fn(*inputs)
-        targets = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-        sources = watched + variables
-        if not targets or not sources:
-            return targets
-        grads = tape.gradient(targets, sources)
-        return targets + [g for g in grads if g is not None]
+        return forward_backward(fn, inputs, variables)
 
     return _median_seconds(step, input_specs, device=device, repeats=repeats, warmup=warmup, exclude_call=exclude_call)
+
+
+def forward_backward(fn: Callable[..., Any], inputs: Sequence[Any], variables: Sequence[Any] = ()) -> list[Any]:
+    """One forward + backward pass of ``fn`` on ``inputs`` (to trace inside a function): the floating-point
+    outputs and their gradients with respect to the floating-point inputs and ``variables``, as a stage's
+    backward takes them. Returns the outputs and the gradients, so that nothing of the pass is pruned."""
+    watched = [x for x in inputs if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+        tape.watch(watched)
+        outputs = fn(*inputs)
+    targets = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+    sources = watched + list(variables)
+    if not targets or not sources:
+        return targets
+    grads = tape.gradient(targets, sources)
+    return targets + [g for g in grads if g is not None]
 
 
 def accumulate_seconds(variables: Sequence[Any], *, device: str, repeats: int = 5, warmup: int = 2) -> float:
@@ -127,7 +134,7 @@ def _median_seconds(
         return tf.constant(0.0)
 
     with tf.device(device):
-        inputs = [_fill(spec) for spec in input_specs]
+        inputs = [fill(spec) for spec in input_specs]
         runs = [tf.function(fn).get_concrete_function(*input_specs)]
         if exclude_call:
             runs.append(tf.function(empty).get_concrete_function(*input_specs))
@@ -172,7 +179,7 @@ def train_step_seconds(
     with tf.device(device):
         copy = keras.models.clone_model(model)
         copy.compile(optimizer=keras.optimizers.SGD(0.0), loss="mean_squared_error")
-        inputs = [_fill(spec) for spec in input_specs]
+        inputs = [fill(spec) for spec in input_specs]
         targets = [tf.zeros(spec.shape, spec.dtype) for spec in target_specs]
     x = inputs[0] if len(inputs) == 1 else inputs
     y = targets[0] if len(targets) == 1 else targets
@@ -193,7 +200,8 @@ def _check_counts(repeats: int, warmup: int) -> None:
         raise InputError(f"warmup must be an integer >= 0. Received: warmup={warmup!r}.")
 
 
-def _fill(spec: tf.TensorSpec) -> tf.Tensor:
+def fill(spec: tf.TensorSpec) -> tf.Tensor:
+    """A tensor of ``spec``: standard normal values for floats, zeros for other dtypes (valid indices)."""
     if spec.dtype.is_floating:
         return tf.cast(tf.random.normal(spec.shape), spec.dtype)
     return tf.zeros(spec.shape, spec.dtype)

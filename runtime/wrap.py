@@ -14,6 +14,7 @@ from partitioner.schedule import Schedule, schedule_for
 from partitioner.search.choose import AUTO, candidate_schedules, choose, timed_sizes
 from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
+from profiles.local import with_model_pool_capacities
 from profiles.profiler import weight_bytes
 from profiles.shapes import InputShapes
 from runtime.devices import canonical, require_devices, resolve_devices
@@ -86,8 +87,11 @@ def plan_and_wrap(
             (``profile_model(measure_fixed_time=True, time_samples=timed_sizes(batch_size))``), with
             the time each micro-batch spends adding its weight gradients into the step's sums, and
             planned by those times (``cost="time"``), so a micro-batch too small to use the device
-            well is priced as it runs. A Cluster you pass keeps its own figures and FLOP-based
-            costs (``partitioner calibrate`` writes one to keep and edit).
+            well is priced as it runs; where the devices share a processor (logical devices of one
+            CPU or GPU), how much of it each keeps while the others compute is measured with the
+            model's own forward and backward (``profiles.local.with_model_pool_capacities``). A
+            Cluster you pass keeps its own figures and FLOP-based costs (``partitioner calibrate``
+            writes one to keep and edit).
         memory: capacity per device where the device reports none (CPU), e.g. "4GiB".
         memory_headroom: the share of each device's memory the plan leaves free for what the
             planner does not price (the framework's workspace, the allocator's rounding, the
@@ -176,6 +180,15 @@ def plan_and_wrap(
         warnings.warn(f"{error} Planning num_microbatches='auto' by FLOPs instead of measured times.", stacklevel=2)
         timed = False
         graph = profile(timed)
+    if timed:  # the devices' shared processor, as the model shares it (a size in the middle of those timed)
+        sizes = timed_sizes(batch_size)
+        cluster = with_model_pool_capacities(
+            cluster,
+            model,
+            sizes[len(sizes) // 2],
+            input_shapes=input_shapes,
+            sequence_length=sequence_length,
+        )
     solve_options: dict[str, Any] = {
         "cost": "time" if timed else "flops",
         "optimizer_slots": optimizer_slots,

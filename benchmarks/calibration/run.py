@@ -90,7 +90,7 @@ def measure() -> dict[str, Any]:
     from partitioner import rescale_graph, solve
     from partitioner.search.choose import timed_sizes
     from profiles import profile_model
-    from profiles.local import local_cluster, local_cluster_and_sources
+    from profiles.local import local_cluster, local_cluster_and_sources, with_model_pool_capacities
     from runtime import plan_and_wrap, wrap
 
     rng = np.random.default_rng(0)
@@ -111,9 +111,11 @@ def measure() -> dict[str, Any]:
         measure_fixed_time=True,
         time_samples=timed_sizes(BATCH),
     )
+    sizes = timed_sizes(BATCH)  # and the pool's capacity with the model's own passes, as plan_and_wrap measures it
+    shared = with_model_pool_capacities(after, model, sizes[len(sizes) // 2])
     rows = []
     for m in sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())}):
-        plan = solve(rescale_graph(timed, BATCH, m), after, num_microbatches=m, cost="time")
+        plan = solve(rescale_graph(timed, BATCH, m), shared, num_microbatches=m, cost="time")
         wrapped = wrap(model, plan)
         step = steady_step_s(wrapped, x, y)
         rows.append(
@@ -140,6 +142,7 @@ def measure() -> dict[str, Any]:
             "action_overhead_s": device.action_overhead_s,
             "bandwidth_bytes_per_s": after.bandwidth(0, 1),
             "pool_capacity": device.pool_capacity if device.pool is not None else None,
+            "model_pool_capacity": shared.devices[0].pool_capacity if device.pool is not None else None,
             "source": sources,
         },
         "picked": picked,
@@ -155,8 +158,9 @@ def table(results: dict[str, Any]) -> str:
         f"Calibrated: {cal['flops_per_s'] / 1e9:.1f} GFLOP/s, action_overhead_s "
         f"{cal['action_overhead_s'] * 1e6:.1f} µs, link {cal['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
         + (
-            f", the two devices' pool {cal['pool_capacity']:.2f} devices' worth at once."
-            if cal.get("pool_capacity")
+            f", the two devices' pool {cal['pool_capacity']:.2f} devices' worth at once (a matmul chain), "
+            f"{cal['model_pool_capacity']:.2f} with the model's own passes (what the timed rows plan with)."
+            if cal.get("pool_capacity") and cal.get("model_pool_capacity")
             else " (no pool: each device priced as if it had the cores alone)."
         ),
         "",

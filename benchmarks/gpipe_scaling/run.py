@@ -294,7 +294,7 @@ def child(rounds: int, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
 
     import partitioner as pt
     from profiles import profile_model
-    from profiles.local import local_cluster
+    from profiles.local import local_cluster, with_model_pool_capacities
     from runtime import wrap
 
     keras.utils.set_random_seed(0)
@@ -316,8 +316,10 @@ def child(rounds: int, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
             repeats=repeats,
             warmup=1,
         )
-        plan = pt.solve(graph, cluster, num_microbatches=m, cost="time", time_limit_s=10)
-        sim = pt.simulate(plan, graph, cluster)
+        # the two devices share the cores as this model shares them at this micro-batch, as plan_and_wrap measures
+        shared = with_model_pool_capacities(cluster, model, -(-SMALL_BATCH // m))
+        plan = pt.solve(graph, shared, num_microbatches=m, cost="time", time_limit_s=10)
+        sim = pt.simulate(plan, graph, shared)
         rows[m] = {
             "microbatches": m,
             "predicted_s": sim.step_time_s,

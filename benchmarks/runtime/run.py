@@ -265,7 +265,7 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
 
     import partitioner as pt
     from profiles import profile_model
-    from profiles.calibrate import measure_pool_capacity
+    from profiles.calibrate import measure_model_pool_capacity
     from profiles.local import measure_flops_per_s
     from runtime import wrap
 
@@ -281,11 +281,14 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
         graph = profile_model(model, batch_size=BATCH, num_microbatches=num_microbatches, device=devices[0])
         pt.save_graph(graph, graph_file)
         flops = measure_flops_per_s(devices[0])
-        # the devices share this machine's cores: their pool's capacity measured in this very configuration (with
-        # one inter-op thread nothing runs at once: about 1)
+        # the devices share this machine's cores: their pool's capacity measured in this very configuration with the
+        # model's own forward and backward at the micro-batch size, as plan_and_wrap measures it (with one
+        # inter-op thread nothing runs at once: about 1)
         shared: dict[str, Any] = {}
         if num_devices > 1:
-            shared = {"pool": "host CPU", "pool_capacity": measure_pool_capacity(devices[:num_devices])}
+            samples = -(-BATCH // num_microbatches)
+            capacity = measure_model_pool_capacity(model, devices[:num_devices], samples)
+            shared = {"pool": "host CPU", "pool_capacity": capacity}
         cluster = pt.Cluster([pt.Device(d, memory="4GiB", flops_per_s=flops, **shared) for d in devices[:num_devices]])
         plan = pt.baselines.by_time(graph, cluster, num_microbatches=num_microbatches, cost="time")
         simulated = plan.step_time_s  # the GPipe schedule simulated with the measured layer times

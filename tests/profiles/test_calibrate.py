@@ -9,7 +9,12 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from partitioner.errors import InputError  # noqa: E402
-from profiles.calibrate import measure_action_overhead_s, measure_bandwidth, measure_pool_capacity  # noqa: E402
+from profiles.calibrate import (  # noqa: E402
+    measure_action_overhead_s,
+    measure_bandwidth,
+    measure_model_pool_capacity,
+    measure_pool_capacity,
+)
 from runtime.devices import resolve_devices  # noqa: E402
 
 
@@ -44,6 +49,48 @@ def test_measure_pool_capacity_is_between_one_device_and_all(virtual_devices):
     assert measure_pool_capacity(virtual_devices[:2], width=128, rows=16, depth=2, num_rounds=3) == capacity
 
 
+def _bn_model():
+    keras = pytest.importorskip("keras")
+    inputs = keras.Input((16,), name="x")
+    h = keras.layers.Dense(64, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(h), name="small")
+
+
+def test_measure_model_pool_capacity_runs_the_model_on_every_device_and_gives_its_weights_back(virtual_devices):
+    model = _bn_model()
+    before = [v.numpy().copy() for v in model.variables]
+    capacity = measure_model_pool_capacity(model, virtual_devices[:2], 8, num_rounds=3)
+    assert 1.0 <= capacity <= 2.0
+    assert all((a == v.numpy()).all() for a, v in zip(before, model.variables, strict=True))  # BN's statistics too
+
+
+def test_model_pool_capacity_is_n_times_alone_over_together(virtual_devices, monkeypatch):
+    import profiles.calibrate as calibrate
+
+    seconds = iter([1.0, 1.6])  # the model's pass on the first device alone, then one on each at once
+    monkeypatch.setattr(calibrate, "_median_seconds", lambda *args: next(seconds))
+    assert measure_model_pool_capacity(_bn_model(), virtual_devices[:2], 4) == pytest.approx(2 / 1.6)
+
+
+def test_with_model_pool_capacities_replaces_each_pool_by_the_models_own(virtual_devices, monkeypatch):
+    import profiles.local as local
+    from partitioner.cluster import Cluster, Device
+
+    monkeypatch.setattr(local, "measure_model_pool_capacity", lambda model, names, samples, **kw: 1.25)
+    pooled = Cluster([Device(n, memory="1GiB", pool="host CPU", pool_capacity=1.5) for n in virtual_devices[:2]])
+    assert local.with_model_pool_capacities(pooled, None, 4).pools() == {"host CPU": (1.25, (0, 1))}
+    unpooled = Cluster([Device(n, memory="1GiB") for n in virtual_devices[:2]])
+    assert local.with_model_pool_capacities(unpooled, None, 4) is unpooled
+
+    def out_of_memory(model, names, samples, **kw):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+
+    monkeypatch.setattr(local, "measure_model_pool_capacity", out_of_memory)
+    with pytest.warns(UserWarning, match=r"Could not run 'the model' on the 2 devices of host CPU at once"):
+        assert local.with_model_pool_capacities(pooled, None, 4).pools() == {"host CPU": (1.5, (0, 1))}
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -52,6 +99,8 @@ def test_measure_pool_capacity_is_between_one_device_and_all(virtual_devices):
         (lambda: measure_bandwidth("/CPU:0", "/CPU:1", num_bytes=-1), r"num_bytes must be a positive integer"),
         (lambda: measure_pool_capacity(["/CPU:0"]), r"A pool's capacity needs two devices or more"),
         (lambda: measure_pool_capacity(["/CPU:0", "/CPU:1"], depth=0), r"depth must be a positive integer"),
+        (lambda: measure_model_pool_capacity(None, ["/CPU:0"], 4), r"A pool's capacity needs two devices or more"),
+        (lambda: measure_model_pool_capacity(None, ["/CPU:0", "/CPU:1"], 0), r"samples must be a positive integer"),
     ],
 )
 def test_measurements_reject_bad_counts(call, message):
