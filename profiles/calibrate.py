@@ -285,9 +285,32 @@ def _capacity(
         concrete = tf.function(run, autograph=False).get_concrete_function(*chosen)
         return lambda: concrete(*chosen)
 
-    alone = _median_seconds(on([0]), names[:1], num_rounds)
-    together = _median_seconds(on(range(len(names))), names, num_rounds)  # every device synced: all done
-    return min(max(len(names) * alone / together, 1.0), float(len(names)))
+    alone_run, together_run = on([0]), on(range(len(names)))
+    for _ in range(2):  # untimed: the first call of each runs its function's setup
+        _synced_seconds(alone_run, names[:1])
+        _synced_seconds(together_run, names)
+    # the two take turns, so both see the same load; a short pass gets more rounds (a model's of a few
+    # milliseconds moved its capacity by a tenth between runs at 7), up to CAPACITY_SECONDS of timing
+    once = _synced_seconds(alone_run, names[:1]) + _synced_seconds(together_run, names)
+    rounds = max(num_rounds, min(MAX_CAPACITY_ROUNDS, int(CAPACITY_SECONDS / max(once, 1e-9))))
+    alone, together = [], []
+    for _ in range(rounds):
+        alone.append(_synced_seconds(alone_run, names[:1]))
+        together.append(_synced_seconds(together_run, names))  # every device synced: all done
+    ratio = len(names) * statistics.median(alone) / statistics.median(together)
+    return min(max(ratio, 1.0), float(len(names)))
+
+
+CAPACITY_SECONDS, MAX_CAPACITY_ROUNDS = 0.5, 60  # a pool capacity's timing: at least num_rounds, up to these
+
+
+def _synced_seconds(run: Any, names: Sequence[str]) -> float:
+    """Wall seconds of one ``run()``, each device named synced after it."""
+    start = time.perf_counter()
+    run()
+    for name in names:
+        sync_device(name)
+    return time.perf_counter() - start
 
 
 def _boundary(device_name: str) -> Any:

@@ -37,8 +37,8 @@ def test_pool_capacity_is_n_times_alone_over_together_clipped_to_one_and_n(
 ):
     import profiles.calibrate as calibrate
 
-    seconds = iter([1.0, together])  # the chain on the first device alone, then one on each device at once
-    monkeypatch.setattr(calibrate, "_median_seconds", lambda *args: next(seconds))
+    # the chain on the first device alone (one device synced), then one on each device at once (all synced)
+    monkeypatch.setattr(calibrate, "_synced_seconds", lambda run, names: 1.0 if len(names) == 1 else together)
     monkeypatch.setattr(calibrate, "_CAPACITY", {})
     assert calibrate.measure_pool_capacity(virtual_devices[:2], width=8, rows=2, depth=1) == pytest.approx(expected)
 
@@ -68,8 +68,8 @@ def test_measure_model_pool_capacity_runs_the_model_on_every_device_and_gives_it
 def test_model_pool_capacity_is_n_times_alone_over_together(virtual_devices, monkeypatch):
     import profiles.calibrate as calibrate
 
-    seconds = iter([1.0, 1.6])  # the model's pass on the first device alone, then one on each at once
-    monkeypatch.setattr(calibrate, "_median_seconds", lambda *args: next(seconds))
+    # the model's pass on the first device alone, then one on each at once
+    monkeypatch.setattr(calibrate, "_synced_seconds", lambda run, names: 1.0 if len(names) == 1 else 1.6)
     assert measure_model_pool_capacity(_bn_model(), virtual_devices[:2], 4) == pytest.approx(2 / 1.6)
 
 
