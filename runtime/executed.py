@@ -58,6 +58,9 @@ class ExecutedNode:
     inputs: tuple[str, ...] = ()  # the nodes feeding its data inputs, all in its partition (graph and device)
     calls: str = ""  # for a function call node, the function it runs (an XLA-compiled one lists no body)
     dtype: str = ""  # the type it is instantiated for (attribute T), e.g. 'DT_VARIANT' for a _Send of a TensorList
+    # a call of a function XLA must compile (attribute _XlaMustCompile: tf.function(jit_compile=True)): XLA compiles
+    # it whole for the call's device and runs it there, tf.device scopes inside ignored (TensorFlow PR #125907)
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,5 +311,7 @@ def _read_dumps(folder: Path) -> list[ExecutedNode]:
             inputs = tuple(i.split(":")[0] for i in node.input if not i.startswith("^"))
             calls = node.attr["f"].func.name if "f" in node.attr else ""
             dtype = types_pb2.DataType.Name(node.attr["T"].type) if "T" in node.attr else ""
-            nodes[ExecutedNode(match["graph"], node.name, node.op, canonical(node.device), inputs, calls, dtype)] = None
+            compiled = bool(calls) and "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b
+            device = canonical(node.device)
+            nodes[ExecutedNode(match["graph"], node.name, node.op, device, inputs, calls, dtype, compiled)] = None
     return list(nodes)

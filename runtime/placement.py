@@ -131,10 +131,13 @@ class ExecutedPlacement:
     computed there (``runtime.executed.VariableWrite.computed_here``: the node that produces the value
     ran there, not merely some feeder); a write on a device no stage uses is off its device. The
     optimizer's slots (Adam's moments, momentum) must sit on their variable's device
-    (``misplaced_slots``). A function call whose body TensorFlow did not list (an XLA-compiled
-    function runs as one cluster and lists no body) is *unread*: counted in ``unread_calls`` of its
-    stage, and ``ok`` is then False, since what ran inside was not seen. ``off_device`` lists what
-    ran elsewhere, ``unread`` what could not be read.
+    (``misplaced_slots``). A stage function compiled by XLA (``jit_compile=True``) lists no body: XLA
+    compiles it whole for the device of its call and runs it there, ``tf.device`` scopes inside
+    ignored, so its call's device is where all of it ran: ``compiled[s]`` counts stage s's compiled
+    calls on its device (its ops are not in ``forward`` or ``backward``). Any other call whose body
+    TensorFlow did not list (a name too long for its dump file) is *unread*: counted in
+    ``unread_calls`` of its stage, and ``ok`` is then False, since what ran inside was not seen.
+    ``off_device`` lists what ran elsewhere, ``unread`` what could not be read.
     """
 
     stages: tuple[str, ...]  # stage devices in pipeline order
@@ -146,11 +149,12 @@ class ExecutedPlacement:
     unread_calls: tuple[int, ...] = ()  # per stage: calls of functions whose body was not listed (XLA)
     unread: tuple[str, ...] = ()  # "stage s <kind>: call '<node>' of '<function>' on <device>: its body is not listed"
     outside: dict[str, int] = field(default_factory=dict)  # device -> compute ops outside every function above
+    compiled: tuple[Share, ...] = ()  # per stage: its XLA-compiled calls (forward, backward, sums) on its device
 
     @property
     def ok(self) -> bool:
         """True iff every op was read and ran on its planned device: nothing off its device, no unread call."""
-        shares = (*self.forward, *self.backward, *self.optimizer, self.loss)
+        shares = (*self.forward, *self.backward, *self.optimizer, self.loss, *self.compiled)
         return not self.off_device and not self.unread and all(s.on_device == s.total for s in shares)
 
     def table(self) -> Table:
@@ -158,19 +162,20 @@ class ExecutedPlacement:
         calls not read, and the step's other ops on that device; a row per other device with such ops."""
         table = Table(title="Executed placement (one training step)", box=box.SIMPLE_HEAD, title_justify="left")
         headers = ("stage", "device", "forward ops there", "backward ops there", "optimizer updates there")
-        for header in (*headers, "loss ops there", "calls not read", "other step ops there"):
+        for header in (*headers, "loss ops there", "XLA calls there", "calls not read", "other step ops there"):
             table.add_column(header, justify="left" if header in ("stage", "device") else "right")
         last = len(self.stages) - 1
         for s, device in enumerate(self.stages):
+            compiled = self.compiled[s] if self.compiled else Share(0, 0)
             cells = [
                 f"{x.on_device}/{x.total}" + (f" ({x.fraction:.0%})" if x.total else "")
-                for x in (self.forward[s], self.backward[s], self.optimizer[s], self.loss)
+                for x in (self.forward[s], self.backward[s], self.optimizer[s], self.loss, compiled)
             ]
             cells[3] = cells[3] if s == last else "-"
             unread = self.unread_calls[s] if self.unread_calls else 0
             table.add_row(str(s), device, *cells, str(unread), str(self.outside.get(device, 0)))
         for device in sorted(set(self.outside) - set(self.stages)):
-            table.add_row("-", device, "-", "-", "-", "-", "-", str(self.outside[device]))
+            table.add_row("-", device, "-", "-", "-", "-", "-", "-", str(self.outside[device]))
         return table
 
 
@@ -282,6 +287,7 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
     last = len(stages) - 1
     forward, backward = [[0, 0] for _ in stages], [[0, 0] for _ in stages]
     loss, unread_calls = [0, 0], [0 for _ in stages]
+    compiled = [[0, 0] for _ in stages]
     outside: Counter[str] = Counter()
     off: list[str] = []
     unread: list[str] = []
@@ -291,13 +297,18 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
         part = _part_of_name(node.name) or owner.get(node.graph)
         if node.calls and node.calls not in read:  # its body was not listed: XLA-compiled, or placed before
             part = _part_of_function(node.calls) or part
-            call = f"call '{node.name}' of '{node.calls}' on {device}"
+            call = f"{'XLA call' if node.compiled else 'call'} '{node.name}' of '{node.calls}' on {device}"
             if part is None:  # a function the step itself calls: counted with no stage
-                unread.append(f"step: {call}: its body is not listed")
+                if not node.compiled:
+                    unread.append(f"step: {call}: its body is not listed")
                 continue
             s = last if part[0] is None else part[0]
-            unread_calls[s] += 1
-            unread.append(f"stage {s} {part[1]}: {call}: its body is not listed")
+            if node.compiled:  # XLA runs the whole body on the call's device: the call says where it ran
+                compiled[s][1] += 1
+                compiled[s][0] += device == stages[s]
+            else:
+                unread_calls[s] += 1
+                unread.append(f"stage {s} {part[1]}: {call}: its body is not listed")
             if device != stages[s]:
                 off.append(f"stage {s} {part[1]}: {call}")
             continue
@@ -343,6 +354,7 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
         tuple(unread_calls),
         tuple(unread),
         dict(outside),
+        tuple(Share(*c) for c in compiled),
     )
 
 

@@ -598,9 +598,10 @@ def child_placement(config: str) -> dict[str, Any]:
         "recompute": list(plan.recompute),
         **{
             kind: [[share.on_device, share.total] for share in getattr(report, kind)]
-            for kind in ("forward", "backward", "optimizer")
+            for kind in ("forward", "backward", "optimizer", "compiled")
         },
         "off_device": list(report.off_device),
+        "unread": list(report.unread),
         "ok": report.ok,
     }
 
@@ -864,6 +865,7 @@ def section_placement(quick: bool) -> dict[str, Any]:
                 f"{kind[0].upper()} {result[kind][s][0]}/{result[kind][s][1]}"
                 for kind in ("forward", "backward", "optimizer")
             )
+            + (f" XLA calls {result['compiled'][s][0]}/{result['compiled'][s][1]}" if result["compiled"][s][1] else "")
             for s in range(len(result["stages"]))
         )
         print(f"placement {config}: {shares}; {'all on their devices' if result['ok'] else 'OFF DEVICE'}", flush=True)
@@ -1000,17 +1002,19 @@ def tables(results: dict[str, Any]) -> list[str]:
             "",
             f"**Executed placement** ({r['models']['transformer']}; 2 devices, uniform plan, M = "
             f"{r['placement']['microbatches']}, one training step; ops on the planned device / ops counted, read "
-            "from the graphs TensorFlow executed; with XLA a stage function is one compiled cluster, so only its "
-            "calls are counted):",
+            "from the graphs TensorFlow executed; with XLA a stage function is one compiled cluster that XLA runs "
+            "wholly on its call's device, so its ops are not listed and its calls are counted where they ran):",
             "",
-            "| configuration | stage | device | forward | backward | optimizer updates |",
-            "|---|---|---|---|---|---|",
+            "| configuration | stage | device | forward | backward | optimizer updates | XLA calls (forward, backward, "
+            "sums) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in r["placement"]["rows"]:
             for s, device in enumerate(row["stages"]):
+                kinds = ("forward", "backward", "optimizer", "compiled")
                 cells = " | ".join(
-                    f"{on}/{total} ({on / total if total else 1:.0%})"
-                    for on, total in (row[kind][s] for kind in ("forward", "backward", "optimizer"))
+                    f"{on}/{total} ({on / total if total else 1:.0%})" if total or kind != "compiled" else "-"
+                    for kind, (on, total) in ((k, row.get(k, [[0, 0]] * len(row["stages"]))[s]) for k in kinds)
                 )
                 lines.append(f"| {row['config']} | {s} | {device.split('device:')[-1]} | {cells} |")
         everywhere = all(row["ok"] for row in r["placement"]["rows"])

@@ -396,7 +396,8 @@ def test_cli_model_that_fails_to_build_is_one_line(argv, model_module, capsys, v
 
 def _executed_rows(out: str) -> list[list[str]]:
     """The rows of the 'Executed placement' table: stage, device, then forward/backward/optimizer shares
-    (cells 2 to 7), the loss's share ('-' but on the last stage), calls not read, the step's other ops."""
+    (cells 2 to 7), the loss's share ('-' but on the last stage), XLA calls there, calls not read, the step's
+    other ops."""
     table = out[out.index("Executed placement (one training step)") :]
     return [line.split() for line in table.splitlines() if line.split()[:1] in (["0"], ["1"])]
 

@@ -11,6 +11,7 @@ Before the runtime engine (commit 4ebdfcd) the same reading found every backward
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import keras
@@ -63,17 +64,19 @@ def test_every_stage_runs_its_forward_backward_and_update_on_its_device(
 
     assert not report.off_device, report.off_device[:10]
     assert report.loss.total > 0 and report.loss.on_device == report.loss.total
-    # XLA runs each stage function as one compiled cluster: TensorFlow lists the call, not the body, and
-    # the report says so instead of counting the call as the stage's whole forward or backward
-    assert bool(report.unread) if jit_compile else all(_too_long_to_dump(line) for line in report.unread)
+    # XLA runs each stage function as one compiled cluster on its call's device: TensorFlow lists the call,
+    # not the body, and the report counts the call where it ran
+    assert all(_too_long_to_dump(line) for line in report.unread)
     assert report.ok == (not report.unread)
-    for stage, forward, backward, update, unread in zip(
-        wrapped.executor.stages, report.forward, report.backward, report.optimizer, report.unread_calls, strict=True
+    for stage, forward, backward, update, compiled in zip(
+        wrapped.executor.stages, report.forward, report.backward, report.optimizer, report.compiled, strict=True
     ):
+        assert compiled.on_device == compiled.total
+        assert (compiled.total > 0) == (jit_compile and bool(stage.nodes))  # XLA per stage, and only with XLA
         if stage.nodes:  # a stage of input layers only computes nothing
-            assert forward.total > 0 or (jit_compile and unread > 0)
+            assert forward.total > 0 or (jit_compile and compiled.total > 0)
         if stage.trainable_variables:
-            assert backward.total > 0 or (jit_compile and unread > 0)
+            assert backward.total > 0 or (jit_compile and compiled.total > 0)
             assert backward.on_device == backward.total
             assert update.total >= len(stage.trainable_variables)  # at least one write per variable
             assert update.on_device == update.total
@@ -99,6 +102,33 @@ def _two_stage(name: str, devices, num_microbatches: int = 2, optimizer=None, ba
     wrapped = wrap(model, plan, validate=False)
     wrapped.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), loss=loss)
     return wrapped, x, y
+
+
+def test_an_xla_call_on_another_device_is_off_its_device(virtual_devices, monkeypatch) -> None:
+    """An XLA-compiled stage function runs wholly on its call's device: a call of stage 1's compiled forward
+    read on the first device (as if TensorFlow had placed it there) is reported off its device, and not ok."""
+    from runtime import executed
+
+    wrapped, x, y = _two_stage("mlp", virtual_devices[:2])
+    wrapped.compile(optimizer=keras.optimizers.Adam(1e-3), loss=ZOO["mlp"]()[2], jit_compile=True)
+    collect = executed.collect_executed
+    moved = []
+
+    def misplaced(fn, *args, **kwargs):
+        result, nodes = collect(fn, *args, **kwargs)
+        for i, node in enumerate(nodes):
+            if node.compiled and "stage1_forward" in node.calls:
+                nodes[i] = dataclasses.replace(node, device=canonical(virtual_devices[0]))
+                moved.append(node.name)
+        return result, nodes
+
+    monkeypatch.setattr(executed, "collect_executed", misplaced)
+    report = executed_placement(wrapped, x, y)
+
+    assert moved and not report.ok
+    assert report.compiled[1].on_device == report.compiled[1].total - len(moved)
+    assert any(o.startswith(f"stage 1 forward: XLA call '{moved[0]}'") for o in report.off_device), report.off_device
+    assert report.compiled[0].on_device == report.compiled[0].total > 0
 
 
 @keras.saving.register_keras_serializable("test_placement")
