@@ -70,6 +70,12 @@ BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
 # weight gradients over the micro-batches in the loop (runtime/train_step.py), so while a micro-batch's
 # backward runs its stage holds the sum so far and the micro-batch's gradient being added to it.
 ACCUMULATING_COPIES = 1
+# Gradient copies of a trainable weight beyond its gradient, with D > 1 replicas: each stage's R action packs its
+# gradient sums into one flat tensor for the all-reduce (runtime/replicas.py), so it holds the sums and the packed
+# copy at once (the collective's output takes the packed tensor's buffer). Measured: 4 gradients of 16 MiB on 2
+# replicas, peak 112-128 MiB above resting per replica against 32 MiB without the all-reduce
+# (benchmarks/memory_model/allreduce.py). With M > 1 the loop's two copies already cover it.
+REDUCING_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,8 @@ class CostModel:
         cost: "flops" (portable, the default) or "time" (measured ``time_s`` rescaled by speed).
         schedule: "gpipe" or "1f1b": how many micro-batches' activations a stage holds (in_flight).
         recompute: "never", "always" or "auto": which stages recompute their forward in the backward.
+        num_replicas: D, the data-parallel copies of the pipeline: with D > 1 each stage holds a packed copy of
+            its gradients for the all-reduce (``REDUCING_COPIES``).
 
     Raises:
         InputError: for a nonsensical number of micro-batches or slots, or an unknown cost source,
@@ -248,6 +256,7 @@ class CostModel:
         cost: str = "flops",
         schedule: str = "gpipe",
         recompute: str = "never",
+        num_replicas: int = 1,
     ) -> None:
         problem = Problem(
             graph,
@@ -257,6 +266,7 @@ class CostModel:
             cost=cost,
             schedule=schedule,
             recompute=recompute,
+            num_replicas=num_replicas,
         )
         self._price(problem)
 
@@ -289,6 +299,7 @@ class CostModel:
         self.cost = cost
         self.schedule = schedule
         self.recompute = recompute
+        self.num_replicas = problem.num_replicas
         self.order = topological_order(graph)
         self.devices = cluster.names
         # FLOP/s of each device for the model's compute dtype: the one place device speed enters.
@@ -323,8 +334,11 @@ class CostModel:
         }
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
         self.gradient_bytes = {v: gradient_bytes(graph.nodes[v]) for v in self.order}  # a backward's working set
-        # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum
-        self.gradient_copies = 1 + ACCUMULATING_COPIES * (num_microbatches > 1)
+        # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum,
+        # with D > 1 the packed copy the all-reduce takes beside the sums (the larger of the two)
+        self.gradient_copies = 1 + max(
+            ACCUMULATING_COPIES * (num_microbatches > 1), REDUCING_COPIES * (problem.num_replicas > 1)
+        )
         self._weights = {
             v: int(graph.nodes[v]["param_bytes"])
             + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)
@@ -452,7 +466,8 @@ class CostModel:
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
         param_bytes + trainable_param_bytes * (gradient_copies + optimizer_slots), with gradient_copies
-        1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added)."""
+        1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added) or with D > 1
+        replicas (the sums and the packed copy their all-reduce takes)."""
         return self._weights[node]
 
     def step_bytes(self, node: str) -> int:

@@ -147,7 +147,8 @@ class Plan:
         self, graph: nx.DiGraph, cluster: Cluster, *, num_microbatches: int | None = None, cost: str | None = None
     ) -> CostModel:
         """The cost model this plan was made with: its M (or ``num_microbatches``), optimizer slots, cost source
-        (or ``cost``: "flops" prices a plan on a graph profiled without times) and schedule, on ``cluster``.
+        (or ``cost``: "flops" prices a plan on a graph profiled without times), schedule and replicas, on
+        ``cluster``.
 
         Example:
             >>> import partitioner as pt
@@ -163,6 +164,7 @@ class Plan:
             optimizer_slots=self.optimizer_slots,
             cost=self.cost if cost is None else cost,
             schedule=self.schedule,
+            num_replicas=self.num_replicas,
         )
 
     # ----- JSON ----------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Problem:
     cost: str = "flops"  # "flops" (portable) or "time" (measured time_s rescaled by speed)
     schedule: str = "gpipe"  # "gpipe" or "1f1b": how many micro-batches a stage holds, and the step's order
     recompute: str = "never"  # "never", "always" or "auto": which stages recompute their forward
+    num_replicas: int = 1  # D, the data-parallel copies of the pipeline whose gradients each stage all-reduces
 
     def __post_init__(self) -> None:
         validate_graph(self.graph)
@@ -64,6 +65,9 @@ class Problem:
         slots = self.optimizer_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
             raise InputError(f"optimizer_slots must be an integer >= 0 (2 for Adam, 0 for SGD). Received: {slots!r}.")
+        d = self.num_replicas
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise InputError(f"num_replicas must be an integer >= 1. Received: {d!r}.")
         if self.cost not in COST_SOURCES:
             raise InputError(f"cost must be one of {COST_SOURCES}. Received: {self.cost!r}.")
         check_schedule_name(self.schedule)

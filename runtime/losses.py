@@ -51,6 +51,51 @@ def build_loss(compile_loss: Any, y: Any, y_pred: Any, sample_weight: Any) -> No
         compute_output_spec(compile_loss, *symbolic)
 
 
+CHECK_ROWS = 7  # the batch axis of a check's symbolic tensors where the targets' is unknown (any size would do)
+
+
+def check_loss_fits(compile_loss: Any, y: Any, outputs: Any, sample_weight: Any) -> None:
+    """Raises one clear line where the compiled loss cannot take these targets with the model's outputs
+    (``outputs``: the model's output KerasTensors in its output structure), found on symbolic tensors of the
+    batch's rows (``CHECK_ROWS`` where the targets' batch axis is unknown): targets of shape (B,) under a
+    loss that needs (B, 5). Keras fails such a step while tracing it, or with a clear runtime error; a
+    pipelined step fails where the loss runs, on the last stage's device inside the micro-batch loop, and
+    TensorFlow then reports the other devices' cancelled receives ("RecvAsync is cancelled") instead.
+
+    Raises:
+        InputError: naming the loss's own error and the shapes it was given.
+    """
+    leaves = [t for t in keras.tree.flatten((y, sample_weight)) if t is not None]
+    if compile_loss is None or y is None or not all(isinstance(t, tf.Tensor) for t in leaves):
+        return  # no loss to check, or sparse or ragged targets: dense symbolic tensors would not stand for them
+    known = [t.shape[0] for t in keras.tree.flatten(y) if len(t.shape) and t.shape[0] is not None]
+    rows = int(known[0]) if known else CHECK_ROWS
+
+    def symbolic(tensor: Any) -> Any:
+        if tensor is None:
+            return None
+        shape = list(tensor.shape)
+        return keras.KerasTensor([rows, *shape[1:]] if shape else [], tensor.dtype)
+
+    args = keras.tree.map_structure(symbolic, (y, outputs, sample_weight))
+    try:
+        compute_output_spec(compile_loss, *args)
+    except (ValueError, TypeError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise InputError(
+            f"The compiled loss cannot take these targets with the model's outputs: {type(error).__name__}: "
+            f"{lines[0] if lines else ''} (targets {_shapes(args[0])}, outputs {_shapes(args[1])}). Expected "
+            "targets the loss takes with these outputs; the unwrapped model fails the same way: fix the "
+            "targets' shape or the loss (e.g. class indices of shape (batch,) go with "
+            "sparse_categorical_crossentropy, one-hot rows with categorical_crossentropy)."
+        ) from None
+
+
+def _shapes(tree: Any) -> Any:
+    """Each tensor of ``tree`` as its shape, for a message."""
+    return keras.tree.map_structure(lambda t: tuple(t.shape), tree)
+
+
 def weight_sums(sample_weight: Any) -> Any:
     """Each leaf of a batch's sample weights summed (float32), as ``microbatch_part`` takes them (None stays None)."""
     return keras.tree.map_structure(

@@ -35,6 +35,7 @@ from profiles.internals import (
     get_keras_mask,
     initial_epoch,
     loss_tracker,
+    output_structure,
     run_through_graph,
     set_initial_epoch,
     set_keras_mask,
@@ -43,7 +44,7 @@ from profiles.internals import (
 )
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
-from runtime.losses import build_loss, microbatch_part, splits_exactly, weight_sums
+from runtime.losses import build_loss, check_loss_fits, microbatch_part, splits_exactly, weight_sums
 from runtime.metrics import ByMicrobatch, sums_over_rows, warn_stacked
 from runtime.optimizer_state import (
     compile_like,
@@ -268,6 +269,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         executor = self._state.executor
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
+        check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)  # before the loop hides why
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
             loss, collected, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
@@ -340,10 +342,16 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         the plan may not use. The inputs are split where their InputLayers are (``_flat_inputs``)."""
         return tf.device(self._state.stages[0])
 
+    def _output_specs(self) -> Any:
+        """The model's outputs as KerasTensors, in its output structure (for ``check_loss_fits``)."""
+        model = self._state.executor.model
+        return keras.tree.pack_sequence_as(output_structure(model), list(model.outputs))
+
     def test_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
         executor = self._state.executor
+        check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)
         with self._first_stage():
             collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]

@@ -320,6 +320,7 @@ def _costs(
         cost=solve_options.get("cost", "flops"),
         schedule=schedule,
         recompute=recompute,
+        num_replicas=solve_options.get("num_replicas", 1),
     )
 
 

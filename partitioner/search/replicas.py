@@ -170,6 +170,7 @@ def plan_replicas(
                 schedule=schedule,
                 recompute=recompute,
                 time_limit_s=share_s,
+                num_replicas=d,  # each stage's all-reduce holds a packed copy of its gradients
                 **solve_options,
             )
         except InfeasiblePlanError as error:  # SolverTimeoutError included: no bound from it

@@ -71,6 +71,7 @@ def solve(
     schedule: str = "gpipe",
     options: SolverOptions | None = None,
     recompute: str = "never",
+    num_replicas: int = 1,
 ) -> Plan:
     """Places every node of ``graph`` on a device of ``cluster`` with CP-SAT.
 
@@ -91,6 +92,8 @@ def solve(
             recomputes its forward in the backward: more compute, activations of one micro-batch plus
             the stage's inputs per micro-batch in flight) or "auto" (the planner recomputes a stage
             only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
+        num_replicas: D, the data-parallel copies this pipeline is one of (``plan_replicas`` plans replica 0 so):
+            each stage's memory counts the packed gradients its all-reduce holds.
 
     Returns:
         A Plan with status "optimal" (proven) or "feasible", judged on what was minimised: with
@@ -119,6 +122,7 @@ def solve(
         cost=cost,
         schedule=schedule,
         recompute=recompute,
+        num_replicas=num_replicas,
     )
     return solve_problem(problem, time_limit_s=time_limit_s, pins=pins, options=options)
 

@@ -127,3 +127,30 @@ def test_loss_reduction_none_is_refused_before_any_weight_moves(reduction: str |
         wrapped.train_on_batch(x, y)
     for got, want in zip(wrapped.unwrap().get_weights(), before, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("call", ["train_on_batch", "fit", "evaluate"])
+def test_targets_the_loss_cannot_take_are_refused_in_one_line_before_any_weight_moves(
+    call: str, virtual_devices
+) -> None:
+    """Class indices under mean squared error against 5 logits: Keras fails while tracing its step; the
+    pipelined step failed on the last stage inside the loop, and TensorFlow reported the first stage's
+    cancelled receive ("CancelledError: RecvAsync is cancelled"), not why."""
+    model, make_batch, _ = ZOO["mlp"]()
+    x, y = make_batch(BATCH, 3)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, M), validate=False)
+    wrapped.compile(optimizer="sgd", loss="mse")
+    before = wrapped.unwrap().get_weights()
+    run = {
+        "train_on_batch": lambda: wrapped.train_on_batch(x, y),
+        "fit": lambda: wrapped.fit(x, y, batch_size=BATCH, epochs=1, verbose=0),
+        "evaluate": lambda: wrapped.evaluate(x, y, batch_size=BATCH, verbose=0),
+    }[call]
+    with pytest.raises(
+        InputError,
+        match=r"The compiled loss cannot take these targets with the model's outputs: ValueError: .*"
+        r"\(targets \(\d+,\), outputs \(\d+, 5\)\)\. Expected targets the loss takes",
+    ):
+        run()
+    for got, want in zip(wrapped.unwrap().get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)

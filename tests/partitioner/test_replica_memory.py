@@ -1,0 +1,53 @@
+"""With D > 1 replicas each stage's R action holds a packed copy of its gradients beside their sums
+(runtime/replicas.py; benchmarks/memory_model/allreduce.py measured it): the cost model counts two gradient
+copies per trainable weight where one pipeline at M = 1 counts one."""
+
+from __future__ import annotations
+
+import pytest
+
+import partitioner as pt
+from partitioner.cost import ACCUMULATING_COPIES, REDUCING_COPIES
+from partitioner.errors import InputError
+from partitioner.search.replicas import plan_replicas
+
+
+def _graph():
+    graph = pt.chain_graph([1e12] * 4, param_bytes=[2**20] * 4, activation_bytes=[1024] * 4)
+    graph.graph.update(batch_size=8, num_microbatches=1)
+    return graph
+
+
+@pytest.mark.parametrize(("m", "d", "copies"), [(1, 1, 1), (1, 2, 2), (4, 1, 2), (4, 2, 2)])
+def test_gradient_copies_count_the_all_reduce_packed_copy(m, d, copies):
+    costs = pt.CostModel(_graph(), pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=m, num_replicas=d)
+    assert costs.gradient_copies == copies == 1 + max(ACCUMULATING_COPIES * (m > 1), REDUCING_COPIES * (d > 1))
+    # weights, their gradient copies and Adam's two slots
+    assert costs.weight_bytes("layer_0") == 2**20 * (1 + copies + 2)
+
+
+def test_a_replicas_plan_prices_its_stages_with_the_packed_copy():
+    """plan_replicas plans replica 0 with D; its plan's cost model (simulate, validate_plan) says the same."""
+    graph, cluster = _graph(), pt.Cluster.uniform(4, memory="1GiB")
+    choice = plan_replicas(graph, cluster, batch_size=8, replicas=2, num_microbatches=1, time_limit_s=5)
+    plan = choice.plan
+    assert plan.num_replicas == 2
+    costs = plan.cost_model(choice.graph, cluster)
+    assert costs.num_replicas == 2 and costs.gradient_copies == 2
+    alone = pt.solve(choice.graph, cluster.take(2), num_microbatches=1, time_limit_s=5)
+    assert alone.cost_model(choice.graph, cluster.take(2)).gradient_copies == 1
+
+
+def test_a_plan_that_fits_alone_can_miss_with_replicas():
+    """Weights that fit one device beside one gradient copy and Adam's slots do not beside two."""
+    graph = pt.chain_graph([1e12], param_bytes=[100 * 2**20], activation_bytes=[0])
+    cluster = pt.Cluster.uniform(1, memory="450MiB")  # 100 MiB x (1 + 1 + 2) fits, x (1 + 2 + 2) does not
+    pt.solve(graph, cluster, num_microbatches=1)
+    with pytest.raises(pt.InfeasiblePlanError):
+        pt.solve(graph, cluster, num_microbatches=1, num_replicas=2)
+
+
+@pytest.mark.parametrize("d", [0, 1.5, True])
+def test_num_replicas_must_be_a_count(d):
+    with pytest.raises(InputError, match=r"num_replicas must be an integer >= 1. Received: "):
+        pt.Problem(_graph(), pt.Cluster.uniform(2, memory="1GiB"), num_replicas=d)
