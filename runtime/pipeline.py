@@ -92,6 +92,33 @@ def _own_rows(outputs: Any, batch: tf.Tensor) -> Any:
     return keras.tree.map_structure(one, outputs)
 
 
+CANCELLED_NOTE = (
+    "keras-partitioner: an op of this pipelined step failed on one device, and TensorFlow reported another "
+    "device's cancelled receive ('RecvAsync is cancelled') instead of the failure. TensorFlow logs the failure "
+    "as 'Local rendezvous is aborting with status: ...' (a warning: TF_CPP_MIN_LOG_LEVEL=2 or more hides it); "
+    "the same step on one device raises it: the unwrapped model (wrapped.unwrap()) on the same batch, or "
+    "plan_and_wrap(model, devices=1, ...)."
+)
+
+
+def _explaining(function: Any, num_stages: int) -> Any:
+    """``function`` (a Keras train, test or predict function), adding ``CANCELLED_NOTE`` to a CancelledError it
+    raises where the plan has several stages: an error inside the micro-batch loop on one device cancels the
+    other devices' receives, and TensorFlow raises one of those (a derived status) instead of the error."""
+    if function is None or num_stages < 2:
+        return function
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.CancelledError as error:
+            if CANCELLED_NOTE not in getattr(error, "__notes__", ()):
+                error.add_note(CANCELLED_NOTE)
+            raise
+
+    return run
+
+
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
     """A Keras model whose layers run on the devices of a plan, trained by a pipeline schedule.
 
@@ -242,6 +269,26 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         those holding a recurrent layer (``runtime.program.xla_blockers``: XLA cannot hand an LSTM's loop
         state to the backward), which run uncompiled, as plain Keras runs such a layer."""
         return tuple(program.jit_compile for program in self._state.executor.programs)
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """keras.Model's, its step explained where TensorFlow reports a cancelled receive (``_explaining``)."""
+        return self._explained("train_function", super().make_train_function, force)
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """keras.Model's, explained as ``make_train_function``'s."""
+        return self._explained("test_function", super().make_test_function, force)
+
+    def make_predict_function(self, force: bool = False) -> Any:
+        """keras.Model's, explained as ``make_train_function``'s."""
+        return self._explained("predict_function", super().make_predict_function, force)
+
+    def _explained(self, attribute: str, make: Any, force: bool) -> Any:
+        """Keras' ``make`` of the function kept in ``attribute``, wrapped by ``_explaining`` when made anew."""
+        made = getattr(self, attribute) is None or force
+        make(force)
+        if made:
+            setattr(self, attribute, _explaining(getattr(self, attribute), self.plan.num_stages))
+        return getattr(self, attribute)
 
     def compile_from_config(self, config: Any) -> None:
         """Compiles from ``get_compile_config()`` output (Keras skips models that override compile)."""
