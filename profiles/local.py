@@ -225,13 +225,18 @@ def with_model_pool_capacities(
     import warnings
 
     capacities = {}
-    for pool, (_, members) in cluster.pools().items():
-        names = [cluster.devices[i].name for i in members]
+    members: dict[str, list[str]] = {}  # every pool of two devices or more, the chain's capacity full or not
+    for device in cluster.devices:
+        if device.pool is not None:
+            members.setdefault(device.pool, []).append(device.name)
+    for pool, names in members.items():
+        if len(names) < 2:
+            continue
         try:
             capacities[pool] = measure_model_pool_capacity(
                 model, names, samples, input_shapes=input_shapes, sequence_length=sequence_length
             )
-        except (tf.errors.OpError, MemoryError) as error:
+        except (tf.errors.OpError, MemoryError, ValueError, TypeError) as error:
             warnings.warn(
                 f"Could not run '{getattr(model, 'name', 'the model')}' on the {len(names)} devices of {pool} at "
                 f"once ({type(error).__name__}); planning with the pool's capacity measured by a matmul chain.",

@@ -295,7 +295,7 @@ def _scale_to_model(
                 repeats=max(repeats, MODEL_REPEATS),
                 warmup=warmup,
             )
-    except Exception as error:  # the plan is still made, on the calls' own times
+    except (tf.errors.OpError, MemoryError, ValueError, TypeError) as error:  # planned on the calls' own times
         warnings.warn(
             f"Could not time the forward and backward of '{model.name}' as a whole on {device} "
             f"({_summary(error)}); its layers' times are kept as timed one call at a time, which add up to "

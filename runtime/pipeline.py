@@ -112,8 +112,8 @@ def _explaining(function: Any, num_stages: int) -> Any:
         try:
             return function(*args, **kwargs)
         except tf.errors.CancelledError as error:
-            if CANCELLED_NOTE not in getattr(error, "__notes__", ()):
-                error.add_note(CANCELLED_NOTE)
+            if hasattr(error, "add_note") and CANCELLED_NOTE not in getattr(error, "__notes__", ()):
+                error.add_note(CANCELLED_NOTE)  # Python 3.11+; on 3.10 the error goes unexplained
             raise
 
     return run

@@ -146,7 +146,7 @@ class ExecutedPlacement:
     optimizer: tuple[Share, ...]
     off_device: tuple[str, ...]  # "stage s <kind>: <op> '<node>' on <device>", "optimizer: ...", "loss: ..."
     loss: Share = Share(0, 0)  # the micro-batch loss function's ops on the last stage's device
-    unread_calls: tuple[int, ...] = ()  # per stage: calls of functions whose body was not listed (XLA)
+    unread_calls: tuple[int, ...] = ()  # per stage: calls of functions whose body was not listed
     unread: tuple[str, ...] = ()  # "stage s <kind>: call '<node>' of '<function>' on <device>: its body is not listed"
     outside: dict[str, int] = field(default_factory=dict)  # device -> compute ops outside every function above
     compiled: tuple[Share, ...] = ()  # per stage: its XLA-compiled calls (forward, backward, sums) on its device
@@ -299,7 +299,9 @@ def executed_placement(model: Any, x: Any, y: Any = None, sample_weight: Any = N
             part = _part_of_function(node.calls) or part
             call = f"{'XLA call' if node.compiled else 'call'} '{node.name}' of '{node.calls}' on {device}"
             if part is None:  # a function the step itself calls: counted with no stage
-                if not node.compiled:
+                if node.compiled:  # ran wholly on its call's device: the step's other work there
+                    outside[device] += 1
+                else:
                     unread.append(f"step: {call}: its body is not listed")
                 continue
             s = last if part[0] is None else part[0]

@@ -195,7 +195,6 @@ def plan_and_wrap(
         "time_limit_s": time_limit_s,
         "pins": pins,
         "recompute": recompute,
-        "num_replicas": num_replicas,  # with workers, each stage's all-reduce holds a packed copy of its gradients
     }
     try:
         if AUTO in (num_microbatches, schedule):

@@ -34,7 +34,7 @@ Example:
     >>> import partitioner as pt
     >>> graph = pt.chain_graph([4e11] * 4, param_bytes=[2**20] * 4, activation_bytes=[2**20] * 4)
     >>> graph.graph.update(batch_size=64, num_microbatches=1)
-    >>> cluster = pt.Cluster.uniform(4, memory="80GiB", flops_per_s=100e12, bandwidth=100e9)
+    >>> cluster = pt.Cluster.uniform(4, memory="96GiB", flops_per_s=100e12, bandwidth=100e9)
     >>> choice = plan_replicas(graph, cluster, batch_size=64, time_limit_s=5)
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 4 MiB of weights: data parallel
     (4, 1)
@@ -46,7 +46,7 @@ Example:
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 32 GiB of weights: a pipeline
     (1, 4)
     >>> [(c.num_replicas, c.step_time_s and round(c.step_time_s * 1e3, 1)) for c in choice.candidates]
-    [(1, 4.4), (2, 179.8), (2, 179.8), (4, None)]
+    [(1, 4.4), (2, 176.0), (2, 176.0), (4, None)]
     >>> choice.best(devices_per_replica=1) is None        # data parallel does not fit: the reason says why
     True
 """

@@ -80,6 +80,8 @@ def test_with_model_pool_capacities_replaces_each_pool_by_the_models_own(virtual
     monkeypatch.setattr(local, "measure_model_pool_capacity", lambda model, names, samples, **kw: 1.25)
     pooled = Cluster([Device(n, memory="1GiB", pool="host CPU", pool_capacity=1.5) for n in virtual_devices[:2]])
     assert local.with_model_pool_capacities(pooled, None, 4).pools() == {"host CPU": (1.25, (0, 1))}
+    full = Cluster([Device(n, memory="1GiB", pool="host CPU", pool_capacity=2.0) for n in virtual_devices[:2]])
+    assert local.with_model_pool_capacities(full, None, 4).pools() == {"host CPU": (1.25, (0, 1))}  # measured too
     unpooled = Cluster([Device(n, memory="1GiB") for n in virtual_devices[:2]])
     assert local.with_model_pool_capacities(unpooled, None, 4) is unpooled
 
