@@ -24,7 +24,7 @@ from partitioner.schedule import SCHEDULES
 # 2: recompute per stage (version 1 files load with no stage recomputed); step_lower_bound_s is optional
 # 3: structure (older files load without it: their names must match the model's)
 # 4: replica_devices and reduce_times, data x pipeline (older files load as one replica); later, optional:
-#    step_overhead_s (older files load with 0)
+#    step_overhead_s (older files load with 0), priced_replicas (older files load with 1)
 PLAN_SCHEMA_VERSION = 4
 STATUSES = ("optimal", "feasible", "heuristic")
 
@@ -79,6 +79,10 @@ class Plan:
     # plan's cluster, else 0 (partitioner.score.step_overhead_s). Not in
     # ``step_time_s``, by which planners compare plans and which their bounds are on; ``predicted_step_s`` adds it
     step_overhead_s: float = 0.0
+    # D the memory was priced for: each stage's all-reduce holds a packed copy of its gradients when D > 1
+    # (partitioner.cost.REDUCING_COPIES). plan_replicas' plans record their replicas' devices too; a worker's plan
+    # (plan_and_wrap with workers: each plans its own pipeline) only this
+    priced_replicas: int = 1
 
     def __post_init__(self) -> None:
         # Plans built without it (and files of schema version 1) recompute no stage; validate_plan checks the rest.
@@ -164,7 +168,7 @@ class Plan:
             optimizer_slots=self.optimizer_slots,
             cost=self.cost if cost is None else cost,
             schedule=self.schedule,
-            num_replicas=self.num_replicas,
+            num_replicas=max(self.num_replicas, self.priced_replicas),
         )
 
     # ----- JSON ----------------------------------------------------------------------------------
@@ -208,6 +212,7 @@ class Plan:
             "replica_devices",
             "reduce_times",
             "step_overhead_s",
+            "priced_replicas",
         )
         required = {f.name for f in fields(cls) if f.name not in optional}
         missing = sorted(required - set(data))
@@ -239,6 +244,12 @@ class Plan:
                 f"{source} is corrupt: replica_devices must list, per replica, as many distinct devices as "
                 f"devices ({len(plan.devices)}), replica 0's being devices."
             )
+        if (
+            isinstance(plan.priced_replicas, bool)
+            or not isinstance(plan.priced_replicas, int)
+            or plan.priced_replicas < 1
+        ):
+            raise PlanError(f"{source} is corrupt: priced_replicas {plan.priced_replicas!r} is not an integer >= 1.")
         if plan.schedule not in SCHEDULES:
             raise PlanError(f"{source} is corrupt: schedule {plan.schedule!r} is not one of {SCHEDULES}.")
         if (

@@ -83,6 +83,7 @@ def score_assignment(
         recompute=ev.recompute,
         structure=structure(costs.graph),
         step_overhead_s=step_overhead_s(costs),
+        priced_replicas=costs.num_replicas,
     )
 
 

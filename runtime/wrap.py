@@ -195,6 +195,8 @@ def plan_and_wrap(
         "time_limit_s": time_limit_s,
         "pins": pins,
         "recompute": recompute,
+        # with workers each stage's all-reduce holds a packed copy of its gradients (Plan.priced_replicas records D)
+        "num_replicas": num_replicas,
     }
     try:
         if AUTO in (num_microbatches, schedule):

@@ -51,3 +51,29 @@ def test_a_plan_that_fits_alone_can_miss_with_replicas():
 def test_num_replicas_must_be_a_count(d):
     with pytest.raises(InputError, match=r"num_replicas must be an integer >= 1. Received: "):
         pt.Problem(_graph(), pt.Cluster.uniform(2, memory="1GiB"), num_replicas=d)
+
+
+def test_a_plan_records_the_replicas_its_memory_was_priced_for():
+    """A worker's plan (solve with num_replicas, no replicas' devices): its cost model, simulation and JSON
+    say D, so validate_plan and simulate price the packed copy as the plan did."""
+    graph, cluster = _graph(), pt.Cluster.uniform(2, memory="1GiB")
+    plan = pt.solve(graph, cluster, num_microbatches=1, num_replicas=2, time_limit_s=5)
+    assert plan.priced_replicas == 2 and plan.num_replicas == 1  # its replicas' devices are other workers'
+    assert plan.cost_model(graph, cluster).gradient_copies == 2
+    again = pt.Plan.from_json(plan.to_json())
+    assert again.priced_replicas == 2 and again.memory_bytes == plan.memory_bytes
+    assert pt.simulate(again, graph, cluster).peak_memory_bytes == pt.simulate(plan, graph, cluster).peak_memory_bytes
+    pt.validate_plan(again, graph, cluster)
+    assert pt.solve(graph, cluster, num_microbatches=1, time_limit_s=5).priced_replicas == 1
+
+
+def test_a_plan_file_without_priced_replicas_loads_as_one():
+    import json
+
+    plan = pt.solve(_graph(), pt.Cluster.uniform(2, memory="1GiB"), num_microbatches=1, time_limit_s=5)
+    data = json.loads(plan.to_json())
+    del data["priced_replicas"]
+    assert pt.Plan.from_json(json.dumps(data)).priced_replicas == 1
+    data["priced_replicas"] = 0
+    with pytest.raises(pt.PlanError, match=r"is corrupt: priced_replicas 0 is not an integer >= 1"):
+        pt.Plan.from_json(json.dumps(data))
