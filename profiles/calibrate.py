@@ -220,13 +220,9 @@ def measure_model_pool_capacity(
         >>> measure_model_pool_capacity(model, ["/device:CPU:0", "/device:CPU:1"], 16)   # doctest: +SKIP
         1.27
     """
-    import keras
-
-    from profiles.internals import input_structure
     from profiles.shapes import input_names
     from profiles.shapes import input_shapes as resolve_input_shapes
-    from profiles.timing import fill, forward_backward
-    from profiles.walk import functional_graph
+    from profiles.timing import fill, forward_backward, training_call, variables_kept
 
     names = _pool_devices(device_names)
     _check_count(samples, "samples")
@@ -236,25 +232,18 @@ def measure_model_pool_capacity(
         tf.TensorSpec([samples, *shapes[name]], tensor.dtype)
         for name, tensor in zip(input_names(model), model.inputs, strict=True)
     ]
-    struct = input_structure(functional_graph(model))  # a dict of inputs (keras-hub) goes back as a dict
+    forward = training_call(model)
     inputs = []
     for name in names:
         with tf.device(name):
             inputs.append([fill(spec) for spec in specs])
 
-    def forward(*values: Any) -> Any:
-        return model(keras.tree.pack_sequence_as(struct, list(values)), training=True)
-
     def step(arguments: list[Any]) -> Any:
         outputs = forward_backward(forward, arguments, model.trainable_weights)
         return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in outputs]) if outputs else tf.constant(0.0)
 
-    state = [(v, v.numpy()) for v in model.variables]  # the passes move batch statistics and seeds
-    try:
+    with variables_kept(model.variables):  # the passes move batch statistics and seeds
         return _capacity(names, inputs, step, num_rounds)
-    finally:
-        for variable, value in state:
-            variable.assign(value)
 
 
 def _pool_devices(device_names: Sequence[str]) -> tuple[str, ...]:
@@ -328,20 +317,9 @@ def _boundary(device_name: str) -> Any:
 def _median_seconds(run: Any, devices: str | Sequence[str], num_rounds: int) -> float:
     """Median wall seconds of ``run()`` after two untimed calls, each device named synced after each."""
     names = [devices] if isinstance(devices, str) else list(devices)
-
-    def synced() -> None:
-        run()
-        for name in names:
-            sync_device(name)
-
     for _ in range(2):
-        synced()
-    rounds = []
-    for _ in range(num_rounds):
-        start = time.perf_counter()
-        synced()
-        rounds.append(time.perf_counter() - start)
-    return statistics.median(rounds)
+        _synced_seconds(run, names)
+    return statistics.median(_synced_seconds(run, names) for _ in range(num_rounds))
 
 
 def _check_count(value: Any, name: str) -> None:

@@ -116,7 +116,7 @@ import networkx as nx
 from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError, TimingError
 from partitioner.graph import check_batch, load_graph, rescale_graph, save_graph, validate_graph
-from profiles.internals import flatten_layers, input_structure
+from profiles.internals import flatten_layers
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, Source, flatten_calls, functional_graph
@@ -267,34 +267,29 @@ def _scale_to_model(
     ``model_time_by_samples`` ([[samples, the model's seconds, its calls' seconds before scaling], ...]).
     Where the model cannot be timed whole (it does not fit on the device, or its call fails), warns and
     keeps the calls' own times."""
-    import keras
     import tensorflow as tf
 
-    from profiles.timing import forward_backward_seconds
+    from profiles.timing import forward_backward_seconds, training_call, variables_kept
 
     sizes = profiler.timed_sizes()
     specs_of = [sources[id(t)] for t in functional.inputs]
-    struct = input_structure(functional)  # a dict of inputs (keras-hub) goes back as a dict
-
-    def forward(*values: Any) -> Any:
-        return model(keras.tree.pack_sequence_as(struct, list(values)), training=True)
-
-    state = [(v, v.numpy()) for v in model.variables]  # the model runs: BN statistics and seeds move
+    forward = training_call(model)
     measured: dict[int, float] = {}
     try:
-        for n in sizes:
-            specs = [
-                tf.TensorSpec(_micro_shape(shapes[s.call][s.output], n, model.name), t.dtype)
-                for s, t in zip(specs_of, functional.inputs, strict=True)
-            ]
-            measured[n] = forward_backward_seconds(
-                forward,
-                specs,
-                model.trainable_weights,
-                device=device,
-                repeats=max(repeats, MODEL_REPEATS),
-                warmup=warmup,
-            )
+        with variables_kept(model.variables):  # the model runs: BN statistics and seeds move
+            for n in sizes:
+                specs = [
+                    tf.TensorSpec(_micro_shape(shapes[s.call][s.output], n, model.name), t.dtype)
+                    for s, t in zip(specs_of, functional.inputs, strict=True)
+                ]
+                measured[n] = forward_backward_seconds(
+                    forward,
+                    specs,
+                    model.trainable_weights,
+                    device=device,
+                    repeats=max(repeats, MODEL_REPEATS),
+                    warmup=warmup,
+                )
     except (tf.errors.OpError, MemoryError, ValueError, TypeError) as error:  # planned on the calls' own times
         warnings.warn(
             f"Could not time the forward and backward of '{model.name}' as a whole on {device} "
@@ -303,9 +298,6 @@ def _scale_to_model(
             stacklevel=3,
         )
         return
-    finally:
-        for variable, value in state:
-            variable.assign(value)
     layers = {n: sum(profiler.layer_seconds(i, n) for i in range(len(calls))) for n in sizes}
     factors = {n: measured[n] / layers[n] if measured[n] > 0 and layers[n] > 0 else 1.0 for n in sizes}
     for index, call in enumerate(calls):
@@ -679,26 +671,22 @@ class _CallProfiler:
 
     def _time(self, call: LayerCall, specs: list[Any]) -> float:
         """Forward + backward seconds of the call on ``specs`` (profiles.timing); its variables restored."""
-        from profiles.timing import forward_backward_seconds
+        from profiles.timing import forward_backward_seconds, variables_kept
 
-        state = [(v, v.numpy()) for v in getattr(call.operation, "variables", [])]
         what = f"'{call.operation.name}' ({type(call.operation).__name__}) forward + backward"
         expected = (
             "Expected a differentiable layer that fits on the device; profile with measure_time=False to skip timing."
         )
-        try:
-            with self._timing(what, expected):
-                return forward_backward_seconds(
-                    _forward_fn(call),
-                    specs,
-                    _trainable_weights(call.operation),
-                    device=str(self._device),
-                    repeats=self._repeats,
-                    warmup=self._warmup,
-                )
-        finally:
-            for variable, value in state:  # running the layer moved BN statistics and seeds
-                variable.assign(value)
+        # running the layer moves its BN statistics and seeds: they come back
+        with variables_kept(getattr(call.operation, "variables", [])), self._timing(what, expected):
+            return forward_backward_seconds(
+                _forward_fn(call),
+                specs,
+                _trainable_weights(call.operation),
+                device=str(self._device),
+                repeats=self._repeats,
+                warmup=self._warmup,
+            )
 
 
 def _forward_fn(call: LayerCall) -> Callable[..., Any]:

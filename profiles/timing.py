@@ -19,9 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -95,6 +96,34 @@ def forward_backward(fn: Callable[..., Any], inputs: Sequence[Any], variables: S
         return targets
     grads = tape.gradient(targets, sources)
     return targets + [g for g in grads if g is not None]
+
+
+def training_call(model: Any) -> Callable[..., Any]:
+    """``model`` called in training mode on one tensor per input, in the order of ``model.inputs``, handed to it
+    in the nesting it was built with (a dict of inputs for a keras-hub backbone): what ``forward_backward`` runs
+    to time or measure the whole model."""
+    import keras
+
+    from profiles.walk import functional_graph
+
+    structure = internals.input_structure(functional_graph(model))
+
+    def call(*values: Any) -> Any:
+        return model(keras.tree.pack_sequence_as(structure, list(values)), training=True)
+
+    return call
+
+
+@contextlib.contextmanager
+def variables_kept(variables: Sequence[Any]) -> Iterator[None]:
+    """Runs the block and gives ``variables`` back the values they had before it: a layer or model run in
+    training mode moves its batch normalization statistics and its seeds."""
+    state = [(v, v.numpy()) for v in variables]
+    try:
+        yield
+    finally:
+        for variable, value in state:
+            variable.assign(value)
 
 
 def accumulate_seconds(variables: Sequence[Any], *, device: str, repeats: int = 5, warmup: int = 2) -> float:
