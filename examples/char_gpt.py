@@ -6,7 +6,7 @@ tokens through ``keras.ops``: Keras ops in the graph), then pre-LayerNorm blocks
 ``MultiHeadAttention(use_causal_mask=True)`` and an MLP with residual additions, then a
 language-model head. ``runtime.plan_and_wrap`` profiles it, plans its split over 4 devices (it may
 leave one idle: the 4 logical devices share this machine's cores, and a stage more would not shorten the
-step) and trains it as a pipeline; the loss curve is printed, and the wrapped model writes a few characters
+step; each device is given 16 MiB, too little for the whole model) and trains it as a pipeline; the loss curve is printed, and the wrapped model writes a few characters
 by greedy decoding (each next character is the most likely one under ``wrapped.predict``).
 
 Data: REAL text that ships with Python, no download: the source code of a few standard-library
@@ -113,8 +113,11 @@ print(
 )
 
 # 4. Plan the split over the devices and rebuild the model on them.
+#    Each device is given 16 MiB, less than the 17.7 MiB the planner counts for the model (weights,
+#    Adam's slots, gradients, activations): it must be split to fit, whatever this machine's cores
+#    make of the speed.
 wrapped = plan_and_wrap(
-    model, devices=NUM_DEVICES, batch_size=BATCH_SIZE, num_microbatches=NUM_MICROBATCHES, memory="2GiB"
+    model, devices=NUM_DEVICES, batch_size=BATCH_SIZE, num_microbatches=NUM_MICROBATCHES, memory="16MiB"
 )
 for stage, device in enumerate(wrapped.plan.stages):
     print(f"stage {stage} on {device}: {', '.join(wrapped.plan.nodes_on(device))}")
