@@ -6,8 +6,9 @@ tokens through ``keras.ops``: Keras ops in the graph), then pre-LayerNorm blocks
 ``MultiHeadAttention(use_causal_mask=True)`` and an MLP with residual additions, then a
 language-model head. ``runtime.plan_and_wrap`` profiles it, plans its split over 4 devices (it may
 leave one idle: the 4 logical devices share this machine's cores, and a stage more would not shorten the
-step; each device is given 16 MiB, too little for the whole model) and trains it as a pipeline; the loss curve is printed, and the wrapped model writes a few characters
-by greedy decoding (each next character is the most likely one under ``wrapped.predict``).
+step; each device is given 16 MiB, too little for the whole model) and trains it as a pipeline; the loss
+curve is printed, and the wrapped model writes a few characters by greedy decoding
+(each next character is the most likely one under ``wrapped.predict``).
 
 Data: REAL text that ships with Python, no download: the source code of a few standard-library
 modules (``textwrap``, ``string``, ``heapq``, ``bisect``, ``fnmatch``, ``shlex``, ``colorsys``,

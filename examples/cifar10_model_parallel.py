@@ -3,7 +3,8 @@
 What it shows: a conv net (three blocks of two 3x3 convolutions and a max-pool, then a dense
 head) handed to ``runtime.plan_and_wrap``, which profiles it, lets the planner choose which
 layers go on which of three logical CPU devices, rebuilds it there and trains it with GPipe
-micro-batches. Each device is given 16 MiB, too little for the whole model, so it must be split. The per-device plan and the observed placement of the weights are printed.
+micro-batches. Each device is given 16 MiB, too little for the whole model, so it must be split.
+The per-device plan and the observed placement of the weights are printed.
 
 Data: REAL CIFAR-10 through ``keras.datasets.cifar10.load_data()`` when it can be downloaded
 (or is cached in ~/.keras/datasets), a small subset of it to stay quick. When the machine is
