@@ -46,8 +46,9 @@ class TrainStep:
     stage runs its forwards in micro-batch order and, where it holds fewer than M micro-batches
     (``Executor.windows``: 1F1B's K - s, the last stage's 1), the forward of micro-batch m only after the
     backward of micro-batch m - window: the loop carries, per stage, tokens made after its last forward
-    and its last ``window`` backwards. Each stage runs its backwards one after the other too, as its row
-    of the schedule does: each holds its working set (the gradients of one micro-batch's outputs and
+    and its last ``window`` backwards; at least two iterations run at once, so a micro-batch's gradient
+    sums run beside the next one's forward. Each stage runs its backwards one after the other too (each
+    after the previous one's gradient sums), as its row of the schedule does: each holds its working set (the gradients of one micro-batch's outputs and
     inputs; run at once, two backwards of the CNN of benchmarks/runtime held both: its first stage's step
     51-59 MiB against 46-48 one after the other, 1F1B M = 4, three processes each); a recomputing stage's
     share the seed states they draw from and each holds a micro-batch's activations (run at once, they
@@ -95,7 +96,10 @@ class TrainStep:
         self.layer_losses: list[bool] = []  # per traced iteration: whether any stage returned a layer loss
 
     def run(self) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
-        return self.finish(self.executor._loop(self.iteration, self.start(), parallel=max(self.windows)))
+        # two iterations at least: a stage's sums of micro-batch m's gradients run beside the forward of
+        # micro-batch m + 1 (the tokens keep every bound; with one iteration at a time, one stage at M = 16
+        # waited for its sums each micro-batch: benchmarks/runtime's overlap MLP, 275 against 235 ms a step)
+        return self.finish(self.executor._loop(self.iteration, self.start(), parallel=max(2, *self.windows)))
 
     def start(self) -> dict[str, Any]:
         """The loop's carry before the first micro-batch (tokens only in the loop; sums of None unlooped)."""
@@ -165,7 +169,10 @@ class TrainStep:
             s = program.stage.index
             with tf.device(program.stage.device), tf.control_dependencies(carry["backward"][s]):
                 done = self.backward(s, micro, new) or micro.done[s]
-                new["backward"][s] = [_after(t, done) for t in carry["backward"][s]]
+                # the next backward waits for these sums too: a stage holds its sums and one micro-batch's
+                # gradients, not two (the gradient copies the cost model prices)
+                sums = [g for g in new["gradients"][s] if isinstance(g, tf.Tensor)]
+                new["backward"][s] = [_after(t, done + sums) for t in carry["backward"][s]]
                 if carry["window"][s]:
                     new["window"][s] = [*carry["window"][s][1:], _after(carry["window"][s][0], done)]
         return new
