@@ -47,8 +47,8 @@ class TrainStep:
     (``Executor.windows``: 1F1B's K - s, the last stage's 1), the forward of micro-batch m only after the
     backward of micro-batch m - window: the loop carries, per stage, tokens made after its last forward
     and its last ``window`` backwards; at least two iterations run at once, so a micro-batch's gradient
-    sums run beside the next one's forward. Each stage runs its backwards one after the other too (each
-    after the previous one's gradient sums), as its row of the schedule does: each holds its working set (the gradients of one micro-batch's outputs and
+    sums run beside the next one's forward. Each stage runs its backwards one after the other too, as its row
+    of the schedule does: each holds its working set (the gradients of one micro-batch's outputs and
     inputs; run at once, two backwards of the CNN of benchmarks/runtime held both: its first stage's step
     51-59 MiB against 46-48 one after the other, 1F1B M = 4, three processes each); a recomputing stage's
     share the seed states they draw from and each holds a micro-batch's activations (run at once, they
@@ -169,10 +169,7 @@ class TrainStep:
             s = program.stage.index
             with tf.device(program.stage.device), tf.control_dependencies(carry["backward"][s]):
                 done = self.backward(s, micro, new) or micro.done[s]
-                # the next backward waits for these sums too: a stage holds its sums and one micro-batch's
-                # gradients, not two (the gradient copies the cost model prices)
-                sums = [g for g in new["gradients"][s] if isinstance(g, tf.Tensor)]
-                new["backward"][s] = [_after(t, done + sums) for t in carry["backward"][s]]
+                new["backward"][s] = [_after(t, done) for t in carry["backward"][s]]
                 if carry["window"][s]:
                     new["window"][s] = [*carry["window"][s][1:], _after(carry["window"][s][0], done)]
         return new
