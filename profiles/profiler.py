@@ -208,7 +208,9 @@ def profile_model(
         timing_device = _resolve_device(tf, device)
         graph.graph["profiled_device"] = timing_device
         graph.graph["profiled_flops_per_s"] = measure_flops_per_s(timing_device)
-    profiler = _CallProfiler(tf, micro_batch, shapes, timing_device, repeats, warmup, measure_fixed_time, sizes)
+    profiler = _CallProfiler(
+        tf, micro_batch, shapes, timing_device, repeats, warmup, measure_fixed_time, sizes, _cold_sums(model)
+    )
     counted: set[int] = set()  # ids of weights already given to a node
     dtype_flops: dict[str, float] = {}  # compute dtype -> forward FLOPs of the calls computing in it
     for done, call in enumerate(calls, start=1):
@@ -243,6 +245,20 @@ def profile_model(
 
 
 STEP_REPEATS, STEP_WARMUP = 20, 10  # the least runs of the copy's training step (_step_overhead)
+# a stage's weights, their gradients and their sums pass through the caches between two adds of the same sums
+SUMMED_COPIES = 3
+
+
+def _cold_sums(model: Any) -> bool:
+    """Whether a step meets the sums of ``model``'s weight gradients out of the caches (``accumulate_time_s`` is
+    then timed cold): where its trainable weights, their gradients and their sums (SUMMED_COPIES) take more than
+    the host's largest cache (``profiles.timing.cache_bytes``). Timed cold, the adds of a model that fits the
+    caches would be priced at up to three times what its step pays."""
+    from profiles.timing import cache_bytes
+
+    return SUMMED_COPIES * sum(weight_bytes(w) for w in model.trainable_weights) > cache_bytes()
+
+
 MODEL_REPEATS = 10  # the least timed runs of the whole model's forward + backward (_scale_to_model)
 
 
@@ -485,6 +501,7 @@ class _CallProfiler:
         warmup: int,
         fixed_time: bool = False,
         time_samples: Sequence[int] = (),
+        cold_sums: bool = True,
     ) -> None:
         self._tf = tf
         self._micro_batch = micro_batch
@@ -494,6 +511,7 @@ class _CallProfiler:
         self._warmup = warmup
         self._fixed_time = fixed_time and device is not None and micro_batch > 1
         self._accumulate = fixed_time and device is not None
+        self._cold_sums = cold_sums  # accumulate_time_s timed with the caches emptied first (_cold_sums)
         self._time_samples = tuple(time_samples) if device is not None else ()
         self._memo: dict[tuple[int, str], _Trace] = {}
         self._traces: dict[int, _Trace] = {}  # call index -> its trace (not for InputLayers)
@@ -604,7 +622,9 @@ class _CallProfiler:
         with self._timing(
             what, "Expected weights that fit on the device; profile with measure_fixed_time=False to skip it."
         ):
-            return accumulate_seconds(weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup)
+            return accumulate_seconds(
+                weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup, cold=self._cold_sums
+            )
 
     @contextlib.contextmanager
     def _timing(self, what: str, expected: str) -> Iterator[None]:

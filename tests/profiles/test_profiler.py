@@ -792,3 +792,63 @@ def test_activation_bytes_are_what_a_functions_forward_keeps(name, make, shape):
     own, input_kept = _kept_by_tensorflow(layer, shape)
     assert graph.nodes[layer.name]["activation_bytes"] == own
     assert (graph.nodes["source"]["activation_bytes"] > 0) == input_kept
+
+
+def test_accumulate_seconds_evicts_the_caches_before_each_timed_add(monkeypatch):
+    """The sums are timed cold, as a step meets them: the caches are emptied before every timed add (not
+    before the warm-up runs nor the empty call's), and the add of a 1024 x 1024 weight takes some time."""
+    import tensorflow as tf
+
+    from profiles import timing
+
+    evictions = []
+    real = timing.evict_caches
+
+    def counting(device):
+        evict = real(device)
+        return lambda: (evictions.append(device), evict())
+
+    monkeypatch.setattr(timing, "evict_caches", counting)
+    weight = tf.Variable(tf.zeros([1024, 1024]))
+    seconds = timing.accumulate_seconds([weight], device="/CPU:0", repeats=3, warmup=2)
+    assert evictions == ["/CPU:0"] * 3
+    assert seconds > 0
+    assert timing.accumulate_seconds([], device="/CPU:0") == 0.0
+
+
+def test_cache_bytes_is_the_largest_cache_the_host_reports(monkeypatch, tmp_path):
+    from profiles import timing
+
+    sizes = {"index0": "48K", "index2": "2048K", "index3": "32768K\n", "index4": "junk", "index5": "1M"}
+    for name, text in sizes.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(timing.glob, "glob", lambda pattern: sorted(str(p) for p in tmp_path.iterdir()))
+    assert timing.cache_bytes() == 32 * 2**20
+    monkeypatch.setattr(timing.glob, "glob", lambda pattern: [])
+    assert timing.cache_bytes() == 32 * 2**20  # none reported: the default
+    (tmp_path / "index3").write_text("256M")
+    monkeypatch.setattr(timing.glob, "glob", lambda pattern: [str(tmp_path / "index3")])
+    assert timing.cache_bytes() == 256 * 2**20
+
+
+def test_gradient_sums_are_timed_cold_only_where_the_model_outgrows_the_caches(monkeypatch):
+    """A model whose weights, gradients and sums fit the host's largest cache meets its sums warm in a step:
+    they are timed warm; where they do not fit, cold."""
+    from profiles import timing
+
+    seen = []
+    real = timing.accumulate_seconds
+
+    def recording(variables, **kwargs):
+        seen.append(kwargs["cold"])
+        return real(variables, **kwargs)
+
+    monkeypatch.setattr(timing, "accumulate_seconds", recording)
+    inputs = keras.Input((64,), name="x")
+    model = keras.Model(inputs, layers.Dense(64, name="small")(inputs))  # 3 x 16.6 KB
+    kwargs = dict(batch_size=8, num_microbatches=1, repeats=1, warmup=0, measure_fixed_time=True)
+    monkeypatch.setattr(timing, "cache_bytes", lambda: 2**20)
+    assert profile_model(model, **kwargs).nodes["small"]["accumulate_time_s"] >= 0
+    monkeypatch.setattr(timing, "cache_bytes", lambda: 3 * (64 * 64 + 64) * 4 - 1)
+    profile_model(model, **kwargs)
+    assert seen == [False, True]
