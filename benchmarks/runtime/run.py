@@ -277,8 +277,11 @@ def child_overlap(mode: str, num_devices: int, num_microbatches: int, inter_op: 
         runner = model
     else:
         # Layer times measured at the micro-batch size on the first device, in this very configuration (the
-        # same thread settings), as a user would profile before training; saved for the record.
-        graph = profile_model(model, batch_size=BATCH, num_microbatches=num_microbatches, device=devices[0])
+        # same thread settings), as a user would profile before training, with the fixed part of a pass and
+        # the gradient sums of M > 1 (measure_fixed_time, as plan_and_wrap's timed path); saved for the record.
+        graph = profile_model(
+            model, batch_size=BATCH, num_microbatches=num_microbatches, device=devices[0], measure_fixed_time=True
+        )
         pt.save_graph(graph, graph_file)
         flops = measure_flops_per_s(devices[0])
         # the devices share this machine's cores: their pool's capacity measured in this very configuration with the
@@ -917,7 +920,8 @@ def tables(results: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        f"**Overlap** ({r['models']['mlp']}; by_time plan on measured layer times; each configuration in "
+        f"**Overlap** ({r['models']['mlp']}; by_time plan on measured layer times, their fixed part and "
+        f"their gradient sums (`measure_fixed_time`); each configuration in "
         f"{r['overlap']['repeats']} process(es), serial and pipelined alternating, each the median of {STEPS} steps "
         f"after {WARMUP} warm-up steps, the lower process kept; serial = 1 inter-op thread, pipelined = K):",
         "",
