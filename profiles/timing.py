@@ -135,13 +135,14 @@ def accumulate_seconds(
     their shapes on ``device`` (``total + gradient`` for each, in one function call, as the runtime's
     stage sums them when M > 1), less an empty call's; 0 for no variables.
 
-    With ``cold``, each timed add starts with the sums and gradients out of the caches (:func:`evict_caches`
-    runs, untimed, before it), as in the step of a model whose buffers do not fit them: the rest of the
-    stage's work passes through the caches between two adds of the same sums. Added again and again on
-    warm buffers, such sums took a third of the time they take in the step: benchmarks/runtime's overlap
-    MLP on 2 stages at M = 8 (5 Dense(1024) each) spent 17.3 ms of its 120 ms step on them (the step with
-    the sums left out: 103 ms), priced 18.7 ms more cold than warm; each 1024 x 1024 weight's add took
-    0.5-0.7 ms cold against 0.2 warm. Without ``cold`` the adds are timed on warm buffers.
+    With ``cold``, each timed add starts as in the step of a model whose buffers do not fit the caches: the
+    sums out of them (:func:`evict_caches` runs, untimed, before it: the rest of the stage's work passes
+    through the caches between two adds of the same sums), the gradients just read (the backward has just
+    made them). Added again and again on warm buffers, such sums took a third of the time they take in the
+    step: benchmarks/runtime's overlap MLP on 2 stages at M = 8 (5 Dense(1024) each) spent 17.3 ms of its
+    120 ms step on them (the step with the sums left out: 103 ms) against about 7.5 priced from warm adds;
+    a 1024 x 1024 weight's add took 0.32 ms warm, 0.60 with the sums cold, 0.86 with both cold. Without
+    ``cold`` the adds are timed on warm buffers.
 
     Example:
         >>> accumulate_seconds(dense.trainable_weights, device="/CPU:0")      # doctest: +SKIP
@@ -156,9 +157,19 @@ def accumulate_seconds(
         half = len(tensors) // 2
         return [total + gradient for total, gradient in zip(tensors[:half], tensors[half:], strict=True)]
 
-    evict = evict_caches(device) if cold else None
+    before_timed = None
+    if cold:
+        evict = evict_caches(device)
+        read = tf.function(lambda tensors: [tf.reduce_sum(t) for t in tensors])
+
+        def before_timed(inputs: Sequence[tf.Tensor]) -> None:  # the sums cold, the gradients just made
+            evict()
+            with tf.device(device):
+                read(list(inputs[len(specs) :]))
+            sync_device(device)
+
     return _median_seconds(
-        add, specs + specs, device=device, repeats=repeats, warmup=warmup, exclude_call=True, before_timed=evict
+        add, specs + specs, device=device, repeats=repeats, warmup=warmup, exclude_call=True, before_timed=before_timed
     )
 
 
@@ -198,11 +209,11 @@ def _median_seconds(
     repeats: int,
     warmup: int,
     exclude_call: bool,
-    before_timed: Callable[[], None] | None = None,
+    before_timed: Callable[[Sequence[tf.Tensor]], None] | None = None,
 ) -> float:
     """The median seconds of ``fn`` traced as a function on filled inputs on ``device``, less the median of
     an empty function's on the same inputs (the two take turns) where ``exclude_call``; >= 0.
-    ``before_timed`` runs, untimed, before each timed run of ``fn``."""
+    ``before_timed(inputs)`` runs, untimed, before each timed run of ``fn``."""
 
     def empty(*inputs: tf.Tensor) -> tf.Tensor:
         return tf.constant(0.0)
@@ -220,7 +231,7 @@ def _median_seconds(
         for _ in range(repeats):  # the pass and the empty call take turns, so both see the same load
             for run, seconds in zip(runs, times, strict=True):
                 if before_timed is not None and run is runs[0]:
-                    before_timed()
+                    before_timed(inputs)
                 start = time.perf_counter()
                 run(*inputs)
                 sync_device(device)
