@@ -115,7 +115,7 @@ import networkx as nx
 
 from partitioner.cost import training_flops
 from partitioner.errors import InputError, ProfileError, TimingError
-from partitioner.graph import check_batch, load_graph, rescale_graph, save_graph, validate_graph
+from partitioner.graph import check_batch, load_graph, save_graph, validate_graph
 from profiles.internals import flatten_layers
 from profiles.shapes import InputShapes, Shape, call_shapes, needs_shapes
 from profiles.shapes import input_shapes as resolve_input_shapes
@@ -237,7 +237,7 @@ def profile_model(
     if timing_device is not None:
         _scale_to_model(model, calls, sources, functional, shapes, graph, profiler, timing_device, repeats, warmup)
     if measure_fixed_time and timing_device is not None:
-        overhead = _step_overhead(model, functional, sources, shapes, graph, timing_device, repeats, warmup)
+        overhead = _step_overhead(model, functional, sources, shapes, timing_device, repeats, warmup)
         if overhead is not None:
             graph.graph["step_overhead_s"] = overhead
     validate_graph(graph)
@@ -326,18 +326,18 @@ def _step_overhead(
     functional: Any,
     sources: dict[int, Source],
     shapes: list[list[Shape]],
-    graph: nx.DiGraph,
     device: str,
     repeats: int,
     warmup: int,
 ) -> float | None:
     """Seconds a training step of ``model`` spends beyond its layers, once per step whatever the plan: a
-    Keras step of a copy of the model on one sample (``profiles.timing.train_step_seconds``) less the
-    layers' own forward and backward on one sample (``partitioner.rescale_graph``: each ``time_s`` at one
-    sample, its ``fixed_time_s`` kept), at least 0. None, with a warning, where the copy cannot train."""
+    Keras step of a copy of the model on one sample less the copy's forward and backward there, taking
+    turns (``profiles.timing.step_overhead_seconds``; what the layers' times at one sample add up to once
+    scaled to the whole model, ``_scale_to_model``), at least 0. None, with a warning, where the copy cannot
+    train."""
     import tensorflow as tf
 
-    from profiles.timing import train_step_seconds
+    from profiles.timing import step_overhead_seconds
 
     def specs(tensors: Any) -> list[Any]:
         found = [sources[id(t)] for t in tensors]
@@ -348,7 +348,7 @@ def _step_overhead(
 
     try:
         # a step is milliseconds, its Python side noisy: more runs than a layer's (medians moved by half with 5)
-        step = train_step_seconds(
+        return step_overhead_seconds(
             model,
             specs(functional.inputs),
             specs(functional.outputs),
@@ -363,8 +363,6 @@ def _step_overhead(
             stacklevel=3,
         )
         return None
-    one = rescale_graph(graph, batch_size=1)  # each layer's time at one sample, as the planner prices it
-    return max(0.0, step - sum(float(data.get("time_s", 0.0)) for _, data in one.nodes(data=True)))
 
 
 def save_profile(graph: nx.DiGraph, path: str | Path) -> None:

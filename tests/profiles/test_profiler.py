@@ -535,7 +535,7 @@ def test_profile_model_warns_when_the_steps_copy_cannot_train(monkeypatch):
     def cannot(*args, **kwargs):
         raise RuntimeError("no copy")
 
-    monkeypatch.setattr(timing, "train_step_seconds", cannot)
+    monkeypatch.setattr(timing, "step_overhead_seconds", cannot)
     with pytest.warns(
         UserWarning, match=r"Could not time a training step of a copy of 'mlp' \(RuntimeError: no copy\); "
     ):
