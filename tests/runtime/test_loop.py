@@ -141,6 +141,31 @@ def test_microbatches_overlap_up_to_the_schedules_bound(schedule: str, virtual_d
         assert 1.0 <= most["first"] <= 2.0 and most["second"] == 1.0, most
 
 
+def test_one_stage_sums_its_gradients_beside_the_next_forward(virtual_devices) -> None:
+    """One stage (window 1, M = 4): the loop still runs two iterations at once, so the sums of micro-batch
+    m's gradients run beside micro-batch m + 1's forward (one iteration at a time, the stage waited for its
+    sums every micro-batch), while the stage holds one micro-batch; the step is the original's."""
+    model = _slow_second_stage()
+    graph = profile_model(model, batch_size=32, num_microbatches=4, measure_time=False)
+    plan = pt.baselines.uniform(graph, pt.Cluster([pt.Device(virtual_devices[0], memory="4GiB")]), num_microbatches=4)
+    wrapped = wrap(model, plan, validate=False)
+    assert plan.num_stages == 1 and wrapped.executor.windows() == [1]
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for runner in (wrapped, reference):
+        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
+    for a, b in zip(wrapped.unwrap().trainable_weights, reference.trainable_weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    assert {name: float(c.most.numpy()) for name, c in _counters(wrapped).items()} == {"first": 1.0, "second": 1.0}
+    specs = (tf.TensorSpec(x.shape, tf.float32), tf.TensorSpec(y.shape, tf.float32))
+    step = tf.function(wrapped.train_step).get_concrete_function(specs).graph
+    loops = [op for op in step.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert [op.get_attr("parallel_iterations") for op in loops] == [2]
+
+
 def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
     """A custom schedule the loop can follow runs as written: stage 0 holds up to 3 micro-batches (more than
     1F1B's 2, fewer than GPipe's 8), stage 1 one; the loop keeps to those windows, and one training step
