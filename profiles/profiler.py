@@ -48,7 +48,8 @@ How each number is obtained, per micro-batch (``ceil(batch_size / num_microbatch
     accumulate_time_s  seconds to add the call's weight gradients of one micro-batch into sums of their
                        shapes (profiles.timing.accumulate_seconds; measure_fixed_time, calls with
                        trainable weights, a shared layer's first call only, as param_bytes): what the
-                       runtime's stage pays per micro-batch when M > 1
+                       runtime's stage pays per micro-batch when M > 1; timed with the sums out of the
+                       caches where the model's weights, gradients and sums outgrow them (_cold_sums)
     config_digest      the layer's config without names, hashed (config_digest): a plan's record of
                        the architecture it was made for (partitioner.graph.structure)
     model_input_bytes  an InputLayer's output bytes: the model input the runtime splits into
@@ -510,6 +511,7 @@ class _CallProfiler:
         self._fixed_time = fixed_time and device is not None and micro_batch > 1
         self._accumulate = fixed_time and device is not None
         self._cold_sums = cold_sums  # accumulate_time_s timed with the caches emptied first (_cold_sums)
+        self._evict: Any = None  # profiles.timing.evict_caches on the device, made at the first cold timing
         self._time_samples = tuple(time_samples) if device is not None else ()
         self._memo: dict[tuple[int, str], _Trace] = {}
         self._traces: dict[int, _Trace] = {}  # call index -> its trace (not for InputLayers)
@@ -613,15 +615,17 @@ class _CallProfiler:
 
     def _accumulate_seconds(self, call: LayerCall) -> float:
         """Seconds to add one micro-batch's gradients of the call's trainable weights into sums."""
-        from profiles.timing import accumulate_seconds
+        from profiles.timing import accumulate_seconds, evict_caches
 
         weights = _trainable_weights(call.operation)
         what = f"the sum of '{call.operation.name}' ({type(call.operation).__name__})'s weight gradients"
         with self._timing(
             what, "Expected weights that fit on the device; profile with measure_fixed_time=False to skip it."
         ):
+            if self._cold_sums and self._evict is None:
+                self._evict = evict_caches(str(self._device))
             return accumulate_seconds(
-                weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup, cold=self._cold_sums
+                weights, device=str(self._device), repeats=self._repeats, warmup=self._warmup, evict=self._evict
             )
 
     @contextlib.contextmanager

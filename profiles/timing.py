@@ -129,24 +129,33 @@ def variables_kept(variables: Sequence[Any]) -> Iterator[None]:
 
 
 def accumulate_seconds(
-    variables: Sequence[Any], *, device: str, repeats: int = 5, warmup: int = 2, cold: bool = True
+    variables: Sequence[Any],
+    *,
+    device: str,
+    repeats: int = 5,
+    warmup: int = 2,
+    evict: Callable[[], None] | None = None,
 ) -> float:
     """Returns the median seconds of adding one micro-batch's gradients of ``variables`` into sums of
     their shapes on ``device`` (``total + gradient`` for each, in one function call, as the runtime's
     stage sums them when M > 1), less an empty call's; 0 for no variables.
 
-    With ``cold``, each timed add starts as in the step of a model whose buffers do not fit the caches: the
-    sums out of them (:func:`evict_caches` runs, untimed, before it: the rest of the stage's work passes
-    through the caches between two adds of the same sums), the gradients just read (the backward has just
-    made them). Added again and again on warm buffers, such sums took a third of the time they take in the
-    step: benchmarks/runtime's overlap MLP on 2 stages at M = 8 (5 Dense(1024) each) spent 17.3 ms of its
-    120 ms step on them (the step with the sums left out: 103 ms) against about 7.5 priced from warm adds;
-    a 1024 x 1024 weight's add took 0.32 ms warm, 0.60 with the sums cold, 0.86 with both cold. Without
-    ``cold`` the adds are timed on warm buffers.
+    With ``evict`` (:func:`evict_caches`), each timed add starts as in the step of a model whose buffers do
+    not fit the caches: the sums out of them (``evict`` runs, untimed, before it: the rest of the stage's
+    work passes through the caches between two adds of the same sums) and the gradients just read (the
+    backward has just made them). Timed again and again on warm buffers, such sums were priced at less than
+    half of what the step pays: benchmarks/runtime's overlap MLP on 2 stages at M = 8 (the model's 10 nodes
+    5 and 5) spent 17.3 ms of its 120 ms step on them (the step with the sums left out: 103 ms) against
+    about 7.5 priced from warm adds; a 1024 x 1024 weight's add took 0.32 ms warm, 0.60 with the sums cold,
+    0.86 with the gradients cold too (one-off measurements on this 2-core machine, 32 MiB of L3). Without
+    ``evict`` the adds are timed on warm buffers.
 
     Example:
         >>> accumulate_seconds(dense.trainable_weights, device="/CPU:0")      # doctest: +SKIP
-        0.0012
+        0.0002
+        >>> cold = evict_caches("/CPU:0")                                          # doctest: +SKIP
+        >>> accumulate_seconds(dense.trainable_weights, device="/CPU:0", evict=cold)  # doctest: +SKIP
+        0.0005
     """
     _check_counts(repeats, warmup)
     specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
@@ -158,12 +167,12 @@ def accumulate_seconds(
         return [total + gradient for total, gradient in zip(tensors[:half], tensors[half:], strict=True)]
 
     before_timed = None
-    if cold:
-        evict = evict_caches(device)
+    if evict is not None:
+        cold = evict
         read = tf.function(lambda tensors: [tf.reduce_sum(t) for t in tensors])
 
         def before_timed(inputs: Sequence[tf.Tensor]) -> None:  # the sums cold, the gradients just made
-            evict()
+            cold()
             with tf.device(device):
                 read(list(inputs[len(specs) :]))
             sync_device(device)
@@ -174,7 +183,13 @@ def accumulate_seconds(
 
 
 def cache_bytes() -> int:
-    """The largest CPU cache this host reports (Linux's sysfs), or 32 MiB where it reports none."""
+    """The largest CPU cache this host reports (Linux's sysfs), or 32 MiB where it reports none. (A GPU's L2
+    is of the same order, 40-60 MiB on A100 and H100: the profiler uses this figure for both.)
+
+    Example:
+        >>> cache_bytes() / 2**20                                                 # doctest: +SKIP
+        32.0
+    """
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
@@ -187,7 +202,12 @@ def cache_bytes() -> int:
 def evict_caches(device: str) -> Callable[[], None]:
     """A function that pushes what the caches hold out of them: it reads a buffer on ``device`` of twice
     the host's largest cache (:func:`cache_bytes`; at least 64 MiB, more than a GPU's L2 holds) and waits
-    for the device. The buffer lives as long as the function."""
+    for the device. The buffer lives as long as the function: make one per profile, not per timing.
+
+    Example:
+        >>> evict = evict_caches("/CPU:0")                                        # doctest: +SKIP
+        >>> evict()   # the caches now hold the buffer, not what was timed before   # doctest: +SKIP
+    """
     size = 2 * max(cache_bytes(), 32 * 2**20)
     with tf.device(device):
         buffer = tf.ones([size // 4], tf.float32)
@@ -257,6 +277,11 @@ def step_overhead_seconds(
     returned, at least 0. Timed apart, the two moved by more than their difference: the overlap MLP's at one
     sample came out 0.7 to 11 ms between profiles.
 
+    Example:
+        >>> x, y = [tf.TensorSpec([1, 784])], [tf.TensorSpec([1, 10])]             # doctest: +SKIP
+        >>> step_overhead_seconds(model, x, y, device="/CPU:0")                    # doctest: +SKIP
+        0.0025
+
     The copy (``keras.models.clone_model``, its weights made on ``device``) trains with SGD at learning
     rate 0 and mean squared error; ``model`` and its weights are not touched.
 
@@ -269,7 +294,8 @@ def step_overhead_seconds(
     _check_counts(repeats, warmup)
     with tf.device(device):
         copy = keras.models.clone_model(model)
-        copy.compile(optimizer=keras.optimizers.SGD(0.0), loss="mean_squared_error")
+        # no XLA ("auto" compiles the step on a host with a GPU): the pass below is not compiled either
+        copy.compile(optimizer=keras.optimizers.SGD(0.0), loss="mean_squared_error", jit_compile=False)
         inputs = [fill(spec) for spec in input_specs]
         targets = [tf.zeros(spec.shape, spec.dtype) for spec in target_specs]
         call, variables = training_call(copy), copy.trainable_weights
@@ -285,7 +311,8 @@ def step_overhead_seconds(
         return time.perf_counter() - start
 
     def round_() -> float:
-        step = seconds(lambda: copy.train_on_batch(x, y))  # returns the loss as a number: the step has run
+        with tf.device(device):  # the step traced (first round) and run on the device, as the pass is
+            step = seconds(lambda: copy.train_on_batch(x, y))  # returns the loss as a number: the step has run
         return step - (seconds(lambda: passes(*inputs)) - seconds(lambda: empty(*inputs)))
 
     for _ in range(warmup + 1):  # the first traces the step

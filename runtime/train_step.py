@@ -97,8 +97,10 @@ class TrainStep:
 
     def run(self) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
         # two iterations at least: a stage's sums of micro-batch m's gradients run beside the forward of
-        # micro-batch m + 1 (the tokens keep every bound; with one iteration at a time, one stage at M = 16
-        # waited for its sums each micro-batch: benchmarks/runtime's overlap MLP, 275 against 235 ms a step)
+        # micro-batch m + 1 (the tokens keep the activations' bounds; the backward of m + 1 may make its gradients
+        # before m's are added, as with GPipe's wider windows: docs/cost-model.md, "the gradient sums"). One
+        # iteration at a time, one stage at M = 16 waited for its sums each micro-batch: benchmarks/runtime's
+        # overlap MLP, 275 against 235 ms a step
         return self.finish(self.executor._loop(self.iteration, self.start(), parallel=max(2, *self.windows)))
 
     def start(self) -> dict[str, Any]:
