@@ -110,6 +110,24 @@ def _slow_second_stage() -> keras.Model:
     return keras.Model(inputs, outputs)
 
 
+def _one_step_as_the_original(wrapped, model, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Compiles ``wrapped`` and a copy of ``model`` alike (SGD, mean squared error), takes one step of each on
+    the same batch of ``rows`` and checks the losses and the weights after it (the InFlight counters aside)
+    agree; returns the batch."""
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for runner in (wrapped, reference):
+        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(rows, 8)).astype("float32"), rng.normal(size=(rows, 4)).astype("float32")
+    np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
+    ours, theirs = wrapped.unwrap().trainable_weights, reference.trainable_weights
+    assert len(ours) == len(theirs) == len(model.trainable_weights)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    return x, y
+
+
 def _custom_schedule() -> pt.Schedule:
     """K = 2, M = 8: stage 0 holds up to 3 micro-batches (between 1F1B's 2 and GPipe's 8), stage 1 one."""
     first = ["0F0", "0F1", "0F2"] + [a for m in range(5) for a in (f"0B{m}", f"0F{m + 3}")] + ["0B5", "0B6", "0B7"]
@@ -150,15 +168,7 @@ def test_one_stage_sums_its_gradients_beside_the_next_forward(virtual_devices) -
     plan = pt.baselines.uniform(graph, pt.Cluster([pt.Device(virtual_devices[0], memory="4GiB")]), num_microbatches=4)
     wrapped = wrap(model, plan, validate=False)
     assert plan.num_stages == 1 and wrapped.executor.windows() == [1]
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    for runner in (wrapped, reference):
-        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
-    np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
-    for a, b in zip(wrapped.unwrap().trainable_weights, reference.trainable_weights, strict=True):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    x, y = _one_step_as_the_original(wrapped, model, rows=32)
     assert {name: float(c.most.numpy()) for name, c in _counters(wrapped).items()} == {"first": 1.0, "second": 1.0}
     specs = (tf.TensorSpec(x.shape, tf.float32), tf.TensorSpec(y.shape, tf.float32))
     step = tf.function(wrapped.train_step).get_concrete_function(specs).graph
@@ -179,19 +189,8 @@ def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
     assert plan.num_stages == 2
     wrapped = wrap(model, plan, validate=False, schedule=schedule)
     assert wrapped.executor.schedule is schedule and wrapped.executor.windows() == [3, 1]
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    for runner in (wrapped, reference):
-        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
-    loss = wrapped.train_on_batch(x, y)
-    expected = reference.train_on_batch(x, y)
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    ours, theirs = wrapped.unwrap().trainable_weights, reference.trainable_weights  # the counters differ
-    assert len(ours) == len(theirs) == len(model.trainable_weights) == 8
-    for a, b in zip(ours, theirs, strict=True):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    _one_step_as_the_original(wrapped, model, rows=32)
+    assert len(model.trainable_weights) == 8  # the counters aside
     counters = _counters(wrapped)
     most = {name: float(c.most.numpy()) for name, c in counters.items()}
     assert 1.0 <= most["first"] <= 3.0 and most["second"] == 1.0, most
@@ -222,13 +221,7 @@ def test_recomputing_stage_holds_its_window_and_one_microbatchs_activations(sche
     assert wrapped.executor.options.recomputes(0) and not wrapped.executor.options.recomputes(1)
     window = {"gpipe": 8, "1f1b": 2, "custom": 3}[schedule]
     assert wrapped.executor.windows() == [window, 1]
-    reference = keras.models.clone_model(model)
-    reference.set_weights(model.get_weights())
-    for runner in (wrapped, reference):
-        runner.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
-    np.testing.assert_allclose(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
+    x, y = _one_step_as_the_original(wrapped, model, rows=64)
     for _ in range(3):
         wrapped.train_on_batch(x, y)
     counts = _counts(wrapped)
