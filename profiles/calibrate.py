@@ -34,14 +34,13 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from partitioner.errors import InputError
-from profiles.timing import sync_device
+from profiles.timing import synced_seconds
 
 _OVERHEAD: dict[tuple[str, str | None, int], float] = {}  # (device, peer, calls) -> seconds, once per process
 _BANDWIDTH: dict[tuple[str, str, int], float] = {}  # (sender, receiver, bytes) -> bytes/s, once per process
@@ -276,30 +275,21 @@ def _capacity(
 
     alone_run, together_run = on([0]), on(range(len(names)))
     for _ in range(2):  # untimed: the first call of each runs its function's setup
-        _synced_seconds(alone_run, names[:1])
-        _synced_seconds(together_run, names)
+        synced_seconds(alone_run, names[:1])
+        synced_seconds(together_run, names)
     # the two take turns, so both see the same load; a short pass gets more rounds (a model's of a few
     # milliseconds moved its capacity by a tenth between runs at 7), up to CAPACITY_SECONDS of timing
-    once = _synced_seconds(alone_run, names[:1]) + _synced_seconds(together_run, names)
+    once = synced_seconds(alone_run, names[:1]) + synced_seconds(together_run, names)
     rounds = max(num_rounds, min(MAX_CAPACITY_ROUNDS, int(CAPACITY_SECONDS / max(once, 1e-9))))
     alone, together = [], []
     for _ in range(rounds):
-        alone.append(_synced_seconds(alone_run, names[:1]))
-        together.append(_synced_seconds(together_run, names))  # every device synced: all done
+        alone.append(synced_seconds(alone_run, names[:1]))
+        together.append(synced_seconds(together_run, names))  # every device synced: all done
     ratio = len(names) * statistics.median(alone) / statistics.median(together)
     return min(max(ratio, 1.0), float(len(names)))
 
 
 CAPACITY_SECONDS, MAX_CAPACITY_ROUNDS = 0.5, 60  # a pool capacity's timing: at least num_rounds, up to these
-
-
-def _synced_seconds(run: Any, names: Sequence[str]) -> float:
-    """Wall seconds of one ``run()``, each device named synced after it."""
-    start = time.perf_counter()
-    run()
-    for name in names:
-        sync_device(name)
-    return time.perf_counter() - start
 
 
 def _boundary(device_name: str) -> Any:
@@ -318,8 +308,8 @@ def _median_seconds(run: Any, devices: str | Sequence[str], num_rounds: int) -> 
     """Median wall seconds of ``run()`` after two untimed calls, each device named synced after each."""
     names = [devices] if isinstance(devices, str) else list(devices)
     for _ in range(2):
-        _synced_seconds(run, names)
-    return statistics.median(_synced_seconds(run, names) for _ in range(num_rounds))
+        synced_seconds(run, names)
+    return statistics.median(synced_seconds(run, names) for _ in range(num_rounds))
 
 
 def _check_count(value: Any, name: str) -> None:

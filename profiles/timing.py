@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import statistics
 import time
@@ -143,12 +144,12 @@ def accumulate_seconds(
     With ``evict`` (:func:`evict_caches`), each timed add starts as in the step of a model whose buffers do
     not fit the caches: the sums out of them (``evict`` runs, untimed, before it: the rest of the stage's
     work passes through the caches between two adds of the same sums) and the gradients just read (the
-    backward has just made them). Timed again and again on warm buffers, such sums were priced at less than
-    half of what the step pays: benchmarks/runtime's overlap MLP on 2 stages at M = 8 (the model's 10 nodes
-    5 and 5) spent 17.3 ms of its 120 ms step on them (the step with the sums left out: 103 ms) against
-    about 7.5 priced from warm adds; a 1024 x 1024 weight's add took 0.32 ms warm, 0.60 with the sums cold,
-    0.86 with the gradients cold too (one-off measurements on this 2-core machine, 32 MiB of L3). Without
-    ``evict`` the adds are timed on warm buffers.
+    backward has just made them). Timed again and again on warm buffers, such sums were priced at a third of
+    what the step pays: benchmarks/runtime's overlap MLP on 2 stages at M = 8 (the model's 10 nodes 5 and 5)
+    spent 17.3 ms of its 120.2 ms step on them (the step with the sums left out: 102.9 ms), priced 5.6 ms a
+    stage from warm adds (the step predicted 7.5% short); a 1024 x 1024 weight's add took 0.32 ms warm, 0.60
+    with the sums cold, 0.86 with the gradients cold too (one-off measurements on this 2-core machine, 32 MiB
+    of L3). Without ``evict`` the adds are timed on warm buffers.
 
     Example:
         >>> accumulate_seconds(dense.trainable_weights, device="/CPU:0")      # doctest: +SKIP
@@ -245,17 +246,13 @@ def _median_seconds(
             runs.append(tf.function(empty).get_concrete_function(*input_specs))
         for _ in range(warmup):
             for run in runs:
-                run(*inputs)
-                sync_device(device)
+                synced_seconds(functools.partial(run, *inputs), device)
         times: list[list[float]] = [[] for _ in runs]
         for _ in range(repeats):  # the pass and the empty call take turns, so both see the same load
             for run, seconds in zip(runs, times, strict=True):
                 if before_timed is not None and run is runs[0]:
                     before_timed(inputs)
-                start = time.perf_counter()
-                run(*inputs)
-                sync_device(device)
-                seconds.append(time.perf_counter() - start)
+                seconds.append(synced_seconds(functools.partial(run, *inputs), device))
     medians = [statistics.median(seconds) for seconds in times]
     return max(0.0, medians[0] - (medians[1] if exclude_call else 0.0))
 
@@ -304,16 +301,10 @@ def step_overhead_seconds(
     x = inputs[0] if len(inputs) == 1 else inputs
     y = targets[0] if len(targets) == 1 else targets
 
-    def seconds(run: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        run()
-        sync_device(device)
-        return time.perf_counter() - start
-
     def round_() -> float:
         with tf.device(device):  # the step traced (first round) and run on the device, as the pass is
-            step = seconds(lambda: copy.train_on_batch(x, y))  # returns the loss as a number: the step has run
-        return step - (seconds(lambda: passes(*inputs)) - seconds(lambda: empty(*inputs)))
+            step = synced_seconds(lambda: copy.train_on_batch(x, y), device)
+        return step - (synced_seconds(lambda: passes(*inputs), device) - synced_seconds(lambda: empty(*inputs), device))
 
     for _ in range(warmup + 1):  # the first traces the step
         round_()
@@ -332,6 +323,20 @@ def fill(spec: tf.TensorSpec) -> tf.Tensor:
     if spec.dtype.is_floating:
         return tf.cast(tf.random.normal(spec.shape), spec.dtype)
     return tf.zeros(spec.shape, spec.dtype)
+
+
+def synced_seconds(run: Callable[[], Any], devices: str | Sequence[str]) -> float:
+    """Wall seconds of one ``run()``, each device named synced after it (GPU kernels run asynchronously).
+
+    Example:
+        >>> synced_seconds(lambda: step(x), ["/GPU:0", "/GPU:1"])                  # doctest: +SKIP
+        0.0123
+    """
+    start = time.perf_counter()
+    run()
+    for name in [devices] if isinstance(devices, str) else devices:
+        sync_device(name)
+    return time.perf_counter() - start
 
 
 def sync_device(device: str) -> None:

@@ -38,7 +38,7 @@ def test_pool_capacity_is_n_times_alone_over_together_clipped_to_one_and_n(
     import profiles.calibrate as calibrate
 
     # the chain on the first device alone (one device synced), then one on each device at once (all synced)
-    monkeypatch.setattr(calibrate, "_synced_seconds", lambda run, names: 1.0 if len(names) == 1 else together)
+    monkeypatch.setattr(calibrate, "synced_seconds", lambda run, names: 1.0 if len(names) == 1 else together)
     monkeypatch.setattr(calibrate, "_CAPACITY", {})
     assert calibrate.measure_pool_capacity(virtual_devices[:2], width=8, rows=2, depth=1) == pytest.approx(expected)
 
@@ -69,7 +69,7 @@ def test_model_pool_capacity_is_n_times_alone_over_together(virtual_devices, mon
     import profiles.calibrate as calibrate
 
     # the model's pass on the first device alone, then one on each at once
-    monkeypatch.setattr(calibrate, "_synced_seconds", lambda run, names: 1.0 if len(names) == 1 else 1.6)
+    monkeypatch.setattr(calibrate, "synced_seconds", lambda run, names: 1.0 if len(names) == 1 else 1.6)
     assert measure_model_pool_capacity(_bn_model(), virtual_devices[:2], 4) == pytest.approx(2 / 1.6)
 
 
