@@ -357,6 +357,20 @@ class Cluster:
             if self.devices[idx[0]].pool_capacity < len(idx)
         }
 
+    def pooled_cpus(self) -> tuple[int, ...]:
+        """Indices of the logical CPU devices of a shared pool (:meth:`pools`): their ops run on the host's
+        threads, so one device's independent work runs at once and shares the pool as its own passes do
+        (the simulator runs a stage's gradient sums beside its next pass there; docs/cost-model.md, "the
+        gradient sums"). A GPU runs a device's kernels on one stream, one after another.
+
+        Example:
+            >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
+            >>> Cluster(cpu).pooled_cpus(), Cluster(cpu[:1]).pooled_cpus()
+            ((0, 1), ())
+        """
+        pooled = sorted(i for _, members in self.pools().values() for i in members)
+        return tuple(i for i in pooled if "/device:CPU:" in canonical_device_name(self.devices[i].name))
+
     @property
     def total_memory_bytes(self) -> int:
         """Sum of the devices' memory."""

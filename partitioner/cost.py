@@ -213,6 +213,9 @@ class Evaluation:
     # per stage: one micro-batch's model outputs collected there (step_bytes holds M + 1 of them all step; the
     # simulator's peak_total_bytes adds each as its micro-batch's forward starts)
     model_output_bytes: tuple[int, ...] = ()
+    # per stage: seconds per micro-batch of adding its weight gradients into the step's sums beside its next pass
+    # (a pooled CPU device: CostModel.sums_s; 0 where the backward's time includes them)
+    sums_s: tuple[float, ...] = ()
 
 
 class CostModel:
@@ -322,15 +325,20 @@ class CostModel:
         # M > 1: the runtime runs the micro-batches in a loop whose stage calls it does not inline (mode_cost)
         self.looped = num_microbatches > 1
         layers_s = {v: self._compute_row(v) for v in self.order}  # [node][device index]
-        # with M > 1 every backward adds its weight gradients into the stage's sums (measured, cost="time")
+        # with M > 1 every backward adds its weight gradients into the stage's sums (measured, cost="time"): on a
+        # device of its own in the backward's time; on a pooled CPU device (Cluster.pooled_cpus) the sums run
+        # beside the stage's next pass, a job of the pool of their own (``sums_s``, which the simulator runs)
         summing_s = {v: self._accumulate_row(v) for v in self.order}
+        beside = set(cluster.pooled_cpus())
+        in_backward = {v: [0.0 if k in beside else a for k, a in enumerate(summing_s[v])] for v in self.order}
+        self.sums_s = {v: [a if k in beside else 0.0 for k, a in enumerate(summing_s[v])] for v in self.order}
         shares = {v: forward_share(graph.nodes[v]) for v in self.order}
         self.forward_s = {v: [t * shares[v] for t in layers_s[v]] for v in self.order}
         self.backward_s = {
-            v: [t * (1 - shares[v]) + a for t, a in zip(layers_s[v], summing_s[v], strict=True)] for v in self.order
+            v: [t * (1 - shares[v]) + a for t, a in zip(layers_s[v], in_backward[v], strict=True)] for v in self.order
         }
         self.compute_s = {  # [node][device index], kept mode: forward + backward
-            v: [t + a for t, a in zip(layers_s[v], summing_s[v], strict=True)] for v in self.order
+            v: [t + a for t, a in zip(layers_s[v], in_backward[v], strict=True)] for v in self.order
         }
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
         self.gradient_bytes = {v: gradient_bytes(graph.nodes[v]) for v in self.order}  # a backward's working set
@@ -519,7 +527,8 @@ class CostModel:
         return CostModel.from_problem(problem)
 
     def serial_step_s(self) -> float:
-        """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory."""
+        """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory (a pooled
+        CPU device's gradient sums, which run beside its passes, left out: at most the step there)."""
         fastest = max(range(len(self.devices)), key=self.flops_per_s.__getitem__)
         one = mode_cost(
             "kept",
@@ -669,6 +678,7 @@ class CostModel:
         k_total = len(self.devices)
         forward = [0.0] * k_total
         backward = [0.0] * k_total
+        sums = [0.0] * k_total
         receive = [0.0] * k_total
         weights = [0] * k_total
         activations = [0] * k_total
@@ -682,6 +692,7 @@ class CostModel:
             k = where[v]
             forward[k] += self.forward_s[v][k]
             backward[k] += self.backward_s[v][k]
+            sums[k] += self.sums_s[v][k]
             weights[k] += self._weights[v]
             activations[k] += self.activation_bytes[v]
             gradients[k] += self.gradient_bytes[v]
@@ -754,6 +765,7 @@ class CostModel:
             stage_costs=stage_costs,
             sent_bytes={(position[a], position[b]): n for (a, b), n in sorted(sent.items())},
             model_output_bytes=tuple(outputs[k] for k in used),
+            sums_s=tuple(sums[k] for k in used),
         )
 
     def _stage_modes(

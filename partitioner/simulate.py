@@ -25,6 +25,9 @@ too; ``schedule=`` takes one, or its name:
 Devices that share one processor (``Device.pool``: logical devices split from one CPU or GPU) slow each
 other: while k of a pool of capacity C compute at once, each runs at min(1, C / k) of its speed, so the
 replay goes event by event there (``Cluster.pools``; docs/cost-model.md, "Devices that share a processor").
+On logical CPU devices of a pool (``Cluster.pooled_cpus``) a stage's gradient sums of each micro-batch (M > 1,
+measured costs) are a job of the pool beside the stage's next pass, an ``"accumulate"`` span on its device;
+elsewhere they are part of the backward.
 
 On a uniform pipeline without transfer time (devices of their own) both give (M + K - 1) / M times the ideal step and a
 bubble of (K - 1) / (M + K - 1), the closed form (tests hold the simulator to it exactly).
@@ -66,7 +69,9 @@ __all__ = [
 ]
 
 # "allreduce": a stage's R with the same stage of the other replicas (plans with replicas), after its last action
-SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient", "allreduce")
+# "accumulate": a stage's gradient sums of one micro-batch beside its next pass, on a pooled CPU device (on the
+# device's row, overlapping its passes; Cluster.pooled_cpus)
+SPAN_KINDS = ("forward", "backward", "send_activation", "send_gradient", "allreduce", "accumulate")
 _PASSES = {"F": "forward", "B": "backward"}  # a schedule action's kind -> its span's kind
 
 
@@ -222,11 +227,15 @@ class _Stages:
         self.sent_bytes = dict(sent)
         self.recompute = ev.recompute
         self.output_bytes = ev.model_output_bytes
-        # (capacity, stages) of each pool of devices sharing one processor that two or more stages use
+        # per stage: its gradient sums per micro-batch run beside its next pass (a pooled CPU device), 0 if none
+        self.sums_s = list(ev.sums_s) or [0.0] * len(used)
+        # (capacity, stages) of each pool of devices sharing one processor whose work can outgrow it: more stages
+        # than its capacity, or a stage's sums beside its passes
         self.pools = [
             (capacity, shared)
             for capacity, members in costs.cluster.pools().values()
-            if len(shared := tuple(used.index(i) for i in members if i in used)) > capacity
+            if (shared := tuple(used.index(i) for i in members if i in used))
+            and (len(shared) > capacity or any(self.sums_s[s] > 0 for s in shared))
         ]
         # per stage: each of its nodes' outputs that later stages read, as (bytes, those stages): one buffer
         # however many read it (peak_total_bytes)
@@ -359,9 +368,14 @@ def _replay(stages: _Stages, queues: _Queues, schedule: Schedule) -> tuple[list[
 
 
 def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tuple[list[Span], _Done, _Arrived]:
-    """Event by event, for devices that share a processor: while k devices of a pool of capacity C compute at
+    """Event by event, for devices that share a processor: while k jobs of a pool of capacity C compute at
     once, each runs at min(1, C / k) of its own speed (processor sharing), so an action's end is known only as
-    the others start and end. Devices outside a pool run at full speed; transfers take their own time."""
+    the others start and end. A job is a device's action, or a stage's gradient sums of one micro-batch
+    (``_Stages.sums_s``), which start when the stage's backward of the micro-batch and its previous sums are
+    done (the loop adds every micro-batch's gradients into sums that start at zero) and run beside the
+    stage's next actions, which do not wait for them (the runtime's loop runs two iterations at once:
+    runtime/train_step.py); the step ends when the last are added. Devices outside a pool run at full
+    speed; transfers take their own time."""
     count = len(stages.names)
     pool_of = [-1] * count  # the index of each stage's pool in stages.pools, -1 for none
     for p, (_, members) in enumerate(stages.pools):
@@ -370,42 +384,53 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
     done: _Done = {}
     arrived: _Arrived = {}
     timeline: list[Span] = []
-    running: dict[int, tuple[str, int, float, float, float]] = {}  # stage -> (kind, m, start, work, work left)
+    # (stage, lane) -> (kind, m, start, work, work left); lane 0: the device's actions, 1: the stage's sums
+    running: dict[tuple[int, int], tuple[str, int, float, float, float]] = {}
+    summing: list[list[int]] = [[] for _ in range(count)]  # per stage: micro-batches whose sums wait, in order
     now = 0.0
-    while queues.pending:
+    while queues.pending or any(summing) or running:
         queues.send(stages, done, arrived, timeline)
         waits = []
         for s in range(count):
-            if s in running or (next_action := queues.ready(s, done, arrived)) is None:
+            if (s, 1) not in running and summing[s]:
+                work = stages.sums_s[s]
+                running[(s, 1)] = ("accumulate", summing[s].pop(0), now, work, work)
+            if (s, 0) in running or (next_action := queues.ready(s, done, arrived)) is None:
                 continue
             kind, m, ready = next_action
             if ready <= now:
                 work = stages.forward_s[s] if kind == "forward" else stages.backward_s[s]
-                running[s] = (kind, m, now, work, work)
+                running[(s, 0)] = (kind, m, now, work, work)
                 queues.compute_next[s] += 1
             else:
                 waits.append(ready)
         busy = [0] * len(stages.pools)
-        for s in running:
+        for s, _ in running:
             if pool_of[s] >= 0:
                 busy[pool_of[s]] += 1
-        rate = {s: 1.0 if pool_of[s] < 0 else min(1.0, stages.pools[pool_of[s]][0] / busy[pool_of[s]]) for s in running}
-        ends = {s: now + left / rate[s] for s, (_, _, _, _, left) in running.items()}
+        rate = {
+            key: 1.0 if pool_of[key[0]] < 0 else min(1.0, stages.pools[pool_of[key[0]]][0] / busy[pool_of[key[0]]])
+            for key in running
+        }
+        ends = {key: now + left / rate[key] for key, (_, _, _, _, left) in running.items()}
         if not ends and not waits:
-            if queues.pending:
-                raise _deadlock(schedule)
-            break
+            raise _deadlock(schedule)
         later = min([*ends.values(), *waits])
-        for s in sorted(running):
-            kind, m, start, work, left = running[s]
-            left -= rate[s] * (later - now)
-            if ends[s] == later or left <= 1e-12 * work:  # done (what rounding leaves is no work)
-                done[(kind, s, m)] = later
-                timeline.append(Span(kind, stages.names[s], s, m, start, later))
-                del running[s]
-                queues.pending -= 1
-            else:
-                running[s] = (kind, m, start, work, left)
+        for key in sorted(running):
+            kind, m, start, work, left = running[key]
+            left -= rate[key] * (later - now)
+            if ends[key] != later and left > 1e-12 * work:  # not done (what rounding leaves is no work)
+                running[key] = (kind, m, start, work, left)
+                continue
+            s = key[0]
+            del running[key]
+            timeline.append(Span(kind, stages.names[s], s, m, start, later))
+            if kind == "accumulate":
+                continue
+            done[(kind, s, m)] = later
+            queues.pending -= 1
+            if kind == "backward" and stages.sums_s[s] > 0:
+                summing[s].append(m)
         now = later
     return timeline, done, arrived
 

@@ -1,7 +1,8 @@
 """Pictures of a simulated step: a Gantt chart (matplotlib) and a text chart for terminals and logs.
 
 One row per device, forwards and backwards in two colours, each labelled with its micro-batch; one thinner
-row per link that carried a transfer (activations forward, gradients back). matplotlib is imported only
+row per link that carried a transfer (activations forward, gradients back), and per pooled CPU device whose
+gradient sums run beside its passes (``accumulate`` spans). matplotlib is imported only
 when a picture is drawn, so the planner does not need it.
 
 Example:
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from partitioner.errors import InputError
-from partitioner.simulate import Simulation
+from partitioner.simulate import Simulation, Span
 from partitioner.units import format_bytes, format_seconds
 
 COLOURS = {
@@ -24,36 +25,47 @@ COLOURS = {
     "send_activation": "#55A868",
     "send_gradient": "#C44E52",
     "allreduce": "#8172B3",
+    "accumulate": "#937860",
 }
-SYMBOLS = {"forward": "F", "backward": "B", "send_activation": ">", "send_gradient": "<", "allreduce": "R"}
+SYMBOLS = {
+    "forward": "F",
+    "backward": "B",
+    "send_activation": ">",
+    "send_gradient": "<",
+    "allreduce": "R",
+    "accumulate": "+",
+}
 LABELS = {
     "forward": "forward",
     "backward": "backward",
     "send_activation": "activation sent",
     "send_gradient": "gradient sent",
     "allreduce": "gradients all-reduced (R)",
+    "accumulate": "gradients summed",
 }
+SUMS = " sums"  # the label of a device's row of gradient sums: the device's name and this
 
 
 def text_timeline(sim: Simulation, *, width: int = 80) -> str:
     """A text Gantt chart: one line per device and link, ``width`` columns for the whole step.
 
     A column shows what runs at its midpoint: ``F`` forward, ``B`` backward, ``>`` an activation and
-    ``<`` a gradient on a link, ``.`` nothing. A summary line per device follows.
+    ``<`` a gradient on a link, ``+`` a stage's gradient sums beside its passes, ``.`` nothing. A summary
+    line per device follows.
     """
     if isinstance(width, bool) or not isinstance(width, int) or width < 10:
         raise InputError(f"width must be an integer >= 10 columns. Received: {width!r}.")
-    rows = [*sim.stages, *sim.links]
+    rows = _rows(sim)
     label = max(len(r) for r in rows) if rows else 0
     step = sim.step_time_s
     lines = [
         f"{sim.schedule} schedule, {len(sim.stages)} stages x {sim.num_microbatches} micro-batches: "
         f"step {format_seconds(step)}, bubble {100 * sim.bubble_fraction:.1f}%   "
-        "(F forward, B backward, > activation, < gradient, . idle)"
+        "(F forward, B backward, > activation, < gradient, + gradients summed, . idle)"
     ]
     for row in rows:
         cells = ["."] * width
-        for action in sim.actions_on(row):
+        for action in _spans(sim, row):
             if step <= 0:
                 continue
             first = int(action.start_s / step * width + 0.5)
@@ -91,13 +103,13 @@ def save_timeline(sim: Simulation, path: str | Path, *, title: str | None = None
             "Drawing a timeline needs matplotlib, which keras-partitioner depends on but this environment lacks: "
             "pip install 'matplotlib>=3.8', or write the timeline as text (--timeline -, text_timeline)."
         ) from err
-    rows = [*sim.stages, *sim.links]
+    rows = _rows(sim)
     scale, unit = _time_unit(sim.step_time_s)
     figure, axes = plt.subplots(figsize=(12, 0.9 + 0.45 * len(rows)))
     for index, row in enumerate(rows):
-        is_link = index >= len(sim.stages)
+        is_link = row not in sim.stages
         height = 0.4 if is_link else 0.8
-        for action in sim.actions_on(row):
+        for action in _spans(sim, row):
             start, length = action.start_s * scale, action.duration_s * scale
             axes.broken_barh(
                 [(start, length)],
@@ -132,6 +144,19 @@ def save_timeline(sim: Simulation, path: str | Path, *, title: str | None = None
     figure.savefig(out, dpi=120)
     plt.close(figure)
     return out
+
+
+def _rows(sim: Simulation) -> list[str]:
+    """The chart's rows: the devices, the links that carried a transfer, the devices that summed beside."""
+    summed = [f"{d}{SUMS}" for d in sim.stages if any(a.kind == "accumulate" for a in sim.actions_on(d))]
+    return [*sim.stages, *sim.links, *summed]
+
+
+def _spans(sim: Simulation, row: str) -> list[Span]:
+    """The spans a row shows: a device's passes (and R), a link's transfers, or a device's gradient sums."""
+    if row.endswith(SUMS) and row not in sim.stages:
+        return [a for a in sim.actions_on(row[: -len(SUMS)]) if a.kind == "accumulate"]
+    return [a for a in sim.actions_on(row) if a.kind != "accumulate"]
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:

@@ -297,6 +297,28 @@ def test_costmodel_cost_time_prices_summing_the_weight_gradients_in_every_backwa
     assert flops.compute_s["l0"] == [graph.nodes["l0"]["flops"] / 1e9, graph.nodes["l0"]["flops"] / 4e9]
 
 
+def test_costmodel_on_pooled_cpu_devices_keeps_the_gradient_sums_out_of_the_backward():
+    """On logical CPU devices of one pool the sums run beside the stage's next pass (the simulator's pool job):
+    CostModel.sums_s and Evaluation.sums_s carry them, the backward and compute_s do not; on a CPU of its own
+    (no pool) they stay in the backward."""
+    graph = _abc()
+    for node, seconds in zip(["l0", "l1", "l2"], [0.5, 1.0, 2.0], strict=True):
+        graph.nodes[node]["time_s"] = seconds
+    graph.nodes["l0"]["accumulate_time_s"] = 0.3
+    graph.nodes["l2"]["accumulate_time_s"] = 0.1
+    graph.graph["profiled_flops_per_s"] = 1e9
+    cpus = [Device(f"/CPU:{i}", memory="1GiB", flops_per_s=1e9, pool="host", pool_capacity=1.5) for i in range(2)]
+    pooled = CostModel(graph, Cluster(cpus), num_microbatches=4, cost="time")
+    assert pooled.backward_s["l0"] == pytest.approx([1 / 3, 1 / 3])
+    assert pooled.sums_s["l0"] == pytest.approx([0.3, 0.3])
+    ev = pooled.evaluate({"l0": "/CPU:0", "l1": "/CPU:0", "l2": "/CPU:1"})
+    assert ev.sums_s == pytest.approx((0.3, 0.1))
+    assert ev.compute_times == pytest.approx({"/CPU:0": 1.5, "/CPU:1": 2.0})
+    own = CostModel(graph, Cluster([Device("/CPU:0", memory="1GiB", flops_per_s=1e9)]), num_microbatches=4, cost="time")
+    assert own.backward_s["l0"] == pytest.approx([1 / 3 + 0.3]) and own.sums_s["l0"] == [0.0]
+    assert own.evaluate(dict.fromkeys(graph.nodes, "/CPU:0")).sums_s == (0.0,)
+
+
 def test_costmodel_cost_time_without_profiled_speed_uses_the_fastest_device():
     graph = _abc()
     for node in graph.nodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import defaultdict
+from types import SimpleNamespace
 
 import networkx as nx
 import pytest
@@ -85,10 +86,10 @@ def test_schedules_hold_the_expected_micro_batches_in_flight(k, m):
 
 def _check_timeline(sim: pt.Simulation, graph, plan) -> None:
     """Invariants of any simulated step: one action at a time per resource, and data before use."""
-    by_resource = defaultdict(list)
+    by_resource = defaultdict(list)  # a device's gradient sums beside its passes: a lane of their own
     for action in sim.timeline:
         assert action.end_s >= action.start_s >= 0
-        by_resource[action.resource].append(action)
+        by_resource[(action.resource, action.kind == "accumulate")].append(action)
     for actions in by_resource.values():
         actions.sort(key=lambda a: a.start_s)
         for before, after in itertools.pairwise(actions):
@@ -96,9 +97,12 @@ def _check_timeline(sim: pt.Simulation, graph, plan) -> None:
     end = {(a.kind, a.stage, a.microbatch, a.resource): a.end_s for a in sim.timeline}
     start = {(a.kind, a.stage, a.microbatch): a.start_s for a in sim.timeline if not a.kind.startswith("send")}
     forward_end = {(a.stage, a.microbatch): a.end_s for a in sim.timeline if a.kind == "forward"}
+    backward_end = {(a.stage, a.microbatch): a.end_s for a in sim.timeline if a.kind == "backward"}
     for a in sim.timeline:
         if a.kind == "backward":
             assert a.start_s >= forward_end[(a.stage, a.microbatch)] - 1e-12
+        if a.kind == "accumulate":  # a micro-batch's gradients are summed once its backward made them
+            assert a.start_s >= backward_end[(a.stage, a.microbatch)] - 1e-12
         if a.kind == "send_activation":
             assert a.start_s >= forward_end[(a.stage, a.microbatch)] - 1e-12
             receiver = sim.stages.index(a.resource.split(" -> ")[1])
@@ -320,13 +324,14 @@ def test_a_pool_of_one_device_capacity_runs_the_work_one_at_a_time_and_of_two_as
 
 
 def _work_done(sim: pt.Simulation, action: pt.Span, pools: dict[str, tuple[float, set[str]]]) -> float:
-    """The seconds of work ``action`` received: its span integrated at min(1, C / k(t)), k(t) the devices of
-    its pool computing at t, read from the timeline alone (an independent check of the processor sharing)."""
+    """The seconds of work ``action`` received: its span integrated at min(1, C / k(t)), k(t) the jobs of
+    its pool computing at t (passes and gradient sums), read from the timeline alone (an independent check
+    of the processor sharing)."""
     pool = next(((c, members) for c, members in pools.values() if action.resource in members), None)
     if pool is None:
         return action.duration_s
     capacity, members = pool
-    busy = [a for a in sim.timeline if a.kind in ("forward", "backward") and a.resource in members]
+    busy = [a for a in sim.timeline if a.kind in ("forward", "backward", "accumulate") and a.resource in members]
     cuts = sorted({action.start_s, action.end_s, *(t for a in busy for t in (a.start_s, a.end_s))})
     done = 0.0
     for lo, hi in itertools.pairwise(cuts):
@@ -378,6 +383,106 @@ def test_a_pool_gives_each_action_its_work_at_the_shared_speed(schedule, seed, k
     assert shared.step_time_s >= unshared.step_time_s * (1 - 1e-12)
     if capacity >= pooled:  # room for every pooled device: nothing is shared
         assert shared.step_time_s == unshared.step_time_s
+
+
+def summing_stage(capacity: float, num_microbatches: int, *, devices: int = 2, prefix: str = "/CPU:") -> pt.Simulation:
+    """One stage of forward 1 s, backward 2 s and gradient sums 1 s per micro-batch (measured: cost="time") on
+    the first of ``devices`` devices that share a processor of ``capacity``."""
+    graph = chain([3e12], param_bytes=[KIB], activation_bytes=[KIB])
+    graph.nodes["l0"].update(time_s=3.0, accumulate_time_s=1.0)
+    graph.graph["profiled_flops_per_s"] = FLOPS_PER_S
+    cluster = pt.Cluster(
+        [
+            pt.Device(f"{prefix}{i}", memory="1GiB", flops_per_s=FLOPS_PER_S, pool="host", pool_capacity=capacity)
+            for i in range(devices)
+        ]
+    )
+    costs = CostModel(graph, cluster, num_microbatches=num_microbatches, cost="time")
+    return simulate_assignment(costs, {"l0": f"{prefix}0"})
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_a_pooled_cpu_stage_sums_its_gradients_beside_its_next_pass(m):
+    # capacity 2 of 3 devices: the sums and the passes each at full speed, side by side; every micro-batch's
+    # sums start as its backward ends (the previous ones are done by then), the last ones after the passes
+    room = summing_stage(2.0, m, devices=3)
+    assert room.step_time_s == pytest.approx(3.0 * m + 1.0, rel=1e-12)
+    sums = [a for a in room.timeline if a.kind == "accumulate"]
+    assert [(a.resource, a.microbatch) for a in sums] == [("/CPU:0", i) for i in range(m)]
+    ends = {a.microbatch: a.end_s for a in room.timeline if a.kind == "backward"}
+    assert [a.start_s for a in sums] == pytest.approx([ends[i] for i in range(m)])
+    assert room.busy_s["/CPU:0"] == pytest.approx(3.0 * m)  # the device's passes; the sums are the pool's
+    _check_timeline(room, chain([3e12]), SimpleNamespace(assignment={"l0": "/CPU:0"}))
+    # capacity 1: the pool never idles, the sums cost what they would in the backward
+    assert summing_stage(1.0, m).step_time_s == pytest.approx(4.0 * m, rel=1e-12)
+    between = summing_stage(1.5, m).step_time_s
+    assert 3.0 * m + 1.0 < between < 4.0 * m
+
+
+def test_a_gpu_stage_sums_its_gradients_in_its_backward_even_on_a_pool():
+    # a GPU runs a device's kernels on one stream: the sums are the backward's, whatever the pool
+    sim = summing_stage(1.5, 3, prefix="/GPU:")
+    assert sim.step_time_s == pytest.approx(12.0, rel=1e-12)
+    assert not [a for a in sim.timeline if a.kind == "accumulate"]
+    assert [a.duration_s for a in sim.timeline if a.kind == "backward"] == pytest.approx([3.0] * 3)
+
+
+def test_a_stages_all_reduce_starts_after_its_last_gradient_sums():
+    from partitioner.simulate import _with_reductions
+
+    sim = _with_reductions(summing_stage(2.0, 2, devices=3), {"/CPU:0": 0.5})
+    (reduce,) = [a for a in sim.timeline if a.kind == "allreduce"]
+    assert (reduce.start_s, reduce.end_s) == pytest.approx((7.0, 7.5))  # passes end at 6, the last sums at 7
+    assert sim.step_time_s == pytest.approx(7.5)
+
+
+@given(
+    seed=st.integers(0, 10**6),
+    k=st.integers(1, 3),
+    m=st.integers(1, 5),
+    capacity=st.floats(0.5, 4.0),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+)
+@settings(max_examples=25, deadline=None)
+def test_gradient_sums_beside_the_passes_get_their_work_and_keep_the_bounds(seed, k, m, capacity, schedule):
+    """Random DAGs with measured times and gradient sums on k pooled CPU devices (k + 1 in the pool, so one
+    stage shares it too): every pass and every micro-batch's sums, integrated at min(1, C / k(t)), received
+    its work; the step is at least the cost model's lower bound and the step with the sums left out."""
+    rng = random.Random(seed)
+    graph = random_dag(rng, 10)
+    for v in graph.nodes:
+        graph.nodes[v]["time_s"] = graph.nodes[v]["flops"] / FLOPS_PER_S
+        graph.nodes[v]["accumulate_time_s"] = rng.choice([0.0, 0.1, 1.0]) * graph.nodes[v]["time_s"]
+    graph.graph["profiled_flops_per_s"] = FLOPS_PER_S
+    devices = [
+        pt.Device(f"/CPU:{i}", memory="1GiB", flops_per_s=FLOPS_PER_S, pool="cpu", pool_capacity=capacity)
+        for i in range(k + 1)
+    ]
+    cluster = pt.Cluster(devices, bandwidth=1e8)
+    costs = CostModel(graph, cluster, num_microbatches=m, cost="time", schedule=schedule)
+    plan = pt.baselines.by_time(graph, pt.Cluster(devices[:k], bandwidth=1e8), num_microbatches=m)
+    shared = simulate_assignment(costs, plan.assignment)
+    _check_timeline(shared, graph, plan)
+    without = graph.copy()
+    for v in without.nodes:
+        without.nodes[v]["accumulate_time_s"] = 0.0
+    left_out = simulate_assignment(
+        CostModel(without, cluster, num_microbatches=m, cost="time", schedule=schedule), plan.assignment
+    )
+    assert shared.step_time_s >= left_out.step_time_s * (1 - 1e-12)
+    assert shared.step_time_s >= costs.step_lower_bound_s() * (1 - 1e-9)
+    ev = costs.evaluate(plan.assignment)
+    work = {("accumulate", s): ev.sums_s[s] for s in range(len(ev.stages))}
+    pools = {"cpu": (capacity, {d.name for d in devices})}
+    for a in shared.timeline:
+        if a.kind == "accumulate":
+            assert _work_done(shared, a, pools) == pytest.approx(work[("accumulate", a.stage)], rel=1e-9)
+        elif a.kind in ("forward", "backward"):
+            cost = ev.stage_costs[a.stage]
+            expected = cost.forward_s if a.kind == "forward" else cost.backward_s
+            assert _work_done(shared, a, pools) == pytest.approx(expected, rel=1e-9)
+    sums = [a for a in shared.timeline if a.kind == "accumulate"]
+    assert len(sums) == (m if m > 1 else 0) * sum(x > 0 for x in ev.sums_s)
 
 
 def test_the_event_replay_without_sharing_is_the_list_replay():

@@ -9,6 +9,7 @@ import partitioner as pt
 from partitioner.cost import CostModel
 from partitioner.errors import InputError
 from partitioner.show.timeline import save_timeline, text_timeline
+from partitioner.simulate import simulate_assignment
 from partitioner.units import format_bytes
 
 
@@ -45,6 +46,24 @@ def test_text_timeline_columns_follow_the_simulation():
         "one",
         "moment",
     ]
+
+
+def test_text_timeline_shows_gradient_sums_beside_the_passes_on_a_row_of_their_own(tmp_path):
+    # one stage of forward 1 s, backward 2 s and sums 1 s per micro-batch on a pooled CPU device with room for
+    # both (capacity 2 of 3 devices): the passes fill 0-6, each micro-batch's sums the second after its backward
+    graph = chain([3e12], param_bytes=[KIB])
+    graph.nodes["l0"].update(time_s=3.0, accumulate_time_s=1.0)
+    graph.graph["profiled_flops_per_s"] = 1e12
+    cpus = [pt.Device(f"/CPU:{i}", memory="1GiB", flops_per_s=1e12, pool="host", pool_capacity=2.0) for i in range(3)]
+    costs = CostModel(graph, pt.Cluster(cpus), num_microbatches=2, cost="time")
+    sim = simulate_assignment(costs, {"l0": "/CPU:0"})
+    rows = {
+        line.split("|")[0].strip(): line.split("|")[1]
+        for line in text_timeline(sim, width=14).splitlines()
+        if "|" in line
+    }
+    assert rows == {"/CPU:0": "FFBBBBFFBBBB..", "/CPU:0 sums": "......++....++"}
+    assert save_timeline(sim, tmp_path / "sums.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_text_timeline_width_is_checked():
