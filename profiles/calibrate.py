@@ -40,7 +40,7 @@ from typing import Any
 import tensorflow as tf
 
 from partitioner.errors import InputError
-from profiles.timing import synced_seconds
+from profiles.timing import synced_seconds, warm_up
 
 _OVERHEAD: dict[tuple[str, str | None, int], float] = {}  # (device, peer, calls) -> seconds, once per process
 _BANDWIDTH: dict[tuple[str, str, int], float] = {}  # (sender, receiver, bytes) -> bytes/s, once per process
@@ -274,9 +274,8 @@ def _capacity(
         return lambda: concrete(*chosen)
 
     alone_run, together_run = on([0]), on(range(len(names)))
-    for _ in range(2):  # untimed: the first call of each runs its function's setup
-        synced_seconds(alone_run, names[:1])
-        synced_seconds(together_run, names)
+    # untimed: the first calls of each run its function's setup, and run slow for a while after it
+    warm_up([alone_run, together_run], names, 2)
     # the two take turns, so both see the same load; a short pass gets more rounds (a model's of a few
     # milliseconds moved its capacity by a tenth between runs at 7), up to CAPACITY_SECONDS of timing
     once = synced_seconds(alone_run, names[:1]) + synced_seconds(together_run, names)

@@ -2,13 +2,13 @@
 
 The call runs inside a ``tf.function`` under a ``tf.GradientTape`` that takes gradients of every
 floating-point output with respect to the floating-point inputs and the trainable weights, the
-work one pipeline stage does per micro-batch. The function is traced once, run ``warmup`` times,
-then timed ``repeats`` times (each run waits for the device), each run beside one of an empty function
-on the same inputs; the median of the runs less the median of the empty ones is returned. So the time
-is the call's ops, not the dispatch of a ``tf.function`` from Python (tens to hundreds of microseconds on
-CPU): a stage runs many layers in one call and pays its call once per pass, which the cost model prices
-as the device's ``action_overhead_s`` (docs/cost-model.md). Summed over a stage's layers, times that kept
-the dispatch counted it once per layer.
+work one pipeline stage does per micro-batch. The function is traced once, warmed up (``warm_up``:
+``warmup`` runs and on until its runs have taken WARM_SECONDS), then timed ``repeats`` times (each run
+waits for the device), each run beside one of an empty function on the same inputs; the median of the
+runs less the median of the empty ones is returned. So the time is the call's ops, not the dispatch of
+a ``tf.function`` from Python (tens to hundreds of microseconds on CPU): a stage runs many layers in one
+call and pays its call once per pass, which the cost model prices as the device's ``action_overhead_s``
+(docs/cost-model.md). Summed over a stage's layers, times that kept the dispatch counted it once per layer.
 
 Example:
     >>> import keras, tensorflow as tf                                            # doctest: +SKIP
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import glob
 import statistics
 import time
@@ -244,9 +245,7 @@ def _median_seconds(
         runs = [tf.function(fn).get_concrete_function(*input_specs)]
         if exclude_call:
             runs.append(tf.function(empty).get_concrete_function(*input_specs))
-        for _ in range(warmup):
-            for run in runs:
-                synced_seconds(functools.partial(run, *inputs), device)
+        warm_up([functools.partial(run, *inputs) for run in runs], device, warmup)
         times: list[list[float]] = [[] for _ in runs]
         for _ in range(repeats):  # the pass and the empty call take turns, so both see the same load
             for run, seconds in zip(runs, times, strict=True):
@@ -301,13 +300,16 @@ def step_overhead_seconds(
     x = inputs[0] if len(inputs) == 1 else inputs
     y = targets[0] if len(targets) == 1 else targets
 
+    def train() -> None:
+        with tf.device(device):  # the step traced (first call) and run on the device, as the pass is
+            copy.train_on_batch(x, y)
+
     def round_() -> float:
-        with tf.device(device):  # the step traced (first round) and run on the device, as the pass is
-            step = synced_seconds(lambda: copy.train_on_batch(x, y), device)
+        step = synced_seconds(train, device)
         return step - (synced_seconds(lambda: passes(*inputs), device) - synced_seconds(lambda: empty(*inputs), device))
 
-    for _ in range(warmup + 1):  # the first traces the step
-        round_()
+    round_()  # traces the step
+    warm_up([train, lambda: passes(*inputs), lambda: empty(*inputs)], device, warmup)
     return max(0.0, statistics.median(round_() for _ in range(repeats)))
 
 
@@ -325,18 +327,51 @@ def fill(spec: tf.TensorSpec) -> tf.Tensor:
     return tf.zeros(spec.shape, spec.dtype)
 
 
+# Untimed runs of a traced function before it is timed: at least the caller's ``warmup`` and until the first
+# function has run WARM_SECONDS, at most MAX_WARM_RUNS times (``warm_up``).
+WARM_SECONDS, MAX_WARM_RUNS = 0.05, 50
+
+
+def warm_up(runs: Sequence[Callable[[], Any]], devices: str | Sequence[str], warmup: int) -> None:
+    """Runs the ``runs`` in turn, untimed, ``warmup`` times and then on until the first has taken WARM_SECONDS
+    (at most MAX_WARM_RUNS rounds); ``warmup=0`` runs nothing. A traced function runs slow for its first calls
+    after its trace: benchmarks/calibration's MLP's forward and backward (8 x Dense(256), 1 intra-op thread,
+    measured 2026-11-28) took 3.9, 4.6, 3.7, 3.6, 2.8, ... ms at 64 rows and settled at 1.8-1.9 after about 12
+    calls, at 16 rows 2.0, 1.4, 1.2, ... settling at 0.8 after 6, at 4 rows 1.7, 1.3, 0.8, ... settling at 0.55
+    after 5: two warm-up runs left most of that in a median of ten.
+
+    Example:
+        >>> warm_up([lambda: step(x), lambda: empty(x)], "/CPU:0", warmup=2)         # doctest: +SKIP
+    """
+    spent = 0.0
+    for count in range(max(warmup, MAX_WARM_RUNS) if warmup else 0):
+        if count >= warmup and spent >= WARM_SECONDS:
+            return
+        for index, run in enumerate(runs):
+            seconds = synced_seconds(run, devices)
+            spent += seconds if index == 0 else 0.0
+
+
 def synced_seconds(run: Callable[[], Any], devices: str | Sequence[str]) -> float:
-    """Wall seconds of one ``run()``, each device named synced after it (GPU kernels run asynchronously).
+    """Wall seconds of one ``run()``, each device named synced after it (GPU kernels run asynchronously), with
+    Python's garbage collector paused meanwhile, as ``timeit`` pauses it, so that no collection falls in a
+    timed run.
 
     Example:
         >>> synced_seconds(lambda: step(x), ["/GPU:0", "/GPU:1"])                  # doctest: +SKIP
         0.0123
     """
-    start = time.perf_counter()
-    run()
-    for name in [devices] if isinstance(devices, str) else devices:
-        sync_device(name)
-    return time.perf_counter() - start
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        run()
+        for name in [devices] if isinstance(devices, str) else devices:
+            sync_device(name)
+        return time.perf_counter() - start
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def sync_device(device: str) -> None:

@@ -817,6 +817,39 @@ def test_accumulate_seconds_evicts_the_caches_before_each_timed_add():
     assert timing.accumulate_seconds([], device="/CPU:0", evict=counting) == 0.0 and len(evictions) == 3
 
 
+def test_warm_up_runs_the_given_count_then_on_until_the_first_run_took_its_time(monkeypatch):
+    """At least ``warmup`` rounds, then on until the first function's runs took WARM_SECONDS, at most
+    MAX_WARM_RUNS rounds; each round runs every function once, in turn; warmup=0 runs nothing. The garbage
+    collector is paused in every timed run and back on after it."""
+    import gc
+    import time
+
+    from profiles import timing
+
+    calls: list[str] = []
+    collecting: list[bool] = []
+
+    def first() -> None:
+        calls.append("first")
+        collecting.append(gc.isenabled())
+
+    monkeypatch.setattr(timing, "WARM_SECONDS", 1e9)  # never reached: the cap ends it
+    timing.warm_up([first, lambda: calls.append("second")], "/CPU:0", 3)
+    assert calls == ["first", "second"] * timing.MAX_WARM_RUNS
+    assert not any(collecting) and gc.isenabled()
+    calls.clear()
+    monkeypatch.setattr(timing, "WARM_SECONDS", 0.0)  # reached at once: the given count alone
+    timing.warm_up([first, lambda: calls.append("second")], "/CPU:0", 3)
+    assert calls == ["first", "second"] * 3
+    calls.clear()
+    timing.warm_up([first], "/CPU:0", 0)
+    assert calls == []
+    monkeypatch.setattr(timing, "WARM_SECONDS", 0.05)
+    slow = []
+    timing.warm_up([lambda: (slow.append(1), time.sleep(0.02))], "/CPU:0", 1)
+    assert len(slow) == 3  # 0.02, 0.04, 0.06 s: on until 0.05 s
+
+
 def test_cache_bytes_is_the_largest_cache_the_host_reports(monkeypatch, tmp_path):
     from profiles import timing
 
