@@ -131,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
         "pure pipeline) and prints each one's predicted step (default: one pipeline on every device)",
     )
     plan.add_argument(
+        "--workers",
+        type=int,
+        metavar="D",
+        help="plan the pipeline of one of D workers that train it data parallel (partitioner launch --workers D, "
+        "runtime.wrap(..., replicas=D)): each stage's memory counts the packed copy of its gradients its "
+        "all-reduce takes; the cluster file holds one worker's devices (default: 1)",
+    )
+    plan.add_argument(
         "--device-order",
         choices=DEVICE_ORDERS,
         default="search",
@@ -494,6 +502,15 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         raise InputError("--json prints only the plan; write the timeline to a file (--timeline timeline.png).")
     if args.timeline not in (None, "-") and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise InputError(f"--timeline takes a .png, .svg or .pdf file, or - for text. Received: {args.timeline!r}.")
+    if args.workers is not None and (isinstance(args.workers, bool) or args.workers < 1):
+        raise InputError(
+            f"--workers takes the number of workers D >= 1 that run the pipeline. Received: {args.workers}."
+        )
+    if args.workers is not None and args.replicas is not None:
+        raise InputError(
+            "--replicas splits this cluster's devices into D pipelines; --workers plans one worker's pipeline of D "
+            "(the cluster file holds that worker's devices). Give one of them."
+        )
     cluster = _cluster(args)
     # auto M from timed layers: each M is priced by rescaling, which needs the part of a layer's time one
     # sample costs too (else small micro-batches look free), and the step's own work
@@ -506,6 +523,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     chosen = ""
     if args.replicas is not None:
         return _plan_replicas(args, err, cluster, graph, options)
+    if args.workers is not None:
+        options["num_replicas"] = args.workers
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
         try:
@@ -558,6 +577,15 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         )
     if chosen:
         out.print(chosen, highlight=False, markup=False)
+    if plan.priced_replicas > 1:
+        out.print(
+            f"The pipeline of one of {plan.priced_replicas} workers: each stage's memory counts the packed copy of "
+            "its gradients its all-reduce takes; the all-reduce's time between the workers is not in the step "
+            "(their link is not in this cluster). Run it with runtime.wrap(model, plan, "
+            f"replicas={plan.priced_replicas}) in each of `partitioner launch --workers {plan.priced_replicas}`.",
+            highlight=False,
+            markup=False,
+        )
     out.print(render(plan, graph, others, placement=not args.summary))
     if simulation is not None and args.timeline == "-":
         out.print(text_timeline(simulation, width=max(40, min(out.width - 30, 120))), highlight=False, markup=False)

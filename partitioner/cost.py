@@ -78,6 +78,18 @@ ACCUMULATING_COPIES = 1
 REDUCING_COPIES = 1
 
 
+def gradient_copies(num_microbatches: int, num_replicas: int) -> int:
+    """Copies of a trainable weight's gradient a stage holds at once: the gradient, and with M > 1 its
+    micro-batch's beside the sum (ACCUMULATING_COPIES), with D > 1 replicas the packed copy the all-reduce takes
+    beside the sums (REDUCING_COPIES): the larger of the two.
+
+    Example:
+        >>> gradient_copies(1, 1), gradient_copies(8, 1), gradient_copies(1, 4), gradient_copies(8, 4)
+        (1, 2, 2, 2)
+    """
+    return 1 + max(ACCUMULATING_COPIES * (num_microbatches > 1), REDUCING_COPIES * (num_replicas > 1))
+
+
 @dataclass(frozen=True)
 class ModeCost:
     """What a node, a unit or a stage costs in one mode, per micro-batch (see :func:`mode_cost`)."""
@@ -342,11 +354,7 @@ class CostModel:
         }
         self.activation_bytes = {v: int(graph.nodes[v]["activation_bytes"]) for v in self.order}
         self.gradient_bytes = {v: gradient_bytes(graph.nodes[v]) for v in self.order}  # a backward's working set
-        # gradient copies per trainable weight: the gradient, and with M > 1 its micro-batch's beside the sum,
-        # with D > 1 the packed copy the all-reduce takes beside the sums (the larger of the two)
-        self.gradient_copies = 1 + max(
-            ACCUMULATING_COPIES * (num_microbatches > 1), REDUCING_COPIES * (problem.num_replicas > 1)
-        )
+        self.gradient_copies = gradient_copies(num_microbatches, problem.num_replicas)
         self._weights = {
             v: int(graph.nodes[v]["param_bytes"])
             + trainable_param_bytes(graph.nodes[v]) * (self.gradient_copies + optimizer_slots)

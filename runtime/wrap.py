@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
+from partitioner.cost import gradient_copies
 from partitioner.errors import InfeasiblePlanError, InputError, PlanError, TimingError
 from partitioner.plan import Plan
 from partitioner.problem import check_recompute
@@ -280,6 +281,9 @@ def wrap(
         num_replicas=_num_replicas(replicas),
     )
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
+    note = unpriced_replicas_note(plan, num_microbatches, options.num_replicas)
+    if note:
+        warnings.warn(note, stacklevel=2)
     require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
@@ -307,6 +311,27 @@ def _same_names(model: Any, plan: Plan) -> bool:
 
     calls, _ = flatten_calls(functional_graph(model))
     return {call.name for call in calls} == set(plan.assignment)
+
+
+def unpriced_replicas_note(plan: Plan, num_microbatches: int, num_replicas: int) -> str | None:
+    """What a plan run by ``num_replicas`` workers at ``num_microbatches`` holds that its memory does not count
+    (the packed copy of each stage's gradients its all-reduce takes, where the plan was priced for fewer
+    replicas and the sums' copy does not cover it), or None.
+
+    Example:
+        >>> unpriced_replicas_note(plan_for_one_pipeline_at_m_1, 1, 2)  # doctest: +SKIP
+        'The plan was priced for 1 pipeline(s) ... partitioner plan --workers 2 ...'
+    """
+    held = gradient_copies(num_microbatches, num_replicas)
+    priced = gradient_copies(plan.num_microbatches, plan.priced_replicas)
+    if num_replicas <= plan.priced_replicas or held <= priced:
+        return None
+    return (
+        f"The plan was priced for {plan.priced_replicas} pipeline(s) at M = {plan.num_microbatches} and runs as one "
+        f"of {num_replicas} replicas at M = {num_microbatches}: each stage's all-reduce holds a packed copy of its "
+        "gradients (as many bytes as its trainable weights) that the plan's memory does not count. Plan with "
+        f"`partitioner plan --workers {num_replicas}` (or solve(..., num_replicas={num_replicas})) to count it."
+    )
 
 
 def _num_replicas(replicas: int | None) -> int:

@@ -157,6 +157,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
         cost: str = "flops",
         schedule: str = "gpipe",
         recompute: str = "never",
+        num_replicas: int = 1,
     ) -> Plan:
         started = time.perf_counter()
         costs = CostModel(
@@ -167,6 +168,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
             cost=cost,
             schedule=schedule,
             recompute=recompute,
+            num_replicas=num_replicas,
         )
         return split_with(costs, method, started=started)
 

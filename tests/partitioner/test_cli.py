@@ -560,6 +560,40 @@ def test_cli_plan_replicas_that_cannot_be_is_one_line(batched_profile_file, caps
     assert "replicas=3 needs at least 3 devices and a batch it divides" in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_plan_workers_prices_one_workers_pipeline_of_d(batched_profile_file, capsys) -> None:
+    """--workers D: the plan of one worker's devices, priced as one of D pipelines (Plan.priced_replicas), whose
+    stages hold the packed copy of their gradients the all-reduce takes: 1 MiB more per layer here (SGD, M = 1;
+    with M > 1 the sums' copy covers it)."""
+    argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", "--flops-per-s", "1e12"]
+    argv += ["--optimizer", "sgd", "--micro-batches", "1", "--time-limit", "5"]
+    assert main([*argv, "--json"]) == 0
+    alone = pt.Plan.from_json(capsys.readouterr().out)
+    assert main([*argv, "--workers", "3", "--json"]) == 0
+    one_of_three = pt.Plan.from_json(capsys.readouterr().out)
+    assert (alone.priced_replicas, one_of_three.priced_replicas) == (1, 3)
+    assert one_of_three.num_replicas == 1 and one_of_three.devices == alone.devices
+    for device in one_of_three.stages:
+        layers = len(one_of_three.nodes_on(device))
+        assert one_of_three.memory_bytes[device] - alone.memory_bytes[device] == layers * 2**20
+    assert main([*argv, "--workers", "3", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "The pipeline of one of 3 workers" in out and "replicas=3" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "0"], "--workers takes the number of workers D >= 1 that run the pipeline. Received: 0."),
+        (["--workers", "2", "--replicas", "2"], "--replicas splits this cluster's devices into D pipelines"),
+    ],
+)
+def test_cli_plan_workers_bad_input_is_one_line(batched_profile_file, capsys, flags, message) -> None:
+    argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_calibrate_writes_a_cluster_file_that_loads(tmp_path, capsys, virtual_devices) -> None:
     out_file = tmp_path / "cluster.json"
     assert main(["calibrate", "--devices", "2", "--memory", "1GiB", "--out", str(out_file)]) == 0

@@ -82,3 +82,33 @@ def test_replicas_are_checked() -> None:
         Replicas(0)
     with pytest.raises(InputError, match=r"rank must be in \[0, 2\). Received: rank=2"):
         Replicas(2, rank=2)
+
+
+@pytest.mark.parametrize(
+    ("planned", "run", "warned"),
+    [
+        ((1, 1), (1, 2), True),  # one pipeline at M = 1 run as one of 2: the packed copy is not counted
+        ((1, 2), (1, 2), False),  # priced for 2 (partitioner plan --workers 2)
+        ((1, 2), (1, 4), False),  # priced for replicas: the same copy, however many
+        ((4, 1), (4, 2), False),  # M > 1: the sums' copy covers it
+        ((4, 1), (1, 2), False),  # planned at M = 4: the sums' copy it counted covers the packed one at M = 1
+        ((1, 1), (4, 1), False),  # more micro-batches on one replica: not the all-reduce's
+    ],
+)
+def test_a_plan_run_by_more_replicas_than_priced_says_what_it_does_not_count(planned, run, warned) -> None:
+    import partitioner as pt
+    from partitioner.cost import CostModel
+    from runtime.wrap import unpriced_replicas_note
+
+    graph = pt.chain_graph([1e9] * 2, param_bytes=[1024] * 2, activation_bytes=[1024] * 2, edge_bytes=[1024])
+    cluster = pt.Cluster.uniform(2, memory="1GiB", flops_per_s=1e12)
+    m, d = planned
+    costs = CostModel(graph, cluster, num_microbatches=m, num_replicas=d)
+    plan = pt.score_assignment({"layer_0": "/GPU:0", "layer_1": "/GPU:1"}, costs, method="manual")
+    note = unpriced_replicas_note(plan, *run)
+    if not warned:
+        assert note is None
+    else:
+        assert note is not None
+        assert f"priced for {d} pipeline(s) at M = {m} and runs as one of {run[1]} replicas at M = {run[0]}" in note
+        assert f"partitioner plan --workers {run[1]}" in note
