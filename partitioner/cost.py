@@ -67,25 +67,29 @@ MODES = ("kept", "recomputed")
 # inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
 BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
 # Gradient copies of a trainable weight beyond its gradient, with M > 1: the runtime sums each stage's
-# weight gradients over the micro-batches in the loop (runtime/train_step.py), so while a micro-batch's
-# backward runs its stage holds the sum so far and the micro-batch's gradient being added to it.
-ACCUMULATING_COPIES = 1
+# weight gradients over the micro-batches in the loop (runtime/train_step.py), in a function it does not
+# inline (``stage<s>_accumulate``), so while it adds a micro-batch's gradients the stage holds the sums so far
+# (the loop's carry), the gradients and the new sums (the add cannot write into a buffer its caller holds).
+# Measured (2026-11-28, stop 34): one stage of 8 Dense(1024) (32.1 MiB of weights), SGD, M = 4 and 8, the
+# step's allocations 101.1 and 100.8 MiB against 68.1 and 66.1 priced with one copy here; 97.5 and 97.7
+# against 100.2 and 98.2 with two (docs/cost-model.md, "the gradient sums").
+ACCUMULATING_COPIES = 2
 # Gradient copies of a trainable weight beyond its gradient, with D > 1 replicas: each stage's R action packs its
 # gradient sums into one flat tensor for the all-reduce (runtime/replicas.py), so it holds the sums and the packed
 # copy at once (the collective's output takes the packed tensor's buffer). Measured: 4 gradients of 16 MiB on 2
 # replicas, peak 112-128 MiB above resting per replica against 32 MiB without the all-reduce
-# (benchmarks/memory_model/allreduce.py). With M > 1 the loop's two copies already cover it.
+# (benchmarks/memory_model/allreduce.py). With M > 1 the loop's copies already cover it.
 REDUCING_COPIES = 1
 
 
 def gradient_copies(num_microbatches: int, num_replicas: int) -> int:
-    """Copies of a trainable weight's gradient a stage holds at once: the gradient, and with M > 1 its
-    micro-batch's beside the sum (ACCUMULATING_COPIES), with D > 1 replicas the packed copy the all-reduce takes
-    beside the sums (REDUCING_COPIES): the larger of the two.
+    """Copies of a trainable weight's gradient a stage holds at once: the gradient, and with M > 1 the sums
+    so far and the new sums as a micro-batch's gradients are added (ACCUMULATING_COPIES), with D > 1 replicas
+    the packed copy the all-reduce takes beside the sums (REDUCING_COPIES): the larger of the two.
 
     Example:
         >>> gradient_copies(1, 1), gradient_copies(8, 1), gradient_copies(1, 4), gradient_copies(8, 4)
-        (1, 2, 2, 2)
+        (1, 3, 2, 3)
     """
     return 1 + max(ACCUMULATING_COPIES * (num_microbatches > 1), REDUCING_COPIES * (num_replicas > 1))
 
