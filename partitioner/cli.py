@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="D",
         help="plan the pipeline of one of D workers that train it data parallel (partitioner launch --workers D, "
         "runtime.wrap(..., replicas=D)): each stage's memory counts the packed copy of its gradients its "
-        "all-reduce takes; the cluster file holds one worker's devices (default: 1)",
+        "all-reduce takes; the cluster holds one worker's devices and the batch is one worker's (default: 1)",
     )
     plan.add_argument(
         "--device-order",
@@ -502,7 +502,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         raise InputError("--json prints only the plan; write the timeline to a file (--timeline timeline.png).")
     if args.timeline not in (None, "-") and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise InputError(f"--timeline takes a .png, .svg or .pdf file, or - for text. Received: {args.timeline!r}.")
-    if args.workers is not None and (isinstance(args.workers, bool) or args.workers < 1):
+    if args.workers is not None and args.workers < 1:
         raise InputError(
             f"--workers takes the number of workers D >= 1 that run the pipeline. Received: {args.workers}."
         )

@@ -337,15 +337,17 @@ class Cluster:
         """Bytes/s from device index ``sender`` to device index ``receiver`` (inf for itself)."""
         return self.bandwidth_bytes_per_s[sender][receiver]
 
-    def pools(self) -> dict[str, tuple[float, tuple[int, ...]]]:
+    def pools(self, *, every: bool = False) -> dict[str, tuple[float, tuple[int, ...]]]:
         """{pool: (capacity, indices of its devices)} for each pool whose devices cannot all compute at full speed
         at once (capacity below their count): the pools the simulator shares. One device of a pool of
         capacity below 1 (a replica's share of a processor, ``partitioner.search.replicas``) runs slower alone.
+        ``every``: every pool, whatever its capacity (work beside the devices' passes, a pooled CPU stage's
+        gradient sums, shares it too).
 
         Example:
             >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
-            >>> Cluster(cpu).pools()
-            {'host CPU': (1.5, (0, 1))}
+            >>> Cluster(cpu).pools(), Cluster(cpu[:1]).pools(), Cluster(cpu[:1]).pools(every=True)
+            ({'host CPU': (1.5, (0, 1))}, {}, {'host CPU': (1.5, (0,))})
         """
         members: dict[str, list[int]] = {}
         for i, device in enumerate(self.devices):
@@ -354,21 +356,22 @@ class Cluster:
         return {
             pool: (self.devices[idx[0]].pool_capacity, tuple(idx))
             for pool, idx in members.items()
-            if self.devices[idx[0]].pool_capacity < len(idx)
+            if every or self.devices[idx[0]].pool_capacity < len(idx)
         }
 
     def pooled_cpus(self) -> tuple[int, ...]:
-        """Indices of the logical CPU devices of a shared pool (:meth:`pools`): their ops run on the host's
-        threads, so one device's independent work runs at once and shares the pool as its own passes do
-        (the simulator runs a stage's gradient sums beside its next pass there; docs/cost-model.md, "the
-        gradient sums"). A GPU runs a device's kernels on one stream, one after another.
+        """Indices of the logical CPU devices of a pool (``Device.pool``, whatever its capacity): their ops run on
+        the host's threads, so one device's independent work runs at once and shares the pool as its own passes
+        do (the simulator runs a stage's gradient sums beside its next pass there; docs/cost-model.md, "the
+        gradient sums"). A GPU runs a device's kernels on one stream, one after another; a device without a pool
+        has no capacity to share.
 
         Example:
-            >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=1.5) for i in range(2)]
-            >>> Cluster(cpu).pooled_cpus(), Cluster(cpu[:1]).pooled_cpus()
+            >>> cpu = [Device(f"/CPU:{i}", memory="1GiB", pool="host CPU", pool_capacity=2) for i in range(2)]
+            >>> Cluster(cpu).pooled_cpus(), Cluster([Device("/CPU:0", memory="1GiB")]).pooled_cpus()
             ((0, 1), ())
         """
-        pooled = sorted(i for _, members in self.pools().values() for i in members)
+        pooled = sorted(i for _, members in self.pools(every=True).values() for i in members)
         return tuple(i for i in pooled if "/device:CPU:" in canonical_device_name(self.devices[i].name))
 
     @property

@@ -486,8 +486,9 @@ class CostModel:
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
         param_bytes + trainable_param_bytes * (gradient_copies + optimizer_slots), with gradient_copies
-        1 at M = 1 and 2 at M > 1 (the sum over the micro-batches and the one being added) or with D > 1
-        replicas (the sums and the packed copy their all-reduce takes)."""
+        (:func:`gradient_copies`) 1 at M = 1 on one replica, 3 at M > 1 (the sums so far, the micro-batch's
+        gradients and the new sums as they are added), 2 at M = 1 with D > 1 replicas (the gradients and the
+        packed copy their all-reduce takes)."""
         return self._weights[node]
 
     def step_bytes(self, node: str) -> int:
@@ -539,13 +540,14 @@ class CostModel:
         return CostModel.from_problem(problem)
 
     def serial_step_s(self) -> float:
-        """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory (a pooled
-        CPU device's gradient sums, which run beside its passes, left out: at most the step there)."""
+        """Seconds for one step of M micro-batches on the fastest device alone, ignoring its memory, its gradient
+        sums in turn with its passes (on a pooled CPU device they run beside them: there at least the step)."""
         fastest = max(range(len(self.devices)), key=self.flops_per_s.__getitem__)
         one = mode_cost(
             "kept",
             forward_s=sum(self.forward_s[v][fastest] for v in self.order) + self.action_overhead_s[fastest],
-            backward_s=sum(self.backward_s[v][fastest] for v in self.order) + self.action_overhead_s[fastest],
+            backward_s=sum(self.backward_s[v][fastest] + self.sums_s[v][fastest] for v in self.order)
+            + self.action_overhead_s[fastest],
         )
         return self.num_microbatches * one.compute_s
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from partitioner.cluster import Cluster, same_devices
 from partitioner.cost import CostModel, forward_share
-from partitioner.errors import PlanError
+from partitioner.errors import InputError, PlanError
 from partitioner.schedule import SCHEDULES, Schedule, check_schedule_name, schedule_for
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ class _Stages:
         # than its capacity, or a stage's sums beside its passes
         self.pools = [
             (capacity, shared)
-            for capacity, members in costs.cluster.pools().values()
+            for capacity, members in costs.cluster.pools(every=True).values()
             if (shared := tuple(used.index(i) for i in members if i in used))
             and (len(shared) > capacity or any(self.sums_s[s] > 0 for s in shared))
         ]
@@ -374,8 +374,10 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
     (``_Stages.sums_s``), which start when the stage's backward of the micro-batch and its previous sums are
     done (the loop adds every micro-batch's gradients into sums that start at zero) and run beside the
     stage's next actions, which do not wait for them (the runtime's loop runs two iterations at once:
-    runtime/train_step.py); the step ends when the last are added. Devices outside a pool run at full
-    speed; transfers take their own time."""
+    runtime/train_step.py); the step ends when the last are added. The loop runs at most P = max(2, the
+    schedule's windows) micro-batches at once (``parallel_iterations``), so no action of micro-batch m starts
+    before every stage's sums of m - P are added. Devices outside a pool run at full speed; transfers take
+    their own time."""
     count = len(stages.names)
     pool_of = [-1] * count  # the index of each stage's pool in stages.pools, -1 for none
     for p, (_, members) in enumerate(stages.pools):
@@ -387,6 +389,12 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
     # (stage, lane) -> (kind, m, start, work, work left); lane 0: the device's actions, 1: the stage's sums
     running: dict[tuple[int, int], tuple[str, int, float, float, float]] = {}
     summing: list[list[int]] = [[] for _ in range(count)]  # per stage: micro-batches whose sums wait, in order
+    summed: set[tuple[int, int]] = set()  # (stage, micro-batch) whose sums are added
+    try:
+        ahead = max(2, *schedule.windows())  # the loop's iterations at once (runtime/train_step.py)
+    except InputError:  # a custom order the runtime's loop cannot follow: no such bound
+        ahead = schedule.num_microbatches
+    summers = [t for t in range(count) if stages.sums_s[t] > 0]
     now = 0.0
     while queues.pending or any(summing) or running:
         queues.send(stages, done, arrived, timeline)
@@ -398,6 +406,8 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
             if (s, 0) in running or (next_action := queues.ready(s, done, arrived)) is None:
                 continue
             kind, m, ready = next_action
+            if m >= ahead and any((t, m - ahead) not in summed for t in summers):
+                continue  # iteration m waits for iteration m - P, its sums included: a running sums' end moves on
             if ready <= now:
                 work = stages.forward_s[s] if kind == "forward" else stages.backward_s[s]
                 running[(s, 0)] = (kind, m, now, work, work)
@@ -426,6 +436,7 @@ def _replay_shared(stages: _Stages, queues: _Queues, schedule: Schedule) -> tupl
             del running[key]
             timeline.append(Span(kind, stages.names[s], s, m, start, later))
             if kind == "accumulate":
+                summed.add((s, m))
                 continue
             done[(kind, s, m)] = later
             queues.pending -= 1

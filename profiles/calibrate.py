@@ -304,10 +304,10 @@ def _boundary(device_name: str) -> Any:
 
 
 def _median_seconds(run: Any, devices: str | Sequence[str], num_rounds: int) -> float:
-    """Median wall seconds of ``run()`` after two untimed calls, each device named synced after each."""
+    """Median wall seconds of ``run()`` after its warm-up (``profiles.timing.warm_up``: two untimed calls and on
+    until they took WARM_SECONDS), each device named synced after each."""
     names = [devices] if isinstance(devices, str) else list(devices)
-    for _ in range(2):
-        synced_seconds(run, names)
+    warm_up([run], names, 2)
     return statistics.median(synced_seconds(run, names) for _ in range(num_rounds))
 
 

@@ -281,9 +281,6 @@ def wrap(
         num_replicas=_num_replicas(replicas),
     )
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
-    note = unpriced_replicas_note(plan, num_microbatches, options.num_replicas)
-    if note:
-        warnings.warn(note, stacklevel=2)
     require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
     check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
@@ -302,6 +299,9 @@ def wrap(
     if validate:
         planned = Cluster([Device(d, memory_bytes=plan.capacity_bytes[d]) for d in plan.devices])
         validate_plan(plan, graph, planned, check_memory=False)  # memory was checked at the planned batch size
+    note = unpriced_replicas_note(plan, num_microbatches, options.num_replicas)
+    if note:  # after the checks: a plan that cannot run says so first
+        warnings.warn(note, stacklevel=2)
     return _wrap(model, plan, options)
 
 
@@ -314,23 +314,27 @@ def _same_names(model: Any, plan: Plan) -> bool:
 
 
 def unpriced_replicas_note(plan: Plan, num_microbatches: int, num_replicas: int) -> str | None:
-    """What a plan run by ``num_replicas`` workers at ``num_microbatches`` holds that its memory does not count
-    (the packed copy of each stage's gradients its all-reduce takes, where the plan was priced for fewer
-    replicas and the sums' copy does not cover it), or None.
+    """What a plan run at ``num_microbatches`` by ``num_replicas`` workers holds that its memory does not count
+    (more copies of each stage's weight gradients than it was priced with: ``partitioner.cost.gradient_copies``,
+    the sums of more micro-batches or the packed copy an all-reduce takes), or None.
 
     Example:
         >>> unpriced_replicas_note(plan_for_one_pipeline_at_m_1, 1, 2)  # doctest: +SKIP
-        'The plan was priced for 1 pipeline(s) ... partitioner plan --workers 2 ...'
+        'The plan was priced at M = 1 on 1 pipeline(s) ... partitioner plan --workers 2 --micro-batches 1 ...'
     """
     held = gradient_copies(num_microbatches, num_replicas)
     priced = gradient_copies(plan.num_microbatches, plan.priced_replicas)
-    if num_replicas <= plan.priced_replicas or held <= priced:
+    if held <= priced:
         return None
+    more = held - priced
+    copies = f"{more} more cop{'y' if more == 1 else 'ies'}"
     return (
-        f"The plan was priced for {plan.priced_replicas} pipeline(s) at M = {plan.num_microbatches} and runs as one "
-        f"of {num_replicas} replicas at M = {num_microbatches}: each stage's all-reduce holds a packed copy of its "
-        "gradients (as many bytes as its trainable weights) that the plan's memory does not count. Plan with "
-        f"`partitioner plan --workers {num_replicas}` (or solve(..., num_replicas={num_replicas})) to count it."
+        f"The plan was priced at M = {plan.num_microbatches} on {plan.priced_replicas} pipeline(s) and runs at "
+        f"M = {num_microbatches} as one of {num_replicas}: each stage holds {copies} "
+        "of its weight gradients (as many bytes as its trainable weights each: the sums over the micro-batches, "
+        "the packed copy its all-reduce takes) than the plan's memory counts. Plan with "
+        f"`partitioner plan --workers {num_replicas} --micro-batches {num_microbatches}` "
+        f"(or solve(..., num_microbatches={num_microbatches}, num_replicas={num_replicas})) to count them."
     )
 
 

@@ -578,6 +578,11 @@ def test_cli_plan_workers_prices_one_workers_pipeline_of_d(batched_profile_file,
     assert main([*argv, "--workers", "3", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "The pipeline of one of 3 workers" in out and "replicas=3" in out
+    # M chosen by the planner (choose): every candidate priced as one of 3
+    auto = [a if a != "1" else "auto" for a in argv]
+    assert main([*auto, "--workers", "3", "--json"]) == 0
+    chosen = pt.Plan.from_json(capsys.readouterr().out)
+    assert chosen.priced_replicas == 3
 
 
 @pytest.mark.parametrize(

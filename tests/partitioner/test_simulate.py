@@ -385,11 +385,13 @@ def test_a_pool_gives_each_action_its_work_at_the_shared_speed(schedule, seed, k
         assert shared.step_time_s == unshared.step_time_s
 
 
-def summing_stage(capacity: float, num_microbatches: int, *, devices: int = 2, prefix: str = "/CPU:") -> pt.Simulation:
-    """One stage of forward 1 s, backward 2 s and gradient sums 1 s per micro-batch (measured: cost="time") on
-    the first of ``devices`` devices that share a processor of ``capacity``."""
+def summing_stage(
+    capacity: float, num_microbatches: int, *, devices: int = 2, prefix: str = "/CPU:", sums_s: float = 1.0
+) -> pt.Simulation:
+    """One stage of forward 1 s, backward 2 s and gradient sums ``sums_s`` per micro-batch (measured:
+    cost="time") on the first of ``devices`` devices that share a processor of ``capacity``."""
     graph = chain([3e12], param_bytes=[KIB], activation_bytes=[KIB])
-    graph.nodes["l0"].update(time_s=3.0, accumulate_time_s=1.0)
+    graph.nodes["l0"].update(time_s=3.0, accumulate_time_s=sums_s)
     graph.graph["profiled_flops_per_s"] = FLOPS_PER_S
     cluster = pt.Cluster(
         [
@@ -417,6 +419,28 @@ def test_a_pooled_cpu_stage_sums_its_gradients_beside_its_next_pass(m):
     assert summing_stage(1.0, m).step_time_s == pytest.approx(4.0 * m, rel=1e-12)
     between = summing_stage(1.5, m).step_time_s
     assert 3.0 * m + 1.0 < between < 4.0 * m
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+@pytest.mark.parametrize("m", [2, 8])
+def test_more_pool_capacity_never_lengthens_a_summing_stage(devices, m):
+    # whether the pool has room for every device or not (capacity at or above the device count: Cluster.pools
+    # leaves it out), the sums share it beside the passes: a step never grows with the capacity
+    capacities = [0.5, 1.0, 1.5, 1.9, 2.0, 2.5, 3.0, 4.0]
+    steps = [summing_stage(c, m, devices=devices).step_time_s for c in capacities]
+    assert all(later <= earlier * (1 + 1e-12) for earlier, later in itertools.pairwise(steps)), steps
+    assert steps[-1] == pytest.approx(3.0 * m + 1.0)  # room for both: the passes and, after the last, its sums
+
+
+def test_a_micro_batch_waits_for_the_sums_of_the_one_two_before_it():
+    # the loop runs two iterations at once (one stage: windows (1,), P = 2): with sums of 5 s after passes of
+    # 3 s, micro-batch 2's forward waits for micro-batch 0's sums (3-8 s), 3's for 1's (8-13 s)
+    sim = summing_stage(2.0, 4, devices=3, sums_s=5.0)
+    forwards = [a.start_s for a in sim.timeline if a.kind == "forward"]
+    sums = [t for a in sim.timeline if a.kind == "accumulate" for t in (a.start_s, a.end_s)]
+    assert forwards == pytest.approx([0.0, 3.0, 8.0, 13.0])
+    assert sums == pytest.approx([3.0, 8.0, 8.0, 13.0, 13.0, 18.0, 18.0, 23.0])
+    assert sim.step_time_s == pytest.approx(23.0)
 
 
 def test_a_gpu_stage_sums_its_gradients_in_its_backward_even_on_a_pool():

@@ -847,7 +847,15 @@ def test_warm_up_runs_the_given_count_then_on_until_the_first_run_took_its_time(
     monkeypatch.setattr(timing, "WARM_SECONDS", 0.05)
     slow = []
     timing.warm_up([lambda: (slow.append(1), time.sleep(0.02))], "/CPU:0", 1)
-    assert len(slow) == 3  # 0.02, 0.04, 0.06 s: on until 0.05 s
+    assert 2 <= len(slow) <= 3  # 0.02 s or more each: on until 0.05 s (two runs where the machine slows a sleep)
+    # counted by the first function's own seconds (a clock that says 0.02 s a run): three runs reach 0.05 s
+    monkeypatch.setattr(timing, "synced_seconds", lambda run, devices: (run(), 0.02)[1])
+    counted: list[int] = []
+    timing.warm_up([lambda: counted.append(1), lambda: counted.append(2)], "/CPU:0", 1)
+    assert counted == [1, 2] * 3
+    counted.clear()
+    timing.warm_up([lambda: counted.append(1)], "/CPU:0", timing.MAX_WARM_RUNS + 5)  # the given count, past the cap
+    assert len(counted) == timing.MAX_WARM_RUNS + 5
 
 
 def test_cache_bytes_is_the_largest_cache_the_host_reports(monkeypatch, tmp_path):

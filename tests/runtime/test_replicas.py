@@ -85,17 +85,19 @@ def test_replicas_are_checked() -> None:
 
 
 @pytest.mark.parametrize(
-    ("planned", "run", "warned"),
+    ("planned", "run", "more"),
     [
-        ((1, 1), (1, 2), True),  # one pipeline at M = 1 run as one of 2: the packed copy is not counted
-        ((1, 2), (1, 2), False),  # priced for 2 (partitioner plan --workers 2)
-        ((1, 2), (1, 4), False),  # priced for replicas: the same copy, however many
-        ((4, 1), (4, 2), False),  # M > 1: the sums' copy covers it
-        ((4, 1), (1, 2), False),  # planned at M = 4: the sums' copy it counted covers the packed one at M = 1
-        ((1, 1), (4, 1), False),  # more micro-batches on one replica: not the all-reduce's
+        ((1, 1), (1, 2), 1),  # one pipeline at M = 1 run as one of 2: the packed copy is not counted
+        ((1, 2), (1, 2), 0),  # priced for 2 (partitioner plan --workers 2)
+        ((1, 2), (1, 4), 0),  # priced for replicas: the same copy, however many
+        ((4, 1), (4, 2), 0),  # M > 1: the sums' copies cover it
+        ((4, 1), (1, 2), 0),  # planned at M = 4: the sums' copies it counted cover the packed one at M = 1
+        ((1, 1), (4, 2), 2),  # the sums so far and the new sums: two more than priced at M = 1 on one pipeline
+        ((1, 2), (4, 2), 1),  # priced for the replicas at M = 1, run at M = 4: the sums' extra copy
+        ((1, 1), (4, 1), 2),  # one pipeline run at a larger M than planned
     ],
 )
-def test_a_plan_run_by_more_replicas_than_priced_says_what_it_does_not_count(planned, run, warned) -> None:
+def test_a_plan_run_by_more_replicas_or_micro_batches_than_priced_says_what_it_does_not_count(planned, run, more):
     import partitioner as pt
     from partitioner.cost import CostModel
     from runtime.wrap import unpriced_replicas_note
@@ -106,9 +108,10 @@ def test_a_plan_run_by_more_replicas_than_priced_says_what_it_does_not_count(pla
     costs = CostModel(graph, cluster, num_microbatches=m, num_replicas=d)
     plan = pt.score_assignment({"layer_0": "/GPU:0", "layer_1": "/GPU:1"}, costs, method="manual")
     note = unpriced_replicas_note(plan, *run)
-    if not warned:
+    if not more:
         assert note is None
     else:
         assert note is not None
-        assert f"priced for {d} pipeline(s) at M = {m} and runs as one of {run[1]} replicas at M = {run[0]}" in note
-        assert f"partitioner plan --workers {run[1]}" in note
+        assert f"priced at M = {m} on {d} pipeline(s) and runs at M = {run[0]} as one of {run[1]}" in note
+        assert f"each stage holds {more} more cop{'y' if more == 1 else 'ies'} of its weight gradients" in note
+        assert f"partitioner plan --workers {run[1]} --micro-batches {run[0]}" in note
