@@ -72,7 +72,7 @@ BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
 # (the loop's carry), the gradients and the new sums (the add cannot write into a buffer its caller holds).
 # Measured (2026-11-28, stop 34): one stage of 8 Dense(1024) (32.1 MiB of weights), SGD, M = 4 and 8, the
 # step's allocations 101.1 and 100.8 MiB against 68.1 and 66.1 priced with one copy here; 97.5 and 97.7
-# against 100.2 and 98.2 with two (docs/cost-model.md, "the gradient sums").
+# against 100.2 and 98.2 with two (docs/cost-model.md, "the gradient sums"; benchmarks/memory_model/gradient_sums.py).
 ACCUMULATING_COPIES = 2
 # Gradient copies of a trainable weight beyond its gradient, with D > 1 replicas: each stage's R action packs its
 # gradient sums into one flat tensor for the all-reduce (runtime/replicas.py), so it holds the sums and the packed
