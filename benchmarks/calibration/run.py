@@ -16,7 +16,7 @@ once), for an MLP of DEPTH Dense(WIDTH, relu) layers and a Dense(10) head at bat
    M, ``cost="time"``, the calibrated cluster), its stage count, its predicted step (``Plan.predicted_step_s``: the
    simulated step and the step's own work the profile measured, ``step_overhead_s``), and the measured steady step
    of the model wrapped with it (median of ROUNDS rounds of STEPS ``train_on_batch`` calls on one batch, after
-   WARMUP untimed ones).
+   WARMUP untimed ones; the M's take turns round by round since 2026-11-28, where each was timed in turn before).
 
 Writes results.json and the table in README.md (between the ``results:start`` / ``results:end`` markers).
 
@@ -65,22 +65,25 @@ def mlp() -> Any:
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="mlp")
 
 
-def steady_step_s(wrapped: Any, x: Any, y: Any) -> float:
-    """Median seconds of one train_on_batch over ROUNDS rounds of STEPS, after WARMUP untimed steps."""
+def steady_steps_s(wrapped: list[Any], x: Any, y: Any) -> list[float]:
+    """Per wrapped model, the median seconds of one train_on_batch over ROUNDS rounds of STEPS, after WARMUP
+    untimed steps; the models take turns round by round, so a slow spell of the machine falls on all of them."""
     import keras
 
-    wrapped.compile(
-        optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    for _ in range(WARMUP):
-        wrapped.train_on_batch(x, y)
-    rounds = []
+    for model in wrapped:
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        for _ in range(WARMUP):
+            model.train_on_batch(x, y)
+    rounds: list[list[float]] = [[] for _ in wrapped]
     for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            wrapped.train_on_batch(x, y)
-        rounds.append((time.perf_counter() - start) / STEPS)
-    return statistics.median(rounds)
+        for model, seconds in zip(wrapped, rounds, strict=True):
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                model.train_on_batch(x, y)
+            seconds.append((time.perf_counter() - start) / STEPS)
+    return [statistics.median(seconds) for seconds in rounds]
 
 
 def measure() -> dict[str, Any]:
@@ -113,22 +116,23 @@ def measure() -> dict[str, Any]:
     )
     sizes = timed_sizes(BATCH)  # and the pool's capacity with the model's own passes, as plan_and_wrap measures it
     shared = with_model_pool_capacities(after, model, sizes[len(sizes) // 2])
+    counts = sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())})
+    wrapped = [
+        wrap(model, solve(rescale_graph(timed, BATCH, m), shared, num_microbatches=m, cost="time")) for m in counts
+    ]
     rows = []
-    for m in sorted({*MICROBATCHES, *(p["num_microbatches"] for p in picked.values())}):
-        plan = solve(rescale_graph(timed, BATCH, m), shared, num_microbatches=m, cost="time")
-        wrapped = wrap(model, plan)
-        step = steady_step_s(wrapped, x, y)
+    for m, pipelined, step in zip(counts, wrapped, steady_steps_s(wrapped, x, y), strict=True):
         rows.append(
             {
                 "num_microbatches": m,
-                "num_stages": wrapped.plan.num_stages,
-                "predicted_step_s": wrapped.plan.predicted_step_s,  # the simulated step + the step's own work
-                "step_overhead_s": wrapped.plan.step_overhead_s,
+                "num_stages": pipelined.plan.num_stages,
+                "predicted_step_s": pipelined.plan.predicted_step_s,  # the simulated step + the step's own work
+                "step_overhead_s": pipelined.plan.step_overhead_s,
                 "measured_step_s": step,
             }
         )
         print(
-            f"M = {m}: {wrapped.plan.num_stages} stages, predicted {wrapped.plan.predicted_step_s * 1e3:.2f} ms, "
+            f"M = {m}: {pipelined.plan.num_stages} stages, predicted {pipelined.plan.predicted_step_s * 1e3:.2f} ms, "
             f"measured {step * 1e3:.2f} ms",
             flush=True,
         )
