@@ -228,7 +228,7 @@ class _Stages:
         self.recompute = ev.recompute
         self.output_bytes = ev.model_output_bytes
         # per stage: its gradient sums per micro-batch run beside its next pass (a pooled CPU device), 0 if none
-        self.sums_s = list(ev.sums_s) or [0.0] * len(used)
+        self.sums_s = list(ev.sums_s)
         # (capacity, stages) of each pool of devices sharing one processor whose work can outgrow it: more stages
         # than its capacity, or a stage's sums beside its passes
         self.pools = [

@@ -128,11 +128,17 @@ def table(results: dict[str, Any]) -> str:
 
 
 def write_readme(results: dict[str, Any]) -> None:
+    """Replaces the table between the gradient_sums markers of README.md, as run.py and allreduce.py do theirs."""
     readme = HERE / "README.md"
-    text = readme.read_text()
-    block = f"<!-- gradient_sums:start -->\n{table(results)}\n<!-- gradient_sums:end -->"
-    pattern = re.compile(r"<!-- gradient_sums:start -->.*<!-- gradient_sums:end -->", re.DOTALL)
-    readme.write_text(pattern.sub(block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n")
+    generated = "<!-- gradient_sums:start -->\n" + table(results) + "\n<!-- gradient_sums:end -->"
+    readme.write_text(
+        re.sub(
+            r"<!-- gradient_sums:start -->.*<!-- gradient_sums:end -->",
+            lambda _: generated,
+            readme.read_text(),
+            flags=re.S,
+        )
+    )
 
 
 def main() -> None:
