@@ -67,13 +67,13 @@ MODES = ("kept", "recomputed")
 # inputs only (1x). The profiler writes flops = forward * (1 + this); the simulator splits by it.
 BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
 # Gradient copies of a trainable weight beyond its gradient, with M > 1: the runtime sums each stage's
-# weight gradients over the micro-batches in the loop (runtime/train_step.py), in a function it does not
-# inline (``stage<s>_accumulate``), so while it adds a micro-batch's gradients the stage holds the sums so far
-# (the loop's carry), the gradients and the new sums (the add cannot write into a buffer its caller holds).
-# Measured (2026-11-28, stop 34): one stage of 8 Dense(1024) (32.1 MiB of weights), SGD, M = 4 and 8, the
-# step's allocations 101.1 and 100.8 MiB against 68.1 and 66.1 priced with one copy here; 97.5 and 97.7
-# against 100.2 and 98.2 with two (docs/cost-model.md, "the gradient sums"; benchmarks/memory_model/gradient_sums.py).
-ACCUMULATING_COPIES = 2
+# weight gradients over the micro-batches in the loop (runtime/train_step.py), with adds inlined into the loop
+# (``stage<s>_accumulate``), which write the new sums into the buffer of the sums so far: while it adds a
+# micro-batch's gradients the stage holds the sums and the gradients. Measured (stop 35,
+# benchmarks/memory_model/gradient_sums.py): one stage of 8 Dense(1024) (32.1 MiB of weights), SGD, M = 4 and 8,
+# the step's allocations 68.9 and 65.6 MiB; with the add a function the loop called (stop 34) 98.5 and 97.9, a
+# third copy (the call's result cannot take a buffer its caller holds). docs/cost-model.md, "the gradient sums".
+ACCUMULATING_COPIES = 1
 # Gradient copies of a trainable weight beyond its gradient, with D > 1 replicas: each stage's R action packs its
 # gradient sums into one flat tensor for the all-reduce (runtime/replicas.py), so it holds the sums and the packed
 # copy at once (the collective's output takes the packed tensor's buffer). Measured: 4 gradients of 16 MiB on 2
@@ -84,12 +84,12 @@ REDUCING_COPIES = 1
 
 def gradient_copies(num_microbatches: int, num_replicas: int) -> int:
     """Copies of a trainable weight's gradient a stage holds at once: the gradient, and with M > 1 the sums
-    so far and the new sums as a micro-batch's gradients are added (ACCUMULATING_COPIES), with D > 1 replicas
-    the packed copy the all-reduce takes beside the sums (REDUCING_COPIES): the larger of the two.
+    it is added to (ACCUMULATING_COPIES), with D > 1 replicas the packed copy the all-reduce takes beside the
+    sums (REDUCING_COPIES): the larger of the two.
 
     Example:
         >>> gradient_copies(1, 1), gradient_copies(8, 1), gradient_copies(1, 4), gradient_copies(8, 4)
-        (1, 3, 2, 3)
+        (1, 2, 2, 2)
     """
     return 1 + max(ACCUMULATING_COPIES * (num_microbatches > 1), REDUCING_COPIES * (num_replicas > 1))
 
@@ -486,9 +486,9 @@ class CostModel:
     def weight_bytes(self, node: str) -> int:
         """Bytes of ``node``'s weights, and the gradients and optimizer slots of its trainable ones:
         param_bytes + trainable_param_bytes * (gradient_copies + optimizer_slots), with gradient_copies
-        (:func:`gradient_copies`) 1 at M = 1 on one replica, 3 at M > 1 (the sums so far, the micro-batch's
-        gradients and the new sums as they are added), 2 at M = 1 with D > 1 replicas (the gradients and the
-        packed copy their all-reduce takes)."""
+        (:func:`gradient_copies`) 1 at M = 1 on one replica, 2 at M > 1 (the sums and the micro-batch's
+        gradients being added to them) or with D > 1 replicas (the sums and the packed copy their all-reduce
+        takes)."""
         return self._weights[node]
 
     def step_bytes(self, node: str) -> int:

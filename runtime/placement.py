@@ -149,7 +149,7 @@ class ExecutedPlacement:
     unread_calls: tuple[int, ...] = ()  # per stage: calls of functions whose body was not listed
     unread: tuple[str, ...] = ()  # "stage s <kind>: call '<node>' of '<function>' on <device>: its body is not listed"
     outside: dict[str, int] = field(default_factory=dict)  # device -> compute ops outside every function above
-    compiled: tuple[Share, ...] = ()  # per stage: its XLA-compiled calls (forward, backward, sums) on its device
+    compiled: tuple[Share, ...] = ()  # per stage: its XLA-compiled calls (forward, backward) on its device
 
     @property
     def ok(self) -> bool:

@@ -6,10 +6,10 @@ and 8, and one training step is measured per device: what the step's own allocat
 what was held when it started (``runtime.step_memory``, TensorFlow's allocation records read back to the devices
 that made them; ``TF_CPU_ALLOCATOR_USE_BFC=true``). Beside it, the simulated peak of the same plan
 (``partitioner.simulate``) less the device's weights and the split batch (``ModeCost.step_bytes``), which are
-held before the step starts. With M > 1 the loop adds each micro-batch's weight gradients into the stage's sums
-in a function it does not inline: the cost model counts three copies of the gradients there (the sums so far,
-the micro-batch's gradients and the new sums: ``ACCUMULATING_COPIES`` in partitioner/cost.py), which this
-measures.
+held before the step starts. With M > 1 the loop adds each micro-batch's weight gradients into the stage's sums,
+the adds inlined into the loop so that they write into the sums' buffer: the cost model counts two copies of the
+gradients there (the sums and the micro-batch's gradients: ``ACCUMULATING_COPIES`` in partitioner/cost.py), which
+this measures (with the add a function the loop called, until stop 35, one stage held three).
 
 Writes gradient_sums.json beside this script and the table between the gradient_sums markers of README.md:
 

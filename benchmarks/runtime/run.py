@@ -1009,8 +1009,8 @@ def tables(results: dict[str, Any]) -> list[str]:
             "from the graphs TensorFlow executed; with XLA a stage function is one compiled cluster that XLA runs "
             "wholly on its call's device, so its ops are not listed and its calls are counted where they ran):",
             "",
-            "| configuration | stage | device | forward | backward | optimizer updates | XLA calls (forward, backward, "
-            "sums) |",
+            "| configuration | stage | device | forward | backward | optimizer updates | "
+            "XLA calls (forward, backward) |",
             "|---|---|---|---|---|---|---|",
         ]
         for row in r["placement"]["rows"]:

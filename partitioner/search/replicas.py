@@ -46,7 +46,7 @@ Example:
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 32 GiB of weights: a pipeline
     (1, 4)
     >>> [(c.num_replicas, c.step_time_s and round(c.step_time_s * 1e3, 1)) for c in choice.candidates]
-    [(1, 4.4), (2, 179.8), (2, 179.8), (4, None)]
+    [(1, 4.4), (2, 176.0), (2, 176.0), (4, None)]
     >>> choice.best(devices_per_replica=1) is None        # data parallel does not fit: the reason says why
     True
 """

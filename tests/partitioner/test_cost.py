@@ -46,19 +46,19 @@ def test_costmodel_stage_times_by_hand():
 def test_costmodel_memory_by_hand():
     costs = CostModel(_abc(), _slow_cluster(), num_microbatches=4, optimizer_slots=2)
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
-    # param_bytes * (weights + gradient + the sums so far and the new sums (M > 1) + slots) + M * activation_bytes
+    # param_bytes * (weights + gradient + its micro-batch's beside the sum (M > 1) + slots) + M * activation_bytes
     # + with M > 1 one micro-batch's activation gradients while a backward runs in the loop, and on G1 the
     # gradient of the 2 MB it received (its backward makes it, to send back); G1, GPipe's last stage, holds
     # one micro-batch's activations (its backward follows its forward) and a copy of the 2 MB it receives for
     # each of G0's 4 micro-batches (one its forward keeps, 3 G0 ran ahead, waiting for its forwards)
     assert ev.memory_bytes == {
-        G0: (100 + 200) * 6 + (4 + 1) * (10 + 20),
-        G1: 300 * 6 + (1 + 1) * 30 + RECEIVED + 4 * RECEIVED,
+        G0: (100 + 200) * 5 + (4 + 1) * (10 + 20),
+        G1: 300 * 5 + (1 + 1) * 30 + RECEIVED + 4 * RECEIVED,
     }
     sgd = CostModel(_abc(), _slow_cluster(), num_microbatches=1, optimizer_slots=0).evaluate(
         {"l0": G0, "l1": G0, "l2": G1}
     )
-    # M = 1: no loop, no gradients' copies; G1 holds one copy of the 2 MB it receives
+    # M = 1: no loop, no gradients' copy; G1 holds one copy of the 2 MB it receives
     assert sgd.memory_bytes == {G0: (100 + 200) * 2 + (10 + 20), G1: 300 * 2 + 30 + RECEIVED}
 
 
@@ -72,16 +72,15 @@ def test_costmodel_working_set_is_the_gradients_of_the_nodes_outputs():
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     ahead = 4 * RECEIVED  # GPipe's last stage: a copy of its input for each of the sender's M micro-batches
     assert ev.memory_bytes == {
-        G0: (100 + 200) * 6 + 4 * (10 + 20) + (3 + 5),
-        G1: 300 * 6 + (1 + 1) * 30 + RECEIVED + ahead,
+        G0: (100 + 200) * 5 + 4 * (10 + 20) + (3 + 5),
+        G1: 300 * 5 + (1 + 1) * 30 + RECEIVED + ahead,
     }
     assert costs.node_cost("l1", "kept").once_bytes == 5  # a node alone prices it alike
 
 
 def test_costmodel_gradient_sums_need_a_second_copy_only_with_microbatches():
-    # M = 1: the one micro-batch's gradients are the step's; M > 1: the micro-batch's, the sums so far and the
-    # new sums
-    for m, copies in ((1, 1), (2, 3), (8, 3)):
+    # M = 1: the one micro-batch's gradients are the step's; M > 1: the sum so far and the micro-batch's
+    for m, copies in ((1, 1), (2, 2), (8, 2)):
         costs = CostModel(_abc(), _slow_cluster(), num_microbatches=m, optimizer_slots=0)
         assert costs.weight_bytes("l1") == 200 * (1 + copies)
 
@@ -97,13 +96,13 @@ def _abc_with_boundary() -> nx.DiGraph:
 @pytest.mark.parametrize(
     ("schedule", "expected"),
     [
-        # G0: weights 300 x 6 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
-        # gradients in a backward; G1: weights 300 x 6 + the collected outputs 4 x 50 + one micro-batch's 50
+        # G0: weights 300 x 5 + the batch's inputs 4 x 1000 + 4 in flight x 30 of activations + 30 of their
+        # gradients in a backward; G1: weights 300 x 5 + the collected outputs 4 x 50 + one micro-batch's 50
         # (the loss's gradient, the metrics' temporaries) + 1 x 30 in flight (the last stage) + 30 and the
         # received 2 MB's gradient in a backward + a copy of the received 2 MB for each of G0's micro-batches in
         # flight (GPipe 4, 1F1B 2: the one G1's forward keeps, the rest waiting for its forwards)
-        ("gpipe", {G0: 1800 + 4000 + 5 * 30, G1: 1800 + 200 + 50 + 2 * 30 + RECEIVED + 4 * RECEIVED}),
-        ("1f1b", {G0: 1800 + 4000 + 3 * 30, G1: 1800 + 200 + 50 + 2 * 30 + RECEIVED + 2 * RECEIVED}),
+        ("gpipe", {G0: 1500 + 4000 + 5 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED + 4 * RECEIVED}),
+        ("1f1b", {G0: 1500 + 4000 + 3 * 30, G1: 1500 + 200 + 50 + 2 * 30 + RECEIVED + 2 * RECEIVED}),
     ],
 )
 def test_costmodel_prices_the_inputs_and_outputs_on_their_nodes_devices(schedule, expected):
@@ -117,13 +116,13 @@ def test_costmodel_node_memory_carries_the_step_terms():
     # what the planners budget per node and per received tensor is what evaluate sums per stage
     costs = CostModel(_abc_with_boundary(), _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     node = costs.node_memory_bytes("kept", 4)
-    assert node == {"l0": 100 * 4 + 4000 + 5 * 10, "l1": 200 * 4 + 5 * 20, "l2": 300 * 4 + 250 + 5 * 30}
+    assert node == {"l0": 100 * 3 + 4000 + 5 * 10, "l1": 200 * 3 + 5 * 20, "l2": 300 * 3 + 250 + 5 * 30}
     ev = costs.evaluate({"l0": G0, "l1": G0, "l2": G1})
     received = costs.input_memory_bytes("kept", 4)
     # a kept stage: a copy for each of the sender's 4 micro-batches, and the gradient its backward makes
     assert received == {"l0": 5 * 10**6, "l1": 5 * RECEIVED, "l2": 0}
     last = costs.node_memory_bytes("kept", 1)  # G1 is GPipe's last stage: one micro-batch in flight
-    assert last["l2"] == 300 * 4 + 250 + 2 * 30
+    assert last["l2"] == 300 * 3 + 250 + 2 * 30
     assert costs.input_memory_bytes("kept", 1)["l1"] == 5 * RECEIVED  # the sender's M copies, whatever it holds
     assert ev.memory_bytes == {G0: node["l0"] + node["l1"], G1: last["l2"] + costs.input_memory_bytes("kept", 1)["l1"]}
 
@@ -137,7 +136,7 @@ def test_costmodel_input_held_where_its_node_is():
         {"l0": G0, "l1": G1, "l2": G1}
     )
     # G1 last: 1 held, and a copy of the 1 MB from G0 for each of G0's 4 micro-batches
-    assert ev.memory_bytes == {G0: 100 * 4 + 5 * 10, G1: 500 * 4 + 4000 + 250 + 2 * 50 + 10**6 + 4 * 10**6}
+    assert ev.memory_bytes == {G0: 100 * 3 + 5 * 10, G1: 500 * 3 + 4000 + 250 + 2 * 50 + 10**6 + 4 * 10**6}
 
 
 def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
@@ -149,8 +148,8 @@ def test_costmodel_output_of_an_earlier_stage_is_collected_on_the_last_too():
         {"l0": G0, "l1": G0, "l2": G1}
     )
     assert ev.memory_bytes == {
-        G0: 300 * 4 + 4000 + 35 + 5 * 30,
-        G1: 300 * 4 + 250 + 35 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # + a copy of its input per sender's micro-batch
+        G0: 300 * 3 + 4000 + 35 + 5 * 30,
+        G1: 300 * 3 + 250 + 35 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # + a copy of its input per sender's micro-batch
     }
 
 
@@ -170,8 +169,8 @@ def test_costmodel_graph_without_boundary_bytes_prices_none():
     costs = CostModel(graph, _slow_cluster(), num_microbatches=4, optimizer_slots=0)
     assert [costs.step_bytes(v) for v in ("l0", "l1", "l2")] == [0, 0, 0]
     assert costs.evaluate({"l0": G0, "l1": G0, "l2": G1}).memory_bytes == {
-        G0: 300 * 4 + 5 * 30,
-        G1: 300 * 4 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # GPipe's last stage: one micro-batch, 4 input copies
+        G0: 300 * 3 + 5 * 30,
+        G1: 300 * 3 + 2 * 30 + RECEIVED + 4 * RECEIVED,  # GPipe's last stage: one micro-batch, 4 input copies
     }
 
 

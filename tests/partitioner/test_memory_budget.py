@@ -220,11 +220,10 @@ def test_banded_programs_1f1b_tight_memory_keep_every_split_that_fits(problem):
 
 
 def _boundary_chain(num_nodes: int, output_bytes: int) -> nx.DiGraph:
-    """num_nodes layers of 60 MB of weights (240 MB with the gradient, the sums so far and the new sums, M > 1,
-    no optimizer slots) and 1 MB of activations, the model's input on the first (1000 B per micro-batch) and its
-    output on the last (output_bytes per micro-batch)."""
+    """num_nodes layers of 80 MB of weights and 1 MB of activations, the model's input on the first
+    (1000 B per micro-batch) and its output on the last (output_bytes per micro-batch)."""
     num = num_nodes
-    graph = pt.chain_graph([1e9] * num, param_bytes=[60_000_000] * num, activation_bytes=[10**6] * num)
+    graph = pt.chain_graph([1e9] * num, param_bytes=[80_000_000] * num, activation_bytes=[10**6] * num)
     graph.nodes["layer_0"]["model_input_bytes"] = 1000
     graph.nodes[f"layer_{num_nodes - 1}"]["model_output_bytes"] = output_bytes
     return graph
@@ -240,8 +239,8 @@ def test_solve_budgets_the_inputs_and_the_collected_outputs(output_bytes, cut):
     plan = pt.solve(graph, cluster, num_microbatches=4, optimizer_slots=0, time_limit_s=5)
     pt.validate_plan(plan, graph, cluster)
     assert plan.assignment == {f"layer_{i}": cluster.names[int(i >= cut)] for i in range(6)}
-    # the last stage: weights, gradient, the sums so far and the new sums 4 x 60 MB each, 1 in flight x 1 MB
-    # (GPipe's last stage) and 1 MB of gradients in a backward, the outputs (4 + 1) x out
+    # the last stage: weights and gradient sums 3 x 80 MB each, 1 in flight x 1 MB (GPipe's last stage) and
+    # 1 MB of gradients in a backward, the outputs (4 + 1) x out
     assert plan.memory_bytes[cluster.names[1]] == (6 - cut) * (240_000_000 + 2 * 10**6) + 5 * output_bytes
     costs = CostModel(graph, cluster, num_microbatches=4, optimizer_slots=0)
     best = brute_force(graph, cluster, num_microbatches=4, optimizer_slots=0)

@@ -179,11 +179,9 @@ def test_exact_chain_search_equals_brute_force_over_orders(problem):
 def test_fast_device_first_or_last_gives_the_same_plan():
     """The issue's example: the order the user lists the devices in no longer decides the plan."""
     # Light layers, then a heavy tail with large weights: the fast device (twice the memory) takes the tail.
-    # Weights x 6 with the gradient, the sums so far, the new sums and Adam's 2 slots: 4.5 KiB a light layer,
-    # 18 KiB a heavy one.
     graph = chain(
         [1e12] * 8 + [12e12, 12e12],
-        param_bytes=[3 * KIB // 4] * 8 + [3 * KIB, 3 * KIB],
+        param_bytes=[KIB] * 8 + [4 * KIB, 4 * KIB],
         activation_bytes=[KIB] * 10,
         edge_bytes=[1000] * 9,  # a stage makes the gradient of what it receives: small beside the layers
     )

@@ -246,14 +246,14 @@ def test_plan_without_a_step_bound_loads_from_older_files(plans):
 
 def test_plan_fits_memory():
     assert _abc_plan().fits_memory
-    # G0 holds l0 and l1: (100 + 200) * 6 + (4 + 1) * (10 + 20) = 1950 bytes (weights, gradient, the sums so
-    # far and the new sums, 2 Adam slots; 4 micro-batches' activations and one's gradients);
-    # G2 holds l2, GPipe's last stage: 300 * 6 + (1 + 1) * 30 (one micro-batch's activations and their
+    # G0 holds l0 and l1: (100 + 200) * 5 + (4 + 1) * (10 + 20) = 1650 bytes (weights, gradient, the
+    # micro-batch's gradient beside the sum, 2 Adam slots; 4 micro-batches' activations and one's gradients);
+    # G2 holds l2, GPipe's last stage: 300 * 5 + (1 + 1) * 30 (one micro-batch's activations and their
     # gradients: its backward follows its forward), the gradient of the 2 MB it receives and a copy of the 2 MB
-    # for each of G0's 4 micro-batches (one its forward keeps, 3 waiting for its forwards) = 10,001,860 bytes.
-    assert _abc_plan().memory_bytes == {G0: 1950, G1: 0, G2: 10_001_860}
-    assert _abc_plan(memory=10_001_860).fits_memory
-    assert not _abc_plan(memory=10_001_859).fits_memory
+    # for each of G0's 4 micro-batches (one its forward keeps, 3 waiting for its forwards) = 10,001,560 bytes.
+    assert _abc_plan().memory_bytes == {G0: 1650, G1: 0, G2: 10_001_560}
+    assert _abc_plan(memory=10_001_560).fits_memory
+    assert not _abc_plan(memory=10_001_559).fits_memory
 
 
 def test_plan_exact_chain_gap_is_within_the_search_tolerance(plans):

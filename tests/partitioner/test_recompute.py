@@ -73,17 +73,17 @@ def test_costmodel_recomputed_stages_by_hand():
     assert ev.stage_times[G1] == pytest.approx(12.0 + 0.002)
     assert ev.compute_times[G0] == pytest.approx(1.0 + 2.0 + 1.0)
     assert ev.compute_times[G2] == pytest.approx(3.0)  # kept
-    # weights * 6 (weights, gradient, the sums so far and the new sums, 2 Adam slots) + M * received bytes
+    # weights * 5 (weights, gradient, the micro-batch's beside the sum, 2 Adam slots) + M * received bytes
     # + one micro-batch's activations and, in the loop (M > 1), their gradients and the received input's
-    assert ev.memory_bytes[G1] == (200 + 300) * 6 + 4 * 1000 + 2 * (20_000 + 30_000) + 1000
-    assert ev.memory_bytes[G0] == 100 * 6 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 4 * 1000 + 2 * (20_000 + 30_000) + 1000
+    assert ev.memory_bytes[G0] == 100 * 5 + 4 * 0 + 2 * 10_000  # the first stage receives nothing
     # kept, GPipe's last stage: one micro-batch in flight (its backward follows its forward) + the gradients,
     # and a copy of the 3000 B it receives for each of G1's 4 micro-batches (3 waiting for its forwards)
-    assert ev.memory_bytes[G2] == 400 * 6 + (1 + 1) * 40_000 + 3000 + 4 * 3000
+    assert ev.memory_bytes[G2] == 400 * 5 + (1 + 1) * 40_000 + 3000 + 4 * 3000
     kept = CostModel(_abcd(), _slow_cluster(), num_microbatches=4).evaluate(SPLIT)
     assert kept.recompute == (False, False, False)
     # kept: a copy of the 1000 B it receives for each of G0's 4 micro-batches (its forwards keep them)
-    assert kept.memory_bytes[G1] == (200 + 300) * 6 + (4 + 1) * (20_000 + 30_000) + 1000 + 4 * 1000
+    assert kept.memory_bytes[G1] == (200 + 300) * 5 + (4 + 1) * (20_000 + 30_000) + 1000 + 4 * 1000
     assert kept.compute_times[G1] == pytest.approx(9.0)
 
 
@@ -93,14 +93,14 @@ def test_costmodel_recompute_under_1f1b_counts_each_stages_in_flight():
     assert ev.in_flight == {G0: 3, G1: 2, G2: 1}
     # + the 1000 B input of the one micro-batch G0 (window 3) runs ahead of G1 (window 2): its held bytes
     # count the inputs of its own 2
-    assert ev.memory_bytes[G1] == (200 + 300) * 6 + 2 * 1000 + 2 * (20_000 + 30_000) + 1000 + 1000
+    assert ev.memory_bytes[G1] == (200 + 300) * 5 + 2 * 1000 + 2 * (20_000 + 30_000) + 1000 + 1000
 
 
 def test_costmodel_recompute_given_per_stage():
     costs = CostModel(_abcd(), _slow_cluster(), num_microbatches=4)
     ev = costs.evaluate(SPLIT, recompute=(False, True, False))
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G0] == 100 * 6 + (4 + 1) * 10_000
+    assert ev.memory_bytes[G0] == 100 * 5 + (4 + 1) * 10_000
     with pytest.raises(PlanError, match=r"recompute has 2 entries but the placement has 3 stages"):
         costs.evaluate(SPLIT, recompute=(True, False))
     with pytest.raises(PlanError, match=r"the last stage is never recomputed"):
@@ -110,13 +110,13 @@ def test_costmodel_recompute_given_per_stage():
 
 
 def test_costmodel_auto_recomputes_exactly_the_stages_that_do_not_fit():
-    # Kept, G1 needs 3000 + (4 + 1) * 50,000 + 1000 = 254,000 B; recomputed 3000 + 4000 + 2 * 50,000 + 1000
-    # = 108,000 B (the received 1000 B's gradient in a backward, either mode; weights 500 B x 6).
+    # Kept, G1 needs 2500 + (4 + 1) * 50,000 + 1000 = 253,500 B; recomputed 2500 + 4000 + 2 * 50,000 + 1000
+    # = 107,500 B (the received 1000 B's gradient in a backward, either mode).
     devices = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=150_000), pt.Device(G2, memory=10**6)]
     costs = CostModel(_abcd(), pt.Cluster(devices, bandwidth=1e6), num_microbatches=4, recompute="auto")
     ev = costs.evaluate(SPLIT)
     assert ev.recompute == (False, True, False)
-    assert ev.memory_bytes[G1] == 108_000 and costs.fits(ev)
+    assert ev.memory_bytes[G1] == 107_500 and costs.fits(ev)
     # The last stage stays kept even when it does not fit.
     tight_last = [pt.Device(G0, memory=10**6), pt.Device(G1, memory=10**6), pt.Device(G2, memory=1000)]
     costs = CostModel(_abcd(), pt.Cluster(tight_last, bandwidth=1e6), num_microbatches=4, recompute="auto")
@@ -152,12 +152,12 @@ def test_simulated_recomputed_stage_by_hand(schedule):
     # sender's micro-batches (windows GPipe 4, 4, 1; 1F1B 3, 2, 1)
     ahead = {"gpipe": 0, "1f1b": 1}[schedule]
     before = {"gpipe": {G1: 4, G2: 4}, "1f1b": {G1: 3, G2: 2}}[schedule]
-    assert sim.peak_memory_bytes[G1] == (200 + 300) * 6 + held * 1000 + 2 * (20_000 + 30_000) + 1000 + ahead * 1000
-    assert sim.peak_memory_bytes[G2] == 400 * 6 + (sim.peak_in_flight[G2] + 1) * 40_000 + 3000 + before[G2] * 3000
+    assert sim.peak_memory_bytes[G1] == (200 + 300) * 5 + held * 1000 + 2 * (20_000 + 30_000) + 1000 + ahead * 1000
+    assert sim.peak_memory_bytes[G2] == 400 * 5 + (sim.peak_in_flight[G2] + 1) * 40_000 + 3000 + before[G2] * 3000
     # The same plan without recomputation: shorter, and it holds every activation.
     kept = pt.simulate(plan, graph, cluster, recompute="never")
     assert kept.step_time_s < sim.step_time_s
-    assert kept.peak_memory_bytes[G1] == (200 + 300) * 6 + (held + 1) * (20_000 + 30_000) + 1000 + before[G1] * 1000
+    assert kept.peak_memory_bytes[G1] == (200 + 300) * 5 + (held + 1) * (20_000 + 30_000) + 1000 + before[G1] * 1000
 
 
 def test_plan_step_time_is_the_recomputed_simulation():
@@ -259,14 +259,14 @@ def test_baselines_take_the_recompute_policy(recompute):
     cluster = _tight(100_000)
     plan = pt.baselines.uniform(graph, _slow_cluster(4), num_microbatches=4, recompute=recompute)
     assert plan.recompute == ((True, True, True, False) if recompute == "always" else (False,) * 4)
-    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1200 + (8 + 1) * 20,000 B > 100,000 B on G1;
-    # recomputed 1200 + 8 * 1000 + 2 * 20,000 + 1000 B (weights 200 B x 6: with its gradient, the sums so far
-    # and the new sums, Adam's 2 slots; one micro-batch's activations and, in the loop, their gradients and the
-    # received input's).
+    # by_time: [l0], [l1], [l2, l3]. With M = 8, l1 kept needs 1000 + (8 + 1) * 20,000 B > 100,000 B on G1;
+    # recomputed 1000 + 8 * 1000 + 2 * 20,000 + 1000 B (weights 200 B x 5: with its gradient, the sum's
+    # second copy, Adam; one micro-batch's activations and, in the loop, their gradients and the received
+    # input's).
     plan = pt.baselines.by_time(graph, cluster, num_microbatches=8, recompute=recompute)
     assert plan.assignment == {"l0": G0, "l1": G1, "l2": G2, "l3": G2}
     assert plan.recompute == ((True, True, False) if recompute == "always" else (False, True, False))
-    assert plan.memory_bytes[G1] == 1200 + 8 * 1000 + 2 * 20_000 + 1000
+    assert plan.memory_bytes[G1] == 1000 + 8 * 1000 + 2 * 20_000 + 1000
 
 
 def _recompute_problem(draw: st.DrawFn, *, dag: bool):

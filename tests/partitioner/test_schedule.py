@@ -297,8 +297,7 @@ def test_simulator_refuses_a_schedule_for_another_pipeline():
 def test_1f1b_memory_is_each_stages_own_and_at_most_gpipes(num_stages, num_microbatches):
     gpipe, graph, cluster = _pipeline(num_stages, num_microbatches)
     one_f_one_b, _, _ = _pipeline(num_stages, num_microbatches, schedule="1f1b")
-    # weights, gradient, the sums so far and the new sums (M > 1), slots
-    weights = KIB * (4 + gpipe.optimizer_slots)
+    weights = KIB * (3 + gpipe.optimizer_slots)  # weights, gradient and its micro-batch's beside the sum (M > 1), slots
     for s, device in enumerate(gpipe.stages):
         held = min(num_stages - s, num_microbatches)
         received = KIB if s > 0 else 0
@@ -352,10 +351,9 @@ def test_1f1b_fits_where_gpipe_does_not():
         assert all(plan.memory_bytes[d] <= gpipe.memory_bytes[d] for d in plan.devices)
         assert not gpipe.fits_memory
         with pytest.raises(
-            # 8 x 20 KiB held on stage 0, 20 KiB of one micro-batch's activation gradients, 12 KiB of weights (2
-            # layers x 1 KiB x 6: the weights, the gradient, the sums so far, the new sums, Adam's 2 slots)
+            # 8 x 20 KiB held on stage 0, 20 KiB of one micro-batch's activation gradients, 10 KiB of weights
             pt.PlanError,
-            match=r"needs 192.0 KiB but holds 80.0 KiB \(with 8 micro-batches in flight under gpipe",
+            match=r"needs 190.0 KiB but holds 80.0 KiB \(with 8 micro-batches in flight under gpipe",
         ):
             pt.validate_plan(gpipe, graph, cluster)
 

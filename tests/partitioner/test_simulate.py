@@ -76,7 +76,7 @@ def test_schedules_hold_the_expected_micro_batches_in_flight(k, m):
         held = m if s < k - 1 else 1  # GPipe's last stage runs each backward right after its forward
         assert gpipe.peak_in_flight[device] == held
         assert one_f_one_b.peak_in_flight[device] == min(m, k - s)
-        gradients = 3 if m > 1 else 1  # with micro-batches, the micro-batch's, the sums so far and the new sums
+        gradients = 2 if m > 1 else 1  # with micro-batches, the sum and the micro-batch's being added
         weights = KIB * (1 + gradients + plan.optimizer_slots)
         working = 1 if m > 1 else 0  # in the runtime's loop a backward holds one micro-batch's activation gradients
         assert gpipe.peak_memory_bytes[device] == weights + (held + working) * 4 * KIB

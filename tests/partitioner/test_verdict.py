@@ -194,9 +194,7 @@ def _least_step(graph: nx.DiGraph, cluster: pt.Cluster, num_microbatches: int) -
     return least
 
 
-# problems that fit, each "feasible" with a gap before (seed 5, 7 layers on 2 devices at M = 4, stopped fitting when
-# the gradient sums took a third copy: seed 24 is the next of that shape)
-TIGHT_SEEDS = (1, 0, 4, 24, 8, 9, 10, 11, 12, 13, 14, 17)
+TIGHT_SEEDS = (1, 0, 4, 5, 8, 9, 10, 11, 12, 13, 14, 17)  # problems that fit, each "feasible" with a gap before
 
 
 @pytest.mark.parametrize("seed", TIGHT_SEEDS)
@@ -265,14 +263,11 @@ def test_a_step_plans_bound_on_the_bottleneck_holds_in_every_order():
     # pipeline order whose CP-SAT bound was 0.296 s, and the plan kept that order's bound as its lower bound
     # on the bottleneck of every plan; the enumeration then found a legal plan of bottleneck 0.291 s (another
     # order's CP-SAT plan: 0.242 s). Over orders, the bound is the least of the orders' bounds.
-    # The memories are those drawn, each + 833,536 B (814 KiB): the graph's trainable weights, the third copy of
-    # their gradients with M > 1 (the gradient, the sums so far and the new sums), so each device holds what it
-    # held before (the whole graph on /GPU:0, not on /GPU:1 or /GPU:2).
     graph = load_graph(DATA / "order-bound-dag-24.json")
     devices = [
-        pt.Device("/GPU:0", memory_bytes=4999168 + 833536, flops_per_s=1e12),
-        pt.Device("/GPU:1", memory_bytes=3007488 + 833536, flops_per_s=1e12),
-        pt.Device("/GPU:2", memory_bytes=3611648 + 833536, flops_per_s=4e12),
+        pt.Device("/GPU:0", memory_bytes=4999168, flops_per_s=1e12),
+        pt.Device("/GPU:1", memory_bytes=3007488, flops_per_s=1e12),
+        pt.Device("/GPU:2", memory_bytes=3611648, flops_per_s=4e12),
     ]
     cluster = pt.Cluster(devices, bandwidth=1e9)
     plan = pt.solve(graph, cluster, num_microbatches=2, time_limit_s=10)

@@ -92,9 +92,9 @@ def test_replicas_are_checked() -> None:
         ((1, 2), (1, 4), 0),  # priced for replicas: the same copy, however many
         ((4, 1), (4, 2), 0),  # M > 1: the sums' copies cover it
         ((4, 1), (1, 2), 0),  # planned at M = 4: the sums' copies it counted cover the packed one at M = 1
-        ((1, 1), (4, 2), 2),  # the sums so far and the new sums: two more than priced at M = 1 on one pipeline
-        ((1, 2), (4, 2), 1),  # priced for the replicas at M = 1, run at M = 4: the sums' extra copy
-        ((1, 1), (4, 1), 2),  # one pipeline run at a larger M than planned
+        ((1, 1), (4, 2), 1),  # the sums: one more than priced at M = 1 on one pipeline
+        ((1, 2), (4, 2), 0),  # priced for the replicas at M = 1, run at M = 4: the packed copy covers the sums
+        ((1, 1), (4, 1), 1),  # one pipeline run at a larger M than planned
     ],
 )
 def test_a_plan_run_by_more_replicas_or_micro_batches_than_priced_says_what_it_does_not_count(planned, run, more):
