@@ -71,7 +71,7 @@ BACKWARD_PER_FORWARD = {True: 2.0, False: 1.0}
 # (``stage<s>_accumulate``), which write the new sums into the buffer of the sums so far: while it adds a
 # micro-batch's gradients the stage holds the sums and the gradients. Measured (stop 35,
 # benchmarks/memory_model/gradient_sums.py): one stage of 8 Dense(1024) (32.1 MiB of weights), SGD, M = 4 and 8,
-# the step's allocations 68.9 and 65.6 MiB; with the add a function the loop called (stop 34) 98.5 and 97.9, a
+# the step's allocations 66.7 and 65.5 MiB; with the add a function the loop called (stop 34) 98.5 and 97.9, a
 # third copy (the call's result cannot take a buffer its caller holds). docs/cost-model.md, "the gradient sums".
 ACCUMULATING_COPIES = 1
 # Gradient copies of a trainable weight beyond its gradient, with D > 1 replicas: each stage's R action packs its

@@ -297,7 +297,7 @@ class StageProgram:
         into the buffer of the sums so far (the loop's carry, which nothing else reads), so the stage holds
         two copies of its gradients while it adds (the sums and the micro-batch's gradients) instead of
         three (a function call's result cannot take a buffer its caller holds). Measured on one stage of
-        32 MiB of weights at M = 4 / 8: 67.0 / 68.7 MiB of step allocations inlined against 98.5 / 97.9
+        32 MiB of weights at M = 4 / 8: 66.7 / 65.5 MiB of step allocations inlined against 98.5 / 97.9
         called (benchmarks/memory_model/gradient_sums.py; ``ACCUMULATING_COPIES`` in partitioner/cost.py).
         An add is memory-bound: XLA would gain nothing on it."""
 
