@@ -38,6 +38,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+from benchmarks.readme import write_block  # noqa: E402
 
 WIDTH, DEPTH, BATCH = 256, 8, 64
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -185,11 +186,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def write_readme(results: dict[str, Any]) -> None:
-    readme = HERE / "README.md"
-    text = readme.read_text()
-    head, rest = text.split("<!-- results:start -->", 1)
-    _, tail = rest.split("<!-- results:end -->", 1)
-    readme.write_text(f"{head}<!-- results:start -->\n{table(results)}\n<!-- results:end -->{tail}")
+    write_block(HERE / "README.md", "results", table(results))
 
 
 def main() -> None:

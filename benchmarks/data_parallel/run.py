@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import write_block  # noqa: E402
 
 
 def _results(output: str) -> list[dict]:
@@ -73,10 +74,7 @@ def main() -> None:
         lines.append(f"| {name} | {rows_per} | {step * 1e3:.1f} ms | {reduce_text} | {share} |")
     table = "\n".join(lines)
     print(table)
-    readme = HERE / "README.md"
-    text = readme.read_text()
-    text = re.sub(r"<!-- table -->.*<!-- /table -->", f"<!-- table -->\n{table}\n<!-- /table -->", text, flags=re.S)
-    readme.write_text(text)
+    write_block(HERE / "README.md", "results", table)
 
 
 if __name__ == "__main__":

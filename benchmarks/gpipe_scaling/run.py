@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,9 @@ from typing import Any
 import networkx as nx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import write_block  # noqa: E402
+
 GRAPHS = HERE / "graphs"
 CLUSTER = "8xTPUv3-core"
 DEVICES = (2, 4, 8)
@@ -486,11 +488,7 @@ def write_readme(results: dict[str, Any]) -> None:
             *table_part2(measured),
         ]
     lines += ["", "![simulated timeline](timeline.png)"]
-    readme = HERE / "README.md"
-    generated = "<!-- results:start -->\n" + "\n".join(lines) + "\n<!-- results:end -->"
-    readme.write_text(
-        re.sub(r"<!-- results:start -->.*<!-- results:end -->", generated, readme.read_text(), flags=re.S)
-    )
+    write_block(HERE / "README.md", "results", "\n".join(lines))
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -44,6 +43,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))  # the planner (pure Python) for the README's predictions
+from benchmarks.readme import write_block  # noqa: E402
+
 GRAPHS = ROOT / "benchmarks" / "planner_quality" / "graphs"
 MODELS = {"ResNet50": "ResNet50-b32-m8.json", "GPT2-12": "GPT2-12-b32-m8.json"}
 SEQUENCE_LENGTH = 128  # the tokens per sample of the GPT2-12 graph (benchmarks/planner_quality)
@@ -436,11 +437,7 @@ def main() -> None:
         measure(args.out)
         return
     results = json.loads((HERE / "results.json").read_text())
-    readme = HERE / "README.md"
-    generated = "<!-- results:start -->\n" + tables(results) + "\n<!-- results:end -->"
-    readme.write_text(
-        re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, readme.read_text(), flags=re.S)
-    )
+    write_block(HERE / "README.md", "results", tables(results))
 
 
 if __name__ == "__main__":

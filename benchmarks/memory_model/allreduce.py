@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root
+from benchmarks.readme import write_block  # noqa: E402
 
 MIB = 2**20
 GRADIENTS = 4  # tensors per stage
@@ -103,13 +103,7 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     results = measure()
     (HERE / "allreduce.json").write_text(json.dumps(results, indent=1) + "\n")
-    readme = HERE / "README.md"
-    generated = "<!-- allreduce:start -->\n" + table(results) + "\n<!-- allreduce:end -->"
-    text = readme.read_text()
-    pattern = r"<!-- allreduce:start -->.*<!-- allreduce:end -->"
-    readme.write_text(
-        re.sub(pattern, lambda _: generated, text, flags=re.S) if re.search(pattern, text, re.S) else text
-    )
+    write_block(HERE / "README.md", "allreduce", table(results))
     print(table(results))
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root
+from benchmarks.readme import write_block  # noqa: E402
 
 MIB = 2**20
 WIDTH, DEPTH, BATCH = 1024, 8, 256
@@ -128,17 +128,8 @@ def table(results: dict[str, Any]) -> str:
 
 
 def write_readme(results: dict[str, Any]) -> None:
-    """Replaces the table between the gradient_sums markers of README.md, as run.py and allreduce.py do theirs."""
-    readme = HERE / "README.md"
-    generated = "<!-- gradient_sums:start -->\n" + table(results) + "\n<!-- gradient_sums:end -->"
-    readme.write_text(
-        re.sub(
-            r"<!-- gradient_sums:start -->.*<!-- gradient_sums:end -->",
-            lambda _: generated,
-            readme.read_text(),
-            flags=re.S,
-        )
-    )
+    """Replaces the table between the gradient_sums markers of README.md."""
+    write_block(HERE / "README.md", "gradient_sums", table(results))
 
 
 def main() -> None:

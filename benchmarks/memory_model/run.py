@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -32,6 +31,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import write_block  # noqa: E402
+
 CASES = (("GPT2-12", 4), ("GPT2-12", 16), ("ResNet50", 4), ("ResNet50", 16))
 SLOTS = 2  # Adam
 
@@ -109,11 +111,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def write_readme(results: dict[str, Any]) -> None:
-    readme = HERE / "README.md"
-    generated = "<!-- results:start -->\n" + table(results) + "\n<!-- results:end -->"
-    readme.write_text(
-        re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, readme.read_text(), flags=re.S)
-    )
+    write_block(HERE / "README.md", "results", table(results))
 
 
 def main() -> None:

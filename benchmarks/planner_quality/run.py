@@ -42,6 +42,9 @@ import partitioner as pt
 from partitioner.graph import colocation_groups, is_chain
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import replace_block  # noqa: E402
+
 GRAPHS = HERE / "graphs"
 CLUSTER = "8xH100-nvlink"
 DEVICES = (2, 4, 8)
@@ -1321,46 +1324,28 @@ def write_readme(results: dict[str, Any], sections: list[str]) -> None:
     text = readme.read_text() if readme.exists() else "<!-- results:start -->\n<!-- results:end -->\n"
     if "quality" in sections:
         plot(results, HERE / "speedup.png")
-        generated = "<!-- results:start -->\n" + tables(results) + "\n" + summary(results) + "\n<!-- results:end -->"
-        text = re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S)
+        text = replace_block(text, "results", tables(results) + "\n" + summary(results))
         print(summary(results))
-    if "hetero" in sections:
-        if "<!-- hetero:start -->" not in text:
-            text += "\n## Heterogeneous clusters\n\n<!-- hetero:start -->\n<!-- hetero:end -->\n"
-        generated = "<!-- hetero:start -->\n" + hetero_tables(results) + "\n<!-- hetero:end -->"
-        text = re.sub(r"<!-- hetero:start -->.*<!-- hetero:end -->", lambda _: generated, text, flags=re.S)
-        print(hetero_tables(results))
-    if "choose" in sections:
-        if "<!-- choose:start -->" not in text:
-            text += "\n## M and the schedule chosen by the planner\n\n<!-- choose:start -->\n<!-- choose:end -->\n"
-        generated = "<!-- choose:start -->\n" + choose_tables(results) + "\n<!-- choose:end -->"
-        text = re.sub(r"<!-- choose:start -->.*<!-- choose:end -->", lambda _: generated, text, flags=re.S)
-        print(choose_tables(results))
-    if "random-chains" in sections:
-        if "<!-- random-chains:start -->" not in text:
-            text += (
-                "\n## Random chains against brute force\n\n<!-- random-chains:start -->\n<!-- random-chains:end -->\n"
-            )
-        table = random_chain_tables({**results, **results["random_chain_run"]})
-        generated = "<!-- random-chains:start -->\n" + table + "\n<!-- random-chains:end -->"
-        text = re.sub(
-            r"<!-- random-chains:start -->.*<!-- random-chains:end -->", lambda _: generated, text, flags=re.S
-        )
-        print(table)
-    if "random-dags" in sections:
-        if "<!-- random-dags:start -->" not in text:
-            text += "\n## Random DAGs against brute force\n\n<!-- random-dags:start -->\n<!-- random-dags:end -->\n"
-        table = random_dag_tables({**results, **results["random_dag_run"]})
-        generated = "<!-- random-dags:start -->\n" + table + "\n<!-- random-dags:end -->"
-        text = re.sub(r"<!-- random-dags:start -->.*<!-- random-dags:end -->", lambda _: generated, text, flags=re.S)
-        print(table)
-    if "replicas" in sections:
-        if "<!-- replicas:start -->" not in text:
-            text += "\n## Data x pipeline: replicas chosen by the planner\n\n"
-            text += "<!-- replicas:start -->\n<!-- replicas:end -->\n"
-        generated = "<!-- replicas:start -->\n" + replica_tables(results) + "\n<!-- replicas:end -->"
-        text = re.sub(r"<!-- replicas:start -->.*<!-- replicas:end -->", lambda _: generated, text, flags=re.S)
-        print(replica_tables(results))
+    blocks = {  # section: (its marker, the heading of its part of the README, its tables)
+        "hetero": ("hetero", "Heterogeneous clusters", lambda: hetero_tables(results)),
+        "choose": ("choose", "M and the schedule chosen by the planner", lambda: choose_tables(results)),
+        "random-chains": (
+            "random-chains",
+            "Random chains against brute force",
+            lambda: random_chain_tables({**results, **results["random_chain_run"]}),
+        ),
+        "random-dags": (
+            "random-dags",
+            "Random DAGs against brute force",
+            lambda: random_dag_tables({**results, **results["random_dag_run"]}),
+        ),
+        "replicas": ("replicas", "Data x pipeline: replicas chosen by the planner", lambda: replica_tables(results)),
+    }
+    for section, (marker, heading, make) in blocks.items():
+        if section in sections:
+            block = make()
+            text = replace_block(text, marker, block, heading=heading)
+            print(block)
     readme.write_text(text)
     print(f"wrote the tables of {', '.join(sections)} in {readme}")
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,9 @@ from partitioner.search.solve import AUTO_COARSEN_DAG
 from partitioner.synthetic import random_chain, random_dag
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import write_block  # noqa: E402
+
 SIZES = (50, 200, 1000, 5000, 10000)
 QUICK_SIZES = (50, 200, 1000)
 DEVICES = (2, 4, 8, 16)
@@ -233,9 +235,7 @@ def main() -> None:
     results["goal"] = goal_verdict(rows)
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     readme = HERE / "README.md"
-    text = readme.read_text()
-    generated = "<!-- results:start -->\n" + table(results) + "\n<!-- results:end -->"
-    readme.write_text(re.sub(r"<!-- results:start -->.*<!-- results:end -->", lambda _: generated, text, flags=re.S))
+    write_block(readme, "results", table(results))
     print(f"wrote {HERE / 'results.json'} and the table in {readme}")
     if results["goal"] is not None:
         print(f"goal {'met' if results['goal']['met'] else 'NOT met'}: {results['goal']}")

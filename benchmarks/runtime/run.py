@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.readme
+from benchmarks.readme import write_block  # noqa: E402
+
 SECTIONS = ("overhead", "overlap", "trace", "handplaced", "memory", "placement")
 
 # The balanced MLP (overhead, overlap, hand placement).
@@ -885,10 +887,7 @@ def mib(n: float) -> str:
 def write_readme(results: dict[str, Any]) -> None:
     """Replaces the part of README.md between the results markers with the tables of ``results``."""
     readme = HERE / "README.md"
-    generated = "<!-- results:start -->\n" + "\n".join(tables(results)) + "\n<!-- results:end -->"
-    readme.write_text(
-        re.sub(r"<!-- results:start -->.*<!-- results:end -->", generated, readme.read_text(), flags=re.S)
-    )
+    write_block(readme, "results", "\n".join(tables(results)))
     print(f"wrote the tables of {readme}")
 
 
