@@ -276,37 +276,38 @@ def _scale_to_model(
     warmup: int,
 ) -> None:
     """Scales the layers' times so that, at each size they were timed at, they add up to the whole model's
-    forward + backward timed the same way (``profiles.timing.forward_backward_seconds`` on the model, its
-    trainable weights and float inputs). Timed one call at a time, a model's calls add up to more than the model
-    at small micro-batches (each call's ops run alone; in one function independent ops overlap and kernels
-    follow each other without a return to Python): Transformer-4 on 4 sequences, 1 intra-op / 2 inter-op
-    threads, 53-57 ms against 40.6 ms; a stage runs its calls in one function, as the model does. Records
+    forward + backward timed the same way (``profiles.timing.forward_backward_seconds_by_size`` on the model, its
+    trainable weights and float inputs, the sizes taking turns). Timed one call at a time, a model's calls add
+    up to more than the model at small micro-batches (each call's ops run alone; in one function independent ops
+    overlap and kernels follow each other without a return to Python): Transformer-4 on 4 sequences, 1 intra-op /
+    2 inter-op threads, 53-57 ms against 40.6 ms; a stage runs its calls in one function, as the model does. Records
     ``model_time_by_samples`` ([[samples, the model's seconds, its calls' seconds before scaling], ...]).
     Where the model cannot be timed whole (it does not fit on the device, or its call fails), warns and
     keeps the calls' own times."""
     import tensorflow as tf
 
-    from profiles.timing import forward_backward_seconds, training_call, variables_kept
+    from profiles.timing import forward_backward_seconds_by_size, training_call, variables_kept
 
     sizes = profiler.timed_sizes()
     specs_of = [sources[id(t)] for t in functional.inputs]
-    forward = training_call(model)
-    measured: dict[int, float] = {}
+    specs_by_size = [
+        [
+            tf.TensorSpec(_micro_shape(shapes[s.call][s.output], n, model.name), t.dtype)
+            for s, t in zip(specs_of, functional.inputs, strict=True)
+        ]
+        for n in sizes
+    ]
     try:
         with variables_kept(model.variables):  # the model runs: BN statistics and seeds move
-            for n in sizes:
-                specs = [
-                    tf.TensorSpec(_micro_shape(shapes[s.call][s.output], n, model.name), t.dtype)
-                    for s, t in zip(specs_of, functional.inputs, strict=True)
-                ]
-                measured[n] = forward_backward_seconds(
-                    forward,
-                    specs,
-                    model.trainable_weights,
-                    device=device,
-                    repeats=max(repeats, MODEL_REPEATS),
-                    warmup=warmup,
-                )
+            seconds = forward_backward_seconds_by_size(  # the sizes take turns: a drift moves them alike
+                training_call(model),
+                specs_by_size,
+                model.trainable_weights,
+                device=device,
+                repeats=max(repeats, MODEL_REPEATS),
+                warmup=warmup,
+            )
+        measured = dict(zip(sizes, seconds, strict=True))
     except (tf.errors.OpError, MemoryError, ValueError, TypeError) as error:  # planned on the calls' own times
         warnings.warn(
             f"Could not time the forward and backward of '{model.name}' as a whole on {device} "

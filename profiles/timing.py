@@ -71,8 +71,38 @@ def forward_backward_seconds(
         >>> forward_backward_seconds(tf.nn.relu, [tf.TensorSpec([8, 16])], device="/CPU:0")  # doctest: +SKIP
         3.1e-05
     """
+    (seconds,) = forward_backward_seconds_by_size(
+        fn, [input_specs], variables, device=device, repeats=repeats, warmup=warmup, exclude_call=exclude_call
+    )
+    return seconds
+
+
+def forward_backward_seconds_by_size(
+    fn: Callable[..., Any],
+    specs_by_size: Sequence[Sequence[tf.TensorSpec]],
+    variables: Sequence[Any] = (),
+    *,
+    device: str,
+    repeats: int = 5,
+    warmup: int = 2,
+    exclude_call: bool = True,
+) -> list[float]:
+    """:func:`forward_backward_seconds` of ``fn`` at each of ``specs_by_size`` (the input specs at one size
+    each), the sizes taking turns run by run rather than timed one after the other.
+
+    A machine's speed can drift while a profile is taken: on this 2-core machine (logical CPU devices, 1
+    intra-op thread) a model's forward and backward ran at 1.7 ms in one process and 2.05 ms in another for
+    seconds on end, and fresh functions and inputs timed taking turns in one process agreed within 4%
+    (2026-11-28, stop 35). Timed one size after another, a drift between two sizes tilted the layers' times
+    across the micro-batch sizes the planner weighs; taking turns, a drift moves every size alike.
+
+    Example:
+        >>> forward_backward_seconds_by_size(model, [[tf.TensorSpec([64, 256])], [tf.TensorSpec([16, 256])]],
+        ...     model.trainable_weights, device="/CPU:0")                            # doctest: +SKIP
+        [0.0018, 0.0007]
+    """
     _check_counts(repeats, warmup)
-    for spec in input_specs:
+    for spec in (spec for specs in specs_by_size for spec in specs):
         if not spec.shape.is_fully_defined():
             raise InputError(
                 f"Timing needs fully defined input shapes. Received: {spec}. "
@@ -83,7 +113,9 @@ def forward_backward_seconds(
     def step(*inputs: tf.Tensor) -> list[Any]:
         return forward_backward(fn, inputs, variables)
 
-    return _median_seconds(step, input_specs, device=device, repeats=repeats, warmup=warmup, exclude_call=exclude_call)
+    return _medians_seconds(
+        step, specs_by_size, device=device, repeats=repeats, warmup=warmup, exclude_call=exclude_call
+    )
 
 
 def forward_backward(fn: Callable[..., Any], inputs: Sequence[Any], variables: Sequence[Any] = ()) -> list[Any]:
@@ -236,24 +268,51 @@ def _median_seconds(
     """The median seconds of ``fn`` traced as a function on filled inputs on ``device``, less the median of
     an empty function's on the same inputs (the two take turns) where ``exclude_call``; >= 0.
     ``before_timed(inputs)`` runs, untimed, before each timed run of ``fn``."""
+    (seconds,) = _medians_seconds(
+        fn,
+        [input_specs],
+        device=device,
+        repeats=repeats,
+        warmup=warmup,
+        exclude_call=exclude_call,
+        before_timed=before_timed,
+    )
+    return seconds
+
+
+def _medians_seconds(
+    fn: Callable[..., Any],
+    specs_by_size: Sequence[Sequence[tf.TensorSpec]],
+    *,
+    device: str,
+    repeats: int,
+    warmup: int,
+    exclude_call: bool,
+    before_timed: Callable[[Sequence[tf.Tensor]], None] | None = None,
+) -> list[float]:
+    """:func:`_median_seconds` of ``fn`` at each of ``specs_by_size``, every size's function and empty call
+    taking turns run by run: a machine whose speed drifts while they are timed moves them all alike."""
 
     def empty(*inputs: tf.Tensor) -> tf.Tensor:
         return tf.constant(0.0)
 
     with tf.device(device):
-        inputs = [fill(spec) for spec in input_specs]
-        runs = [tf.function(fn).get_concrete_function(*input_specs)]
-        if exclude_call:
-            runs.append(tf.function(empty).get_concrete_function(*input_specs))
-        warm_up([functools.partial(run, *inputs) for run in runs], device, warmup)
-        times: list[list[float]] = [[] for _ in runs]
-        for _ in range(repeats):  # the pass and the empty call take turns, so both see the same load
-            for run, seconds in zip(runs, times, strict=True):
-                if before_timed is not None and run is runs[0]:
+        timed: list[tuple[Any, list[tf.Tensor], bool]] = []  # (traced function, its inputs, whether fn's)
+        for specs in specs_by_size:
+            inputs = [fill(spec) for spec in specs]
+            timed.append((tf.function(fn).get_concrete_function(*specs), inputs, True))
+            if exclude_call:
+                timed.append((tf.function(empty).get_concrete_function(*specs), inputs, False))
+        warm_up([functools.partial(run, *inputs) for run, inputs, _ in timed], device, warmup)
+        times: list[list[float]] = [[] for _ in timed]
+        for _ in range(repeats):  # every size's pass and empty call take turns, so all see the same load
+            for (run, inputs, is_fn), seconds in zip(timed, times, strict=True):
+                if before_timed is not None and is_fn:
                     before_timed(inputs)
                 seconds.append(synced_seconds(functools.partial(run, *inputs), device))
     medians = [statistics.median(seconds) for seconds in times]
-    return max(0.0, medians[0] - (medians[1] if exclude_call else 0.0))
+    per_size = 2 if exclude_call else 1
+    return [max(0.0, medians[i] - (medians[i + 1] if exclude_call else 0.0)) for i in range(0, len(medians), per_size)]
 
 
 def step_overhead_seconds(

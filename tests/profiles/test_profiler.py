@@ -561,10 +561,18 @@ def test_profile_model_scales_the_calls_times_to_the_whole_model(monkeypatch):
             return {1: 0.6, 2: 0.8, 4: 0.5}[samples] * 2 * one_call  # mlp(): two timed calls
         return one_call
 
+    whole_calls = []
+
+    def by_size(fn, specs_by_size, variables=(), **kwargs):
+        whole_calls.append([specs[0].shape[0] for specs in specs_by_size])
+        return [stub(fn, specs, variables) for specs in specs_by_size]
+
     monkeypatch.setattr(timing, "forward_backward_seconds", stub)
+    monkeypatch.setattr(timing, "forward_backward_seconds_by_size", by_size)
     graph = profile_model(
         mlp(), batch_size=8, num_microbatches=2, repeats=1, warmup=0, measure_fixed_time=True, time_samples=[2]
     )
+    assert sorted(*whole_calls) == [1, 2, 4]  # the whole model's sizes timed in one call, taking turns
     records = {n: (model, layers) for n, model, layers in graph.graph["model_time_by_samples"]}
     assert sorted(records) == [1, 2, 4]
     for n, factor in ((1, 0.6), (2, 0.8), (4, 0.5)):
@@ -595,14 +603,14 @@ def test_profile_model_whole_model_time_matches_the_scaled_calls():
 def test_profile_model_warns_and_keeps_the_calls_times_where_the_model_cannot_be_timed_whole(monkeypatch):
     from profiles import timing
 
-    timed = timing.forward_backward_seconds
+    timed = timing.forward_backward_seconds_by_size
 
     def whole_fails(fn, *args, **kwargs):
         if _whole_model(fn):
             raise MemoryError("out of memory")
         return timed(fn, *args, **kwargs)
 
-    monkeypatch.setattr(timing, "forward_backward_seconds", whole_fails)
+    monkeypatch.setattr(timing, "forward_backward_seconds_by_size", whole_fails)
     with pytest.warns(
         UserWarning,
         match=r"Could not time the forward and backward of 'mlp' as a whole on .*CPU:0 \(MemoryError: out of memory\); "
@@ -737,6 +745,27 @@ def test_profile_model_reports_layers_that_cannot_be_traced_at_micro_batch_size(
     model = keras.Model(inputs, fixed(inputs))
     with pytest.raises(ProfileError, match=r"Tracing 'fixed_batch' \(Lambda\).*failed: .*micro-batch size"):
         profile_model(model, batch_size=8, num_microbatches=4, measure_time=False)
+
+
+def test_forward_backward_seconds_by_size_times_the_sizes_taking_turns(monkeypatch):
+    """Every size's pass and its empty call take turns run by run (a drift of the machine's speed moves all
+    sizes alike); each size's median less its empty call's median comes back, in the sizes' order."""
+    import tensorflow as tf
+
+    from profiles import timing
+
+    order = []
+
+    def fake(run, devices):
+        rows, empty = int(run.args[0].shape[0]), b"empty" in run.func.name
+        order.append((rows, "empty" if empty else "pass"))
+        return 1.0 if empty else {8: 3.0, 16: 5.0}[rows]
+
+    monkeypatch.setattr(timing, "synced_seconds", fake)
+    specs = [[tf.TensorSpec([8, 4])], [tf.TensorSpec([16, 4])]]
+    seconds = timing.forward_backward_seconds_by_size(tf.nn.relu, specs, device="/CPU:0", repeats=2, warmup=0)
+    assert seconds == [2.0, 4.0]
+    assert order == [(8, "pass"), (8, "empty"), (16, "pass"), (16, "empty")] * 2
 
 
 def test_forward_backward_seconds_leaves_out_the_call_from_python():
