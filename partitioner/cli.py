@@ -47,12 +47,12 @@ from partitioner.search import baselines as baseline_methods
 from partitioner.search.choose import AUTO, Choice, choose, timed_sizes
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import DEVICE_ORDERS
-from partitioner.search.replicas import plan_replicas
+from partitioner.search.replicas import plan_replicas, with_worker_reductions
 from partitioner.search.solve import solve
 from partitioner.show.report import render, replica_note, replica_table
 from partitioner.show.timeline import save_timeline, text_timeline
 from partitioner.simulate import simulate
-from partitioner.units import format_seconds
+from partitioner.units import format_seconds, parse_rate
 from partitioner.validate import validate_plan
 
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         help="plan the pipeline of one of D workers that train it data parallel (partitioner launch --workers D, "
         "runtime.wrap(..., replicas=D)): each stage's memory counts the packed copy of its gradients its "
         "all-reduce takes; the cluster holds one worker's devices and the batch is one worker's (default: 1)",
+    )
+    plan.add_argument(
+        "--worker-bandwidth",
+        metavar="BW",
+        help="with --workers: bytes/s of the link between the workers, e.g. 25GB/s; each stage's all-reduce with "
+        "the other workers (a ring at BW) is then in the predicted step (default: left out)",
     )
     plan.add_argument(
         "--device-order",
@@ -506,6 +512,11 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         raise InputError(
             f"--workers takes the number of workers D >= 1 that run the pipeline. Received: {args.workers}."
         )
+    if args.worker_bandwidth is not None and (args.workers or 1) < 2:
+        raise InputError(
+            "--worker-bandwidth prices the all-reduce between workers; it needs --workers D with D >= 2. "
+            f"Received: --worker-bandwidth {args.worker_bandwidth} with --workers {args.workers}."
+        )
     if args.workers is not None and args.replicas is not None:
         raise InputError(
             "--replicas splits this cluster's devices into D pipelines; --workers plans one worker's pipeline of D "
@@ -547,6 +558,9 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
                 plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
         except InfeasiblePlanError as error:
             raise cluster.headroom_note(error) from None
+    if args.worker_bandwidth is not None:
+        link = parse_rate(args.worker_bandwidth, name="--worker-bandwidth")
+        plan = with_worker_reductions(plan, graph, cluster, link)
     options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
     if args.out:
@@ -578,10 +592,17 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if chosen:
         out.print(chosen, highlight=False, markup=False)
     if plan.priced_replicas > 1:
+        reduced = max(plan.reduce_times.values(), default=0.0)
+        timed = (
+            f"each stage's all-reduce between the workers at {parse_rate(args.worker_bandwidth) / 1e9:g} GB/s is in "
+            f"the step (the longest {format_seconds(reduced)})"
+            if args.worker_bandwidth is not None
+            else "the all-reduce's time between the workers is not in the step (their link is not in this "
+            "cluster: give it with --worker-bandwidth)"
+        )
         out.print(
             f"The pipeline of one of {plan.priced_replicas} workers: each stage's memory counts the packed copy of "
-            "its gradients its all-reduce takes; the all-reduce's time between the workers is not in the step "
-            "(their link is not in this cluster). Run it with runtime.wrap(model, plan, "
+            f"its gradients its all-reduce takes; {timed}. Run it with runtime.wrap(model, plan, "
             f"replicas={plan.priced_replicas}) in each of `partitioner launch --workers {plan.priced_replicas}`.",
             highlight=False,
             markup=False,

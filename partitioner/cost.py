@@ -1080,7 +1080,25 @@ def allreduce_s(num_bytes: float, cluster: Cluster, group: Sequence[str]) -> flo
     index = [cluster.index(name) for name in group]
     slowest = min(cluster.bandwidth(a, b) for a, b in zip(index, index[1:] + index[:1]))
     overhead = max(cluster.devices[i].action_overhead_s for i in index)
-    return 2 * (len(group) - 1) / len(group) * num_bytes / slowest + overhead
+    return ring_allreduce_s(num_bytes, len(group), slowest, overhead_s=overhead)
+
+
+def ring_allreduce_s(
+    num_bytes: float, num_members: int, bandwidth_bytes_per_s: float, *, overhead_s: float = 0.0
+) -> float:
+    """Seconds of a ring all-reduce (SUM) of ``num_bytes`` over ``num_members`` whose slowest link carries
+    ``bandwidth_bytes_per_s``: each member sends 2 (D - 1) / D x ``num_bytes`` to the next, all at once, plus
+    ``overhead_s`` (one action's fixed cost); 0 for one member. :func:`allreduce_s` reads the link and the
+    fixed cost from a cluster; ``partitioner plan --workers D --worker-bandwidth BW`` gives them between
+    workers whose devices are in no one cluster file.
+
+    Example:
+        >>> ring_allreduce_s(3e9, 4, 1e9)  # 2 x 3/4 x 3 GB at 1 GB/s
+        4.5
+    """
+    if num_members < 2 or num_bytes <= 0:
+        return 0.0
+    return 2 * (num_members - 1) / num_members * num_bytes / bandwidth_bytes_per_s + overhead_s
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:

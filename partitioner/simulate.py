@@ -156,7 +156,7 @@ def simulate(
     simulation = simulate_assignment(
         costs, plan.assignment, schedule=schedule, recompute=plan.recompute if recompute is None else recompute
     )
-    return _with_reductions(simulation, plan.reduce_times) if plan.num_replicas > 1 else simulation
+    return _with_reductions(simulation, plan.reduce_times)  # replicas' or workers' R, where priced
 
 
 def _with_reductions(simulation: Simulation, reduce_times: Mapping[str, float]) -> Simulation:

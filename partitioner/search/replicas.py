@@ -20,8 +20,12 @@ timeline): its weight gradients all-reduced with the same stage of the other rep
 is the step; where the replicas' devices share a processor (``Device.pool``: logical devices of one CPU),
 replica 0 is planned and simulated with its share of each pool's capacity (C / D where every replica lies
 on the pool), the other replicas computing alike at once. Memory is checked per device by the plan of replica
-0 (every replica's devices hold the
-same); the all-reduce's own buffers are not priced yet (issue 21).
+0 (every replica's devices hold the same), the packed copy of each stage's gradients its all-reduce takes
+included (``cost.gradient_copies``).
+
+Workers whose devices are in no one cluster file (``partitioner launch --workers D``, one pipeline each) are
+planned one worker at a time: ``solve(num_replicas=D)`` prices the memory, and :func:`with_worker_reductions`
+adds each stage's ``R`` over the workers' link.
 
 The candidate of the shortest step wins (ties: fewer replicas, then blocks). Its plan records the
 replicas' devices (``Plan.replica_devices``), each stage's ``R`` (``Plan.reduce_times``) and the step with
@@ -62,7 +66,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner.cluster import Cluster, subset
-from partitioner.cost import allreduce_s
+from partitioner.cost import allreduce_s, ring_allreduce_s
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
 from partitioner.graph import trainable_param_bytes
 from partitioner.plan import Plan
@@ -249,6 +253,48 @@ def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequ
     zero = _replica_zero(cluster, groups, cluster.name)
     step = simulate(replicated, graph, subset(zero, plan.devices)).step_time_s  # R priced by the simulator
     return dataclasses.replace(replicated, step_time_s=step)
+
+
+def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, bandwidth_bytes_per_s: float) -> Plan:
+    """``plan`` (one worker's pipeline, priced as one of ``plan.priced_replicas``: ``solve(num_replicas=D)``) with
+    each stage's ``R``: its weight gradients all-reduced with the same stage of the other D - 1 workers, a ring
+    over a link of ``bandwidth_bytes_per_s`` between the workers (``cost.ring_allreduce_s``, the stage's device's
+    fixed cost of an action), after the stage's last action; its step simulated with them and judged against its
+    pipeline's bound on the step (``R`` only lengthens a step). The workers' link is not in a worker's cluster
+    file, so it is given here; the search does not weigh it (each stage's ``R`` is priced on the plan it made).
+
+    Example:
+        >>> import partitioner as pt
+        >>> graph = pt.chain_graph([4e11] * 4, param_bytes=[2**28] * 4, activation_bytes=[2**20] * 4)
+        >>> cluster = pt.Cluster.uniform(2, memory="16GiB", flops_per_s=100e12, bandwidth=100e9)
+        >>> plan = pt.solve(graph, cluster, num_microbatches=4, num_replicas=2, time_limit_s=5)
+        >>> priced = with_worker_reductions(plan, graph, cluster, 10e9)
+        >>> [round(priced.reduce_times[d] * 1e3, 1) for d in priced.devices]  # 512 MiB a stage at 10 GB/s
+        [53.7, 53.7]
+        >>> priced.step_time_s > plan.step_time_s
+        True
+    """
+    if plan.priced_replicas < 2:
+        raise InputError(
+            "The plan was priced for one worker: there is no all-reduce between workers to price. Expected a plan "
+            "of one of D >= 2 workers (solve(..., num_replicas=D), partitioner plan --workers D)."
+        )
+    if not bandwidth_bytes_per_s > 0:
+        raise InputError(
+            f"The workers' link needs a bandwidth > 0 in bytes per second. Received: {bandwidth_bytes_per_s!r}."
+        )
+    reduce_times = {}
+    for d in plan.devices:
+        gradient_bytes = sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d))
+        overhead = cluster.devices[cluster.index(d)].action_overhead_s
+        reduce_times[d] = ring_allreduce_s(
+            gradient_bytes, plan.priced_replicas, bandwidth_bytes_per_s, overhead_s=overhead
+        )
+    priced = dataclasses.replace(plan, reduce_times=reduce_times)
+    priced = dataclasses.replace(priced, step_time_s=simulate(priced, graph, subset(cluster, plan.devices)).step_time_s)
+    if plan.step_lower_bound_s is None:
+        return priced
+    return on_step(priced, plan.step_lower_bound_s, searched=plan.status != "heuristic")
 
 
 def _rank(candidate: ReplicaCandidate) -> tuple[float, int, int]:

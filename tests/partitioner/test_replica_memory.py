@@ -77,3 +77,21 @@ def test_a_plan_file_without_priced_replicas_loads_as_one():
     data["priced_replicas"] = 0
     with pytest.raises(pt.PlanError, match=r"is corrupt: priced_replicas 0 is not an integer >= 1"):
         pt.Plan.from_json(json.dumps(data))
+
+
+def test_a_workers_all_reduce_is_priced_only_on_a_plan_of_one_of_several_workers():
+    from partitioner.search.replicas import with_worker_reductions
+
+    graph = pt.chain_graph([4e11] * 4, param_bytes=[2**28] * 4, activation_bytes=[2**20] * 4)
+    cluster = pt.Cluster.uniform(2, memory="16GiB", flops_per_s=100e12, bandwidth=100e9)
+    alone = pt.solve(graph, cluster, num_microbatches=4, time_limit_s=5)
+    with pytest.raises(InputError, match=r"The plan was priced for one worker: there is no all-reduce between workers"):
+        with_worker_reductions(alone, graph, cluster, 10e9)
+    one_of_four = pt.solve(graph, cluster, num_microbatches=4, num_replicas=4, time_limit_s=5)
+    with pytest.raises(InputError, match=r"The workers' link needs a bandwidth > 0 in bytes per second\. Received: 0"):
+        with_worker_reductions(one_of_four, graph, cluster, 0)
+    priced = with_worker_reductions(one_of_four, graph, cluster, 10e9)
+    for device in priced.stages:  # 2 x 3/4 of the stage's gradients (two layers of 256 MiB) at 10 GB/s
+        assert priced.reduce_times[device] == pytest.approx(2 * 3 / 4 * 2 * 2**28 / 10e9)
+    assert priced.step_lower_bound_s == one_of_four.step_lower_bound_s  # R only lengthens a step
+    assert priced.gap > one_of_four.gap
