@@ -171,7 +171,7 @@ def accumulate_seconds(
     evict: Callable[[], None] | None = None,
 ) -> float:
     """Returns the median seconds of adding one micro-batch's gradients of ``variables`` into sums of
-    their shapes on ``device`` (``total + gradient`` for each, in one function call, as the runtime's
+    their shapes on ``device`` (``total + gradient`` for each, in one traced function, as the runtime's
     stage sums them when M > 1), less an empty call's; 0 for no variables.
 
     With ``evict`` (:func:`evict_caches`), each timed add starts as in the step of a model whose buffers do
