@@ -26,8 +26,9 @@ of that id, the call node around that run (itself in a function found the same w
 call), and the call node's function (``ExecutedNode.calls``). The node of that name in that function is
 looked up in the graphs TensorFlow placed (``runtime.executed``), which name its device. A node name
 alone does not do: the stages' functions share names (each stage's boundary function, ``stage<s>_forward``
-and the others, calls its body through a node named ``PartitionedCall``). What cannot be traced (no ``tf_op``, an eager op, a function run whose
-caller is not found, a node placed on two devices) goes to the unknown bucket, with its op's name.
+and the others, calls its body through a node named ``PartitionedCall``). What cannot be traced (no ``tf_op``,
+an eager op, a function run whose caller is not found, a node placed on two devices) goes to the unknown bucket,
+with its op's name.
 
 The records are checked against the allocator: replayed in time order (allocations add, frees remove
 the block of that address), they must give ``bytes_allocated`` after every call and the allocator's own
