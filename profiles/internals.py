@@ -232,6 +232,15 @@ def seed_generators(layer: Any) -> list[Any]:
     return list(getattr(layer, "_seed_generators", []))
 
 
+def own_variables(layer: Any) -> list[Any]:
+    """The variables ``layer`` itself tracks (not its sublayers'), trainable or not.
+
+    Reaches ``Layer._trainable_variables`` and ``Layer._non_trainable_variables``: ``layer.variables`` adds the
+    sublayers'. Checked on 3.15.
+    """
+    return [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
+
+
 def own_losses(layer: Any) -> list[Any]:
     """The losses ``layer`` itself added in its last call (``add_loss``, activity regularizer).
 
@@ -361,6 +370,12 @@ def metric_function(metric: Any) -> Any:
     """The function a ``keras.metrics.MeanMetricWrapper`` averages (``MeanMetricWrapper._fn``, no public
     accessor). Checked on 3.15."""
     return metric._fn
+
+
+def metric_function_kwargs(metric: Any) -> dict[str, Any]:
+    """The keyword arguments a ``keras.metrics.MeanMetricWrapper`` calls its function with
+    (``MeanMetricWrapper._fn_kwargs``, no public accessor). Checked on 3.15."""
+    return dict(getattr(metric, "_fn_kwargs", {}))
 
 
 def loss_tracker(model: Any) -> Any:

@@ -20,9 +20,11 @@ changed (``profiles.internals.loss_entries`` and ``scaled_loss_weights``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from partitioner.errors import InputError
@@ -91,6 +93,97 @@ def check_loss_fits(compile_loss: Any, y: Any, outputs: Any, sample_weight: Any)
         ) from error
     except Exception:  # a loss written for the traced step (autograph, a custom op): the step itself decides
         return
+
+
+ROW_CHECK = 4  # rows of the random batch a loss or metric function is checked on: two halves of two rows
+
+
+def check_loss_splits(compile_loss: Any, y: Any, outputs: Any, num_microbatches: int, num_replicas: int) -> None:
+    """Raises one clear line where an entry of the compiled loss is not a mean or sum of values that each depend
+    on one row: the pipelined step adds up the parts of M micro-batches (and D replicas), which is Keras' loss of
+    the batch only for such a loss. Checked on random values (``not_per_row``) where M x D > 1: a loss that
+    returns one value for the batch (a root mean square written as a function, Keras' Dice and Tversky with
+    their default ``axis=None``), one whose rows depend on each other (Keras' Circle loss), or one that masks
+    its own values (``ignore_class``: a mean over the batch's valid entries).
+
+    Raises:
+        InputError: naming the loss and what it does.
+    """
+    parts = num_microbatches * num_replicas
+    if compile_loss is None or y is None or parts == 1:
+        return
+    build_loss(compile_loss, y, outputs, None)
+    for entry in loss_entries(compile_loss):
+        y_true, y_pred = _entry_part(entry, y), _entry_part(entry, outputs)
+        problem = not_per_row(entry.loss.call, y_true, y_pred) if hasattr(entry.loss, "call") else None
+        if problem is None:
+            continue
+        name = getattr(entry.loss, "name", entry.loss)
+        split = f"{num_microbatches} micro-batches" + (f" on {num_replicas} replicas" if num_replicas > 1 else "")
+        raise InputError(
+            f"The loss {name!r} {problem}: the pipelined step adds up the losses of its {split}, which is Keras' "
+            "loss of the batch only for a mean or sum of values that each depend on one row. Expected such a loss "
+            "(Keras' crossentropies, MSE, ...; Dice or Tversky with a per-sample axis, e.g. axis=(1, 2) for "
+            "images; sample_weight zeros instead of ignore_class), or train with num_microbatches=1 on one replica."
+        )
+
+
+def not_per_row(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> str | None:
+    """Why ``fn(y_true, y_pred)`` (a loss's unreduced values, a metric's function) is not one value per row that
+    depends on that row alone, found on random values of these tensors' dtypes and shapes (ROW_CHECK rows,
+    computed eagerly, outside any function being traced), or None: where it is, or where it cannot be told (a
+    shape unknown, the function failing on random values; the step then runs it as Keras would)."""
+    if not all(isinstance(t, (tf.Tensor, keras.KerasTensor)) for t in (y_true, y_pred)):
+        return None
+    with tf.init_scope():
+        try:
+            y_true, y_pred = _random_rows(y_true, y_pred)
+            values = fn(y_true, y_pred)
+            whole = np.asarray(values)
+            if whole.ndim == 0 or whole.shape[0] != ROW_CHECK:
+                return "gives one value for the whole batch, not one per row"
+            half = ROW_CHECK // 2
+            parts = [np.asarray(fn(y_true[:half], y_pred[:half])), np.asarray(fn(y_true[half:], y_pred[half:]))]
+            if not np.allclose(np.concatenate(parts), whole, rtol=1e-4, atol=1e-6, equal_nan=True):
+                return "mixes the rows of a batch (a row's value depends on the other rows)"
+            if get_keras_mask(values) is not None:
+                return "masks its own values (as ignore_class does: Keras averages over the batch's valid entries)"
+        except Exception:  # a function for the traced step only, or for other values: the step decides
+            return None
+    return None
+
+
+def _random_rows(y_true: Any, y_pred: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """Random targets and outputs of ROW_CHECK rows with these tensors' dtypes and shapes (an axis unknown in one
+    taken from the other where their ranks agree): outputs in (0.05, 0.95), valid as probabilities and logits;
+    integer targets class indices below the outputs' last axis, float targets in [0, 1)."""
+    rng = np.random.default_rng(0)
+    true_shape, pred_shape = list(y_true.shape), list(y_pred.shape)
+    if len(true_shape) == len(pred_shape):
+        true_shape = [a if a is not None else b for a, b in zip(true_shape, pred_shape, strict=True)]
+        pred_shape = [b if b is not None else a for a, b in zip(true_shape, pred_shape, strict=True)]
+    if any(d is None for d in [*true_shape[1:], *pred_shape[1:]]) or not true_shape or not pred_shape:
+        raise ValueError("a shape is unknown")
+    true_shape[0] = pred_shape[0] = ROW_CHECK
+    outputs = tf.constant(rng.uniform(0.05, 0.95, pred_shape), dtype=y_pred.dtype)
+    if tf.as_dtype(y_true.dtype).is_integer:
+        classes = pred_shape[-1] if len(true_shape) < len(pred_shape) else 2
+        targets = tf.constant(rng.integers(0, max(classes, 1), true_shape), dtype=y_true.dtype)
+    else:
+        targets = tf.constant(rng.uniform(0.0, 1.0, true_shape), dtype=y_true.dtype)
+    return targets, outputs
+
+
+def _entry_part(entry: Any, structure: Any) -> Any:
+    """The leaf of ``structure`` (targets, outputs) an entry of the compiled loss takes: by its path when nested."""
+    if not keras.tree.is_nested(structure):
+        return structure
+    try:
+        for key in entry.path:
+            structure = structure[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return structure if not keras.tree.is_nested(structure) else None
 
 
 def _shapes(tree: Any) -> Any:

@@ -27,16 +27,20 @@ import keras
 import tensorflow as tf
 
 from partitioner.units import format_bytes
-from profiles.internals import metric_function
+from profiles.internals import metric_function, metric_function_kwargs
+from runtime.losses import not_per_row
 from runtime.microbatches import own_rows
 
 _KERAS_METRICS = "keras.src.metrics."
 _KERAS_FUNCTIONS = ("keras.src.metrics.", "keras.src.losses.")
 
 
-def sums_over_rows(metric: Any) -> bool:
+def sums_over_rows(metric: Any, y: Any = None, y_pred: Any = None) -> bool:
     """Whether ``metric``'s state after two updates is its state after one update with both's rows:
-    one of Keras' own metric classes, a ``MeanMetricWrapper`` only around Keras' own functions.
+    one of Keras' own metric classes, a ``MeanMetricWrapper`` only around Keras' own functions that give one
+    value per row from that row alone (with targets ``y`` and outputs ``y_pred``, checked on random values
+    of their shapes, ``runtime.losses.not_per_row``: ``keras.losses.dice`` with its default ``axis=None``
+    gives one value for the batch, and a mean of M micro-batches' values is not the batch's).
 
     Example:
         >>> sums_over_rows(keras.metrics.SparseCategoricalAccuracy())                  # doctest: +SKIP
@@ -45,8 +49,15 @@ def sums_over_rows(metric: Any) -> bool:
     if not type(metric).__module__.startswith(_KERAS_METRICS):
         return False
     if type(metric) is keras.metrics.MeanMetricWrapper:
-        module = getattr(metric_function(metric), "__module__", None) or ""
-        return module.startswith(_KERAS_FUNCTIONS)
+        function = metric_function(metric)
+        module = getattr(function, "__module__", None) or ""
+        if not module.startswith(_KERAS_FUNCTIONS):
+            return False
+        kwargs = metric_function_kwargs(metric)
+        pairs = zip(keras.tree.flatten(y), keras.tree.flatten(y_pred)) if y is not None and y_pred is not None else []
+        return all(
+            not_per_row(lambda t, p: function(t, p, **kwargs), target, output) is None for target, output in pairs
+        )
     return True
 
 

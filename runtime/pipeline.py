@@ -44,7 +44,14 @@ from profiles.internals import (
 )
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
-from runtime.losses import build_loss, check_loss_fits, microbatch_part, splits_exactly, weight_sums
+from runtime.losses import (
+    build_loss,
+    check_loss_fits,
+    check_loss_splits,
+    microbatch_part,
+    splits_exactly,
+    weight_sums,
+)
 from runtime.metrics import ByMicrobatch, sums_over_rows, warn_stacked
 from runtime.optimizer_state import (
     compile_like,
@@ -317,6 +324,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
         check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)  # before the loop hides why
+        self._check_loss_splits(y)
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
             loss, collected, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
@@ -351,9 +359,10 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             if loss.metrics or not splits_exactly(loss):
                 return None
         if metrics is not None:
+            first = by_microbatch(0)[:2]
             if not metrics.built:  # resolves "accuracy" and the like by the outputs' shapes
-                metrics.build(*by_microbatch(0)[:2])
-            others = [metric for metric in metrics.metrics if not sums_over_rows(metric)]
+                metrics.build(*first)
+            others = [metric for metric in metrics.metrics if not sums_over_rows(metric, *first)]
             if others:
                 warn_stacked(others, executor, collected)
                 return None
@@ -389,6 +398,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         the plan may not use. The inputs are split where their InputLayers are (``_flat_inputs``)."""
         return tf.device(self._state.stages[0])
 
+    def _check_loss_splits(self, y: Any) -> None:
+        """Refuses a compiled loss that is not a mean or sum of per-row values where the step adds up parts
+        (``runtime.losses.check_loss_splits``): M micro-batches, or replicas."""
+        executor = self._state.executor
+        check_loss_splits(
+            compile_loss(self), y, self._output_specs(), executor.num_microbatches, self.options.num_replicas
+        )
+
     def _output_specs(self) -> Any:
         """The model's outputs as KerasTensors, in its output structure (for ``check_loss_fits``)."""
         model = self._state.executor.model
@@ -399,6 +416,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         inputs = self._flat_inputs(x)
         executor = self._state.executor
         check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)
+        self._check_loss_splits(y)
         with self._first_stage():
             collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]

@@ -1,4 +1,5 @@
-"""Refuses models the pipeline would not run as written: steps of their own, layers that mix a batch's rows.
+"""Refuses models the pipeline would not run as written: steps of their own, layers that mix a batch's rows
+or move their own state in training.
 
 A ``PipelinedModel`` runs its own ``train_step``, ``test_step`` and ``predict_step`` over M
 micro-batches of the batch, with Keras' compiled loss and metrics. Two kinds of model would then
@@ -32,6 +33,12 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   the runtime takes the batch's rows of the outputs, the loss's predictions and the regularized
   tensors. A model output must always have one row per input row.
 
+  With M > 1 each op also runs once on the probe batch as in a training step (``training=True`` where it
+  takes it), and one that changes a non-trainable variable of its own is refused: every micro-batch's forward
+  would change it, M times a step where Keras changes it once (a running mean of the user's, a call
+  counter, spectral normalization's power iteration). Batch normalization's statistics (``runtime.batchnorm``
+  defers them) and the random layers' seed states are the runtime's to handle.
+
   What the probe cannot see: mixing only in training (batch normalization is the known case, which
   ``runtime.batchnorm`` handles; a layer that mixes only with ``training=True`` is not caught), mixing
   too small for float tolerance (1e-4 of the tensor's largest magnitude in float32, a few ulps in 16
@@ -51,7 +58,15 @@ import numpy as np
 import tensorflow as tf
 
 from partitioner.errors import InputError
-from profiles.internals import clear_losses, get_keras_mask, set_keras_mask, takes_training
+from profiles.internals import (
+    clear_losses,
+    flatten_layers,
+    get_keras_mask,
+    own_variables,
+    seed_generators,
+    set_keras_mask,
+    takes_training,
+)
 from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.walk import LayerCall, flatten_calls, functional_graph
@@ -155,7 +170,10 @@ class _Probe:
             self.produced.append([_Value(value, tuple(value[a:b] for a, b in _HALVES), None, True)])
             return
         inputs = [self.produced[s.call][s.output] for s in call.sources]
-        whole = self._call(call, {id(t): _with_mask(x.whole, x.mask) for t, x in zip(call.node.input_tensors, inputs)})
+        values = {id(t): _with_mask(x.whole, x.mask) for t, x in zip(call.node.input_tensors, inputs)}
+        if not self.mixing_allowed:
+            self._check_training_state(call, values)
+        whole = self._call(call, values)
         parts = [
             self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h)
             for h in range(len(_HALVES))
@@ -165,6 +183,45 @@ class _Probe:
             halves = tuple(part[position] for part in parts)
             outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
         self.produced.append(outputs)
+
+    def _check_training_state(self, call: LayerCall, values: dict[int, Any]) -> None:
+        """Raises InputError where the call, run in training, changes a non-trainable variable the runtime does
+        not handle (batch normalization's statistics are deferred, ``runtime.batchnorm``; seed states are the
+        random layers'): each micro-batch's forward would change it, M times a step where Keras changes it
+        once. The caller puts every non-trainable variable back after the probe."""
+        operation = call.operation
+        if not isinstance(operation, keras.layers.Layer):
+            return
+        handled = {id(g.state.value) for layer in flatten_layers(operation) for g in seed_generators(layer)}
+        watched = [
+            v
+            for layer in flatten_layers(operation)
+            if not isinstance(layer, keras.layers.BatchNormalization)
+            for v in own_variables(layer)
+            if not v.trainable and id(v.value) not in handled
+        ]
+        if not watched:
+            return
+        before = [np.array(v.numpy()) for v in watched]
+        args, kwargs = call.node.arguments.fill_in(values)
+        if takes_training(operation):
+            kwargs["training"] = True
+        try:
+            operation(*args, **kwargs)
+        except Exception:  # it fails in training on probe data: the step will say why, as Keras would
+            return
+        finally:
+            clear_losses(operation)
+        for variable, value in zip(watched, before, strict=True):
+            if not np.array_equal(np.asarray(variable.numpy()), value):
+                raise InputError(
+                    f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' changes its "
+                    f"non-trainable variable '{variable.path}' when it runs in a training step: with "
+                    f"num_microbatches={self.num_microbatches} every micro-batch's forward changes it, M times a "
+                    "step where Keras changes it once from the whole batch, so it would end elsewhere. Expected "
+                    "variables a step does not move (BatchNormalization's statistics the runtime handles), or "
+                    "num_microbatches=1."
+                )
 
     def check_output(self, calls: list[LayerCall], source: Any) -> None:
         """A model output must have the batch's rows: the runtime returns and scores the batch's rows of it."""
