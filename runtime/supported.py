@@ -39,9 +39,14 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   counter, spectral normalization's power iteration). Batch normalization's statistics (``runtime.batchnorm``
   defers them) and the random layers' seed states are the runtime's to handle.
 
-  What the probe cannot see: mixing only in training (batch normalization is the known case, which
-  ``runtime.batchnorm`` handles; a layer that mixes only with ``training=True`` is not caught), mixing
-  too small for float tolerance (1e-4 of the tensor's largest magnitude in float32, a few ulps in 16
+  A layer that takes ``training`` is also run on the probe batch and its halves with ``training=True``
+  and its rows compared as above (a layer of the user's that centres its rows on the batch's mean in
+  training only), unless it draws random values or holds a batch normalization (their training outputs
+  differ between the batch and its halves by design).
+
+  What the probe cannot see: mixing only in training inside a layer that draws random values or holds a
+  batch normalization (batch normalization itself is the known case, which ``runtime.batchnorm``
+  handles), mixing too small for float tolerance (1e-4 of the tensor's largest magnitude in float32, a few ulps in 16
   bits), and rows the random inputs happen to make equal (integer inputs are 0 or 1, as in
   ``runtime.synthetic_batch``: a one-token input makes equal rows likely). The probe reads the
   model's weights and leaves every variable as it found it (it resets the non-trainable ones, seed
@@ -50,7 +55,9 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import keras
@@ -144,6 +151,30 @@ def check_rows(
             variable.assign(value)
 
 
+@contextlib.contextmanager
+def _weights_kept(operation: Any) -> Iterator[None]:
+    """Puts the trainable variables of ``operation`` (and its sublayers) back after the block: a layer run as in
+    a training step may write them (spectral normalization writes its normalized kernel); ``check_rows`` puts
+    the non-trainable ones back itself."""
+    weights = [v for layer in flatten_layers(operation) for v in own_variables(layer) if v.trainable]
+    values = [np.array(v.numpy()) for v in weights]
+    try:
+        yield
+    finally:
+        for variable, value in zip(weights, values, strict=True):
+            variable.assign(value)
+
+
+def _checked_in_training(operation: Any) -> bool:
+    """Whether the probe also runs ``operation`` as in a training step to compare its rows: a layer that takes
+    ``training``, without random draws (a dropout's mask differs between the batch and its halves) or a batch
+    normalization (which mixes rows in training and ``runtime.batchnorm`` handles) anywhere inside."""
+    if not isinstance(operation, keras.layers.Layer) or not takes_training(operation):
+        return False
+    layers = flatten_layers(operation)
+    return not any(isinstance(layer, keras.layers.BatchNormalization) or seed_generators(layer) for layer in layers)
+
+
 class _Value(NamedTuple):
     """One tensor of the probe: its value on the probe batch, on each half, its Keras mask and its kind."""
 
@@ -182,7 +213,33 @@ class _Probe:
         for position, value in enumerate(whole):
             halves = tuple(part[position] for part in parts)
             outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
+        if not self.mixing_allowed and _checked_in_training(call.operation):
+            self._check_training_rows(call, inputs, values, outputs)
         self.produced.append(outputs)
+
+    def _check_training_rows(
+        self, call: LayerCall, inputs: list[_Value], values: dict[int, Any], outputs: list[_Value]
+    ) -> None:
+        """Raises InputError where the call, run as in a training step, mixes the rows its inference did not:
+        a layer of the user's that centres its rows on the batch's mean only with ``training=True``."""
+        with _weights_kept(call.operation):
+            whole = self._call(call, values, training=True)
+            parts = [
+                self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h, True)
+                for h in range(len(_HALVES))
+            ]
+        for position, (value, seen) in enumerate(zip(whole, outputs, strict=True)):
+            if not seen.rows:
+                continue
+            halves = [_numpy(part[position]) for part in parts]
+            if tuple(value.shape) != tuple(seen.whole.shape) or any(h.shape[1:] != value.shape[1:] for h in halves):
+                continue  # another shape in training: the step's own trace decides
+            worst = _difference(value, np.concatenate(halves))
+            if worst is not None:
+                self._mixes(
+                    call,
+                    f"in a training step (training=True) its rows computed on half the batch differ by {worst:.3g}",
+                )
 
     def _check_training_state(self, call: LayerCall, values: dict[int, Any]) -> None:
         """Raises InputError where the call, run in training, changes a non-trainable variable the runtime does
@@ -207,7 +264,8 @@ class _Probe:
         if takes_training(operation):
             kwargs["training"] = True
         try:
-            operation(*args, **kwargs)
+            with _weights_kept(operation):
+                operation(*args, **kwargs)
         except Exception:  # it fails in training on probe data: the step will say why, as Keras would
             return
         finally:
@@ -235,11 +293,13 @@ class _Probe:
                 "broadcast a per-batch value to the batch's rows) or compute this outside the model."
             )
 
-    def _call(self, call: LayerCall, values: dict[int, Any], half: int | None = None) -> list[Any]:
+    def _call(
+        self, call: LayerCall, values: dict[int, Any], half: int | None = None, training: bool = False
+    ) -> list[Any]:
         args, kwargs = call.node.arguments.fill_in(values)
         operation = call.operation
         if takes_training(operation):
-            kwargs["training"] = False
+            kwargs["training"] = training
         try:
             outputs = operation(*args, **kwargs)
         except Exception as err:
