@@ -123,8 +123,9 @@ def check_loss_splits(compile_loss: Any, y: Any, outputs: Any, num_microbatches:
         raise InputError(
             f"The loss {name!r} {problem}: the pipelined step adds up the losses of its {split}, which is Keras' "
             "loss of the batch only for a mean or sum of values that each depend on one row. Expected such a loss "
-            "(Keras' crossentropies, MSE, ...; Dice or Tversky with a per-sample axis, e.g. axis=(1, 2) for "
-            "images; sample_weight zeros instead of ignore_class), or train with num_microbatches=1 on one replica."
+            "(Keras' crossentropies, MSE, ...; a loss reduced over the axes of one sample, e.g. Dice(axis=(1, 2, 3)) "
+            "for images; sample_weight zeros instead of ignore_class), or train with num_microbatches=1 on one "
+            "replica."
         )
 
 

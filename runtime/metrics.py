@@ -40,7 +40,8 @@ def sums_over_rows(metric: Any, y: Any = None, y_pred: Any = None) -> bool:
     one of Keras' own metric classes, a ``MeanMetricWrapper`` only around Keras' own functions that give one
     value per row from that row alone (with targets ``y`` and outputs ``y_pred``, checked on random values
     of their shapes, ``runtime.losses.not_per_row``: ``keras.losses.dice`` with its default ``axis=None``
-    gives one value for the batch, and a mean of M micro-batches' values is not the batch's).
+    gives one value for the batch, and a mean of M micro-batches' values is not the batch's; so do Keras'
+    own ``PearsonCorrelation``, ``ConcordanceCorrelation`` and ``CosineSimilarity`` with ``axis=0``).
 
     Example:
         >>> sums_over_rows(keras.metrics.SparseCategoricalAccuracy())                  # doctest: +SKIP
@@ -48,7 +49,7 @@ def sums_over_rows(metric: Any, y: Any = None, y_pred: Any = None) -> bool:
     """
     if not type(metric).__module__.startswith(_KERAS_METRICS):
         return False
-    if type(metric) is keras.metrics.MeanMetricWrapper:
+    if isinstance(metric, keras.metrics.MeanMetricWrapper):  # Keras' own too: PearsonCorrelation(axis=0) is one
         function = metric_function(metric)
         module = getattr(function, "__module__", None) or ""
         if not module.startswith(_KERAS_FUNCTIONS):
@@ -84,7 +85,8 @@ def warn_stacked(metrics: Sequence[Any], executor: Any, collected: Sequence[Any]
         amount = "the outputs of the whole batch"
     names = ", ".join(f"'{m.name}' ({_what(m)})" for m in metrics)
     warnings.warn(
-        f"Metric {names} is not one of Keras' own, whose state the runtime updates micro-batch by micro-batch "
+        f"Metric {names} is not one of Keras' own over per-row values, whose state the runtime updates micro-batch "
+        "by micro-batch "
         "(runtime.metrics.sums_over_rows): it is updated on the whole batch, as Keras does, so after the loop "
         f"the last stage ({executor.stages[-1].device}) stacks the model's outputs of all {num} micro-batches "
         f"({amount}), memory the plan does not count. Use Keras' metric classes (keras.metrics), or leave room on that "

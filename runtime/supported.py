@@ -39,7 +39,7 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   counter, spectral normalization's power iteration). Batch normalization's statistics (``runtime.batchnorm``
   defers them) and the random layers' seed states are the runtime's to handle.
 
-  A layer that takes ``training`` is also run on the probe batch and its halves with ``training=True``
+  A layer of the user's that takes ``training`` is also run on the probe batch and its halves with ``training=True``
   and its rows compared as above (a layer of the user's that centres its rows on the batch's mean in
   training only), unless it draws random values or holds a batch normalization (their training outputs
   differ between the batch and its halves by design).
@@ -166,10 +166,15 @@ def _weights_kept(operation: Any) -> Iterator[None]:
 
 
 def _checked_in_training(operation: Any) -> bool:
-    """Whether the probe also runs ``operation`` as in a training step to compare its rows: a layer that takes
-    ``training``, without random draws (a dropout's mask differs between the batch and its halves) or a batch
-    normalization (which mixes rows in training and ``runtime.batchnorm`` handles) anywhere inside."""
+    """Whether the probe also runs ``operation`` as in a training step to compare its rows: a layer of a class of
+    the user's (Keras' own layers compute each row from its own in training too, batch normalization aside) that
+    takes ``training``, without random draws (a dropout's mask differs between the batch and its halves) or a
+    batch normalization (which mixes rows in training and ``runtime.batchnorm`` handles) anywhere inside. Keras'
+    MultiHeadAttention, reading a mask it takes from its inputs, differed between the probe batch and its halves
+    with ``training=True`` (0.024) where its step trains as the original's does."""
     if not isinstance(operation, keras.layers.Layer) or not takes_training(operation):
+        return False
+    if type(operation).__module__.startswith("keras."):
         return False
     layers = flatten_layers(operation)
     return not any(isinstance(layer, keras.layers.BatchNormalization) or seed_generators(layer) for layer in layers)
