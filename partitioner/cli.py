@@ -574,6 +574,9 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     others: list[Plan] = []
     if not args.no_compare and cluster.num_devices <= graph.number_of_nodes():
         others = [method(graph, cluster, **options) for method in baseline_methods.BASELINES.values()]
+        if args.worker_bandwidth is not None:  # compared on the same step: each with the workers' all-reduce
+            link = parse_rate(args.worker_bandwidth, name="--worker-bandwidth")
+            others = [with_worker_reductions(other, graph, cluster, link) for other in others]
     out = _stdout()
     name = graph.graph.get("model_name", args.model)
     out.print(

@@ -20,7 +20,7 @@ changed (``profiles.internals.loss_entries`` and ``scaled_loss_weights``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -98,60 +98,91 @@ def check_loss_fits(compile_loss: Any, y: Any, outputs: Any, sample_weight: Any)
 ROW_CHECK = 4  # rows of the random batch a loss or metric function is checked on: two halves of two rows
 
 
-def check_loss_splits(compile_loss: Any, y: Any, outputs: Any, num_microbatches: int, num_replicas: int) -> None:
-    """Raises one clear line where an entry of the compiled loss is not a mean or sum of values that each depend
-    on one row: the pipelined step adds up the parts of M micro-batches (and D replicas), which is Keras' loss of
-    the batch only for such a loss. Checked on random values (``not_per_row``) where M x D > 1: a loss that
-    returns one value for the batch (a root mean square written as a function, Keras' Dice and Tversky with
-    their default ``axis=None``), one whose rows depend on each other (Keras' Circle loss), or one that masks
-    its own values (``ignore_class``: a mean over the batch's valid entries).
-
-    Raises:
-        InputError: naming the loss and what it does.
+def check_loss_splits(
+    compile_loss: Any,
+    y: Any,
+    outputs: Any,
+    sample_weight: Any,
+    num_microbatches: int,
+    num_replicas: int,
+    output_names: Sequence[str] = (),
+) -> str | None:
+    """Why an entry of the compiled loss is not a mean or sum of values that each depend on one row, as one clear
+    line, or None: the pipelined step adds up the parts of M micro-batches (and D replicas), weighted by their
+    rows, which is Keras' loss of the batch only for such a loss. Checked on random values (``not_per_row``)
+    where M x D > 1: a loss that returns one value for the batch other than the mean of its rows' (a root mean
+    square written as a function, Keras' Dice and Tversky with their default ``axis=None``), one whose rows
+    depend on each other (Keras' Circle loss), or one that masks its own values (``ignore_class``: a mean over
+    the batch's valid entries). One mean value for the batch (MSE of outputs of shape (batch,): Keras' mean over
+    the last axis) splits exactly, but not with sample weights (Keras weighs the batch's one value by each row's
+    weight). ``output_names``: the model's, where the loss is a dict over a list of outputs.
     """
     parts = num_microbatches * num_replicas
     if compile_loss is None or y is None or parts == 1:
-        return
+        return None
     build_loss(compile_loss, y, outputs, None)
     for entry in loss_entries(compile_loss):
-        y_true, y_pred = _entry_part(entry, y), _entry_part(entry, outputs)
-        problem = not_per_row(entry.loss.call, y_true, y_pred) if hasattr(entry.loss, "call") else None
+        y_true, y_pred = _entry_part(entry, y, output_names), _entry_part(entry, outputs, output_names)
+        if not hasattr(entry.loss, "call"):
+            continue
+        reduction = getattr(entry.loss, "reduction", None)
+        scalar = None if sample_weight is not None else ("sum" if reduction == "sum" else "mean")
+        dtype = getattr(entry.loss, "dtype", None)
+        problem = not_per_row(entry.loss.call, y_true, y_pred, scalar=scalar, dtype=dtype)
         if problem is None:
             continue
         name = getattr(entry.loss, "name", entry.loss)
         split = f"{num_microbatches} micro-batches" + (f" on {num_replicas} replicas" if num_replicas > 1 else "")
-        raise InputError(
+        return (
             f"The loss {name!r} {problem}: the pipelined step adds up the losses of its {split}, which is Keras' "
             "loss of the batch only for a mean or sum of values that each depend on one row. Expected such a loss "
             "(Keras' crossentropies, MSE, ...; a loss reduced over the axes of one sample, e.g. Dice(axis=(1, 2, 3)) "
             "for images; sample_weight zeros instead of ignore_class), or train with num_microbatches=1 on one "
             "replica."
         )
+    return None
 
 
-def not_per_row(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> str | None:
+def not_per_row(
+    fn: Callable[..., Any], y_true: Any, y_pred: Any, *, scalar: str | None = None, dtype: Any = None
+) -> str | None:
     """Why ``fn(y_true, y_pred)`` (a loss's unreduced values, a metric's function) is not one value per row that
     depends on that row alone, found on random values of these tensors' dtypes and shapes (ROW_CHECK rows,
     computed eagerly, outside any function being traced), or None: where it is, or where it cannot be told (a
-    shape unknown, the function failing on random values; the step then runs it as Keras would)."""
+    shape unknown, the function failing on random values; the step then runs it as Keras would). ``scalar``
+    ("mean" or "sum"): one value for the batch passes where it is that of the two halves' values (a mean over
+    rows, weighted by rows, splits exactly); ``dtype``: both tensors converted to it first, as ``Loss.__call__``
+    converts them."""
     if not all(isinstance(t, (tf.Tensor, keras.KerasTensor)) for t in (y_true, y_pred)):
         return None
     with tf.init_scope():
         try:
             y_true, y_pred = _random_rows(y_true, y_pred)
+            if dtype is not None:
+                y_true, y_pred = tf.cast(y_true, dtype), tf.cast(y_pred, dtype)
+            half = ROW_CHECK // 2
             values = fn(y_true, y_pred)
             whole = np.asarray(values)
-            if whole.ndim == 0 or whole.shape[0] != ROW_CHECK:
-                return "gives one value for the whole batch, not one per row"
-            half = ROW_CHECK // 2
             parts = [np.asarray(fn(y_true[:half], y_pred[:half])), np.asarray(fn(y_true[half:], y_pred[half:]))]
-            if not np.allclose(np.concatenate(parts), whole, rtol=1e-4, atol=1e-6, equal_nan=True):
+            if whole.ndim == 0:
+                combined = {"mean": np.mean(parts, axis=0), "sum": np.sum(parts, axis=0)}.get(scalar or "")
+                if combined is None or any(p.ndim for p in parts) or not _close(combined, whole):
+                    return "gives one value for the whole batch, not one per row"
+                return None
+            rows = [(half, *whole.shape[1:])] * 2
+            if whole.shape[0] != ROW_CHECK or [p.shape for p in parts] != rows:
+                return "gives one value for the whole batch, not one per row"
+            if not _close(np.concatenate(parts), whole):
                 return "mixes the rows of a batch (a row's value depends on the other rows)"
             if get_keras_mask(values) is not None:
                 return "masks its own values (as ignore_class does: Keras averages over the batch's valid entries)"
         except Exception:  # a function for the traced step only, or for other values: the step decides
             return None
     return None
+
+
+def _close(got: Any, want: Any) -> bool:
+    return bool(np.allclose(got, want, rtol=1e-4, atol=1e-6, equal_nan=True))
 
 
 def _random_rows(y_true: Any, y_pred: Any) -> tuple[tf.Tensor, tf.Tensor]:
@@ -175,14 +206,17 @@ def _random_rows(y_true: Any, y_pred: Any) -> tuple[tf.Tensor, tf.Tensor]:
     return targets, outputs
 
 
-def _entry_part(entry: Any, structure: Any) -> Any:
-    """The leaf of ``structure`` (targets, outputs) an entry of the compiled loss takes: by its path when nested."""
+def _entry_part(entry: Any, structure: Any, output_names: Sequence[str] = ()) -> Any:
+    """The leaf of ``structure`` (targets, outputs) an entry of the compiled loss takes: by its path when nested (a
+    name of ``output_names`` indexes a list of outputs, as Keras' CompileLoss matches a dict of losses to them)."""
     if not keras.tree.is_nested(structure):
         return structure
     try:
         for key in entry.path:
+            if isinstance(structure, (list, tuple)) and isinstance(key, str):
+                key = list(output_names).index(key)
             structure = structure[key]
-    except (KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError, ValueError):
         return None
     return structure if not keras.tree.is_nested(structure) else None
 

@@ -324,7 +324,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         scale = self.optimizer.scale_loss if self.optimizer is not None else _unscaled
         summable = self.optimizer is None or updates_sparse_rows_linearly(self.optimizer)
         check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)  # before the loop hides why
-        self._check_loss_splits(y)
+        problem = self._loss_split_problem(y, sample_weight)
+        if problem is not None:
+            raise InputError(problem)
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
             loss, collected, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
         if gradients:
@@ -398,12 +400,18 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         the plan may not use. The inputs are split where their InputLayers are (``_flat_inputs``)."""
         return tf.device(self._state.stages[0])
 
-    def _check_loss_splits(self, y: Any) -> None:
-        """Refuses a compiled loss that is not a mean or sum of per-row values where the step adds up parts
-        (``runtime.losses.check_loss_splits``): M micro-batches, or replicas."""
+    def _loss_split_problem(self, y: Any, sample_weight: Any) -> str | None:
+        """Why the compiled loss is not a mean or sum of per-row values where the step adds up parts
+        (``runtime.losses.check_loss_splits``: M micro-batches, or replicas), or None."""
         executor = self._state.executor
-        check_loss_splits(
-            compile_loss(self), y, self._output_specs(), executor.num_microbatches, self.options.num_replicas
+        return check_loss_splits(
+            compile_loss(self),
+            y,
+            self._output_specs(),
+            sample_weight,
+            executor.num_microbatches,
+            self.options.num_replicas,
+            output_names=list(executor.model.output_names),
         )
 
     def _output_specs(self) -> Any:
@@ -416,7 +424,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         inputs = self._flat_inputs(x)
         executor = self._state.executor
         check_loss_fits(compile_loss(self), y, self._output_specs(), sample_weight)
-        self._check_loss_splits(y)
+        problem = self._loss_split_problem(y, sample_weight)
+        if problem is not None and self.options.num_replicas > 1:
+            raise InputError(problem)  # each replica's loss is averaged by rows
         with self._first_stage():
             collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]
@@ -424,8 +434,10 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             # the compiled loss and this forward's layer losses (add_loss, activity regularizers). Not Keras'
             # compute_loss: it adds self.losses, what the layers kept from the model's last call outside a
             # step (an eager call leaves its values there; Keras drops them at the next call, which no step makes)
-            by_microbatch = (
-                self._by_microbatch(y, collected, batch, sample_weight) if compile_loss(self) is not None else None
+            by_microbatch = (  # a loss that does not split (problem) is taken on the whole batch, as Keras takes it
+                self._by_microbatch(y, collected, batch, sample_weight)
+                if compile_loss(self) is not None and problem is None
+                else None
             )
             if by_microbatch is not None:  # each micro-batch's part of the loss, summed, and its metrics
                 loss, y_pred = by_microbatch.run(self._evaluate_microbatch(by_microbatch), tf.zeros([])), None

@@ -274,6 +274,11 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
         >>> priced.step_time_s > plan.step_time_s
         True
     """
+    if plan.num_replicas > 1:
+        raise InputError(
+            f"The plan holds {plan.num_replicas} replicas of this cluster's devices (plan_replicas), whose all-reduce "
+            "it prices already. Expected one worker's pipeline priced as one of D (solve(..., num_replicas=D))."
+        )
     if plan.priced_replicas < 2:
         raise InputError(
             "The plan was priced for one worker: there is no all-reduce between workers to price. Expected a plan "

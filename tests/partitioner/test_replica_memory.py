@@ -95,3 +95,15 @@ def test_a_workers_all_reduce_is_priced_only_on_a_plan_of_one_of_several_workers
         assert priced.reduce_times[device] == pytest.approx(2 * 3 / 4 * 2 * 2**28 / 10e9)
     assert priced.step_lower_bound_s == one_of_four.step_lower_bound_s  # R only lengthens a step
     assert priced.gap > one_of_four.gap
+
+
+def test_a_replicas_plan_keeps_its_own_all_reduce():
+    from partitioner.search.replicas import with_worker_reductions
+
+    graph = pt.chain_graph([4e11] * 4, param_bytes=[2**20] * 4, activation_bytes=[2**20] * 4)
+    graph.graph.update(batch_size=64, num_microbatches=1)
+    cluster = pt.Cluster.uniform(4, memory="96GiB", flops_per_s=100e12, bandwidth=100e9)
+    plan = plan_replicas(graph, cluster, batch_size=64, replicas=4, time_limit_s=5).plan
+    assert plan.num_replicas == 4
+    with pytest.raises(InputError, match=r"The plan holds 4 replicas of this cluster's devices \(plan_replicas\)"):
+        with_worker_reductions(plan, graph, cluster, 10e9)
