@@ -120,6 +120,9 @@ print(json.dumps(answers))
 """
 
 
+BATCH_BYTES = 256 * (32 + 2048) * 4  # the child's x and y, float32
+
+
 @pytest.mark.slow  # a child process: about 20 s on 2 cores
 def test_step_memory_puts_the_wide_stage_on_its_device_and_follows_a_swap(tmp_path) -> None:
     root = Path(__file__).resolve().parents[2]
@@ -139,5 +142,8 @@ def test_step_memory_puts_the_wide_stage_on_its_device_and_follows_a_swap(tmp_pa
         assert peaks[narrow] < 1 * MiB, answer
         assert max(peaks.values()) <= answer["step_peak_bytes"] + answer["start_freed_bytes"]
         assert answer["step_peak_bytes"] <= sum(peaks.values()) + answer["unknown_peak_bytes"]
-        assert answer["unknown_peak_bytes"] < 0.05 * answer["step_peak_bytes"], answer
+        # what no device is found for is the batch made into tensors before the step function runs (documented:
+        # runtime/memory.py), at most it and one copy: 2.2 and 3.9 MB of 58 and 60 MB at stop 34's end, 2.2 of 40
+        # MB since the gradient adds write into the sums (stop 35); a share of the step (5%) no longer held
+        assert answer["unknown_peak_bytes"] <= 2 * BATCH_BYTES, answer
     assert answers[0]["stages"] == answers[1]["stages"][::-1]
