@@ -517,6 +517,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
             "--worker-bandwidth prices the all-reduce between workers; it needs --workers D with D >= 2. "
             f"Received: --worker-bandwidth {args.worker_bandwidth} with --workers {args.workers}."
         )
+    link = None if args.worker_bandwidth is None else parse_rate(args.worker_bandwidth, name="--worker-bandwidth")
     if args.workers is not None and args.replicas is not None:
         raise InputError(
             "--replicas splits this cluster's devices into D pipelines; --workers plans one worker's pipeline of D "
@@ -558,8 +559,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
                 plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
         except InfeasiblePlanError as error:
             raise cluster.headroom_note(error) from None
-    if args.worker_bandwidth is not None:
-        link = parse_rate(args.worker_bandwidth, name="--worker-bandwidth")
+    if link is not None:
         plan = with_worker_reductions(plan, graph, cluster, link)
     options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
@@ -574,8 +574,7 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     others: list[Plan] = []
     if not args.no_compare and cluster.num_devices <= graph.number_of_nodes():
         others = [method(graph, cluster, **options) for method in baseline_methods.BASELINES.values()]
-        if args.worker_bandwidth is not None:  # compared on the same step: each with the workers' all-reduce
-            link = parse_rate(args.worker_bandwidth, name="--worker-bandwidth")
+        if link is not None:  # compared on the same step: each with the workers' all-reduce
             others = [with_worker_reductions(other, graph, cluster, link) for other in others]
     out = _stdout()
     name = graph.graph.get("model_name", args.model)
@@ -597,9 +596,9 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
     if plan.priced_replicas > 1:
         reduced = max(plan.reduce_times.values(), default=0.0)
         timed = (
-            f"each stage's all-reduce between the workers at {parse_rate(args.worker_bandwidth) / 1e9:g} GB/s is in "
+            f"each stage's all-reduce between the workers at {link / 1e9:g} GB/s is in "
             f"the step (the longest {format_seconds(reduced)})"
-            if args.worker_bandwidth is not None
+            if link is not None
             else "the all-reduce's time between the workers is not in the step (their link is not in this "
             "cluster: give it with --worker-bandwidth)"
         )

@@ -55,9 +55,8 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -76,6 +75,7 @@ from profiles.internals import (
 )
 from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
+from profiles.timing import variables_kept
 from profiles.walk import LayerCall, flatten_calls, functional_graph
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
@@ -151,18 +151,11 @@ def check_rows(
             variable.assign(value)
 
 
-@contextlib.contextmanager
-def _weights_kept(operation: Any) -> Iterator[None]:
-    """Puts the trainable variables of ``operation`` (and its sublayers) back after the block: a layer run as in
-    a training step may write them (spectral normalization writes its normalized kernel); ``check_rows`` puts
-    the non-trainable ones back itself."""
-    weights = [v for layer in flatten_layers(operation) for v in own_variables(layer) if v.trainable]
-    values = [np.array(v.numpy()) for v in weights]
-    try:
-        yield
-    finally:
-        for variable, value in zip(weights, values, strict=True):
-            variable.assign(value)
+def _weights_kept(operation: Any) -> Any:
+    """Puts the trainable variables of ``operation`` (and its sublayers) back after the block
+    (``profiles.timing.variables_kept``): a layer run as in a training step may write them (spectral
+    normalization writes its normalized kernel); ``check_rows`` puts the non-trainable ones back itself."""
+    return variables_kept([v for layer in flatten_layers(operation) for v in own_variables(layer) if v.trainable])
 
 
 def _checked_in_training(operation: Any) -> bool:
