@@ -139,22 +139,18 @@ def check_rows(
     if input_shapes is None and sequence_length is None:
         sequence_length = 1
     shapes = resolve_input_shapes(functional, input_shapes, sequence_length)
-    state = [(v, v.numpy()) for v in functional.non_trainable_variables]
-    try:
+    with variables_kept(functional.non_trainable_variables):  # a layer run as in training moves them
         probe = _Probe(model.name, num_microbatches)
         for call in calls:
             probe.run(call, shapes)
         for tensor in functional.outputs:
             probe.check_output(calls, sources[id(tensor)])
-    finally:
-        for variable, value in state:
-            variable.assign(value)
 
 
 def _weights_kept(operation: Any) -> Any:
     """Puts the trainable variables of ``operation`` (and its sublayers) back after the block
     (``profiles.timing.variables_kept``): a layer run as in a training step may write them (spectral
-    normalization writes its normalized kernel); ``check_rows`` puts the non-trainable ones back itself."""
+    normalization writes its normalized kernel); ``check_rows`` puts the non-trainable ones back."""
     return variables_kept([v for layer in flatten_layers(operation) for v in own_variables(layer) if v.trainable])
 
 
@@ -266,16 +262,11 @@ class _Probe:
         if not watched:
             return
         before = [np.array(v.numpy()) for v in watched]
-        args, kwargs = call.node.arguments.fill_in(values)
-        if takes_training(operation):
-            kwargs["training"] = True
         try:
             with _weights_kept(operation):
-                operation(*args, **kwargs)
-        except Exception:  # it fails in training on probe data: the step will say why, as Keras would
+                self._call(call, values, training=True)
+        except InputError:  # it fails in training on probe data: the step will say why, as Keras would
             return
-        finally:
-            clear_losses(operation)
         for variable, value in zip(watched, before, strict=True):
             if not np.array_equal(np.asarray(variable.numpy()), value):
                 raise InputError(
