@@ -28,7 +28,15 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
       op(inputs[0:4])  ==  op(inputs[0:2]) == op(inputs[2:4])          a tensor of its own (no rows)
 
   Each op gets exactly the rows the probe batch gave its inputs, so an op is judged alone and rounding
-  does not add up along the model. With M > 1 every op must be one of the two; with M = 1 (the
+  does not add up along the model. With M > 1 the model runs twice more on probe batches whose halves
+  differ in sign and scale (floats of the first half small and of one sign, each sign once; of the last
+  half 30 times larger): a branch, a loop or a clip decided by a batch-wide value (``ops.cond(ops.mean(x)
+  > 0, ...)``, ``x / ops.max(ops.abs(x))``) takes the batch's way on standard normal halves, and another
+  way on these. An op that mixes rows and gives other values on a second run of the same rows draws
+  random values when not training: it is refused as such. A layer's activity regularizer must be a sum
+  over rows (each micro-batch applies it to its own rows and the parts are added): its value on the
+  probe batch must be the sum of its values on the halves (Keras' L1 and L2 are; a mean is not). A
+  stateful recurrent layer is refused at any M: its states carry rows from one batch to the next. With M > 1 every op must be one of the two; with M = 1 (the
   micro-batch is the batch) an op may mix values, but no tensor may change the batch's row count:
   the runtime takes the batch's rows of the outputs, the loss's predictions and the regularized
   tensors. A model output must always have one row per input row.
@@ -44,8 +52,9 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   training only), unless it draws random values or holds a batch normalization (their training outputs
   differ between the batch and its halves by design).
 
-  What the probe cannot see: mixing only in training inside a layer that draws random values or holds a
-  batch normalization (batch normalization itself is the known case, which ``runtime.batchnorm``
+  What the probe cannot see: a branch on a batch-wide value that neither probe batch crosses (a threshold
+  far from the values the probe gives that op), mixing only in training inside a layer that draws random
+  values or holds a batch normalization (batch normalization itself is the known case, which ``runtime.batchnorm``
   handles), mixing too small for float tolerance (1e-4 of the tensor's largest magnitude in float32, a few ulps in 16
   bits), and rows the random inputs happen to make equal (integer inputs are 0 or 1, as in
   ``runtime.synthetic_batch``: a one-token input makes equal rows likely). The probe reads the
@@ -81,6 +90,10 @@ from profiles.walk import LayerCall, flatten_calls, functional_graph
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
 PROBE_ROWS = 4  # the probe batch; each op is run again on its first and its last half
 _HALVES = ((0, PROBE_ROWS // 2), (PROBE_ROWS // 2, PROBE_ROWS))
+# the contrasting probe batches: floats of the first half small and of one sign (each sign once), of the last
+# half large and of both signs; the last half's size decides a batch-wide statistic (a mean's sign, a maximum)
+_CONTRASTS = (1.0, -1.0)
+_SMALL, _LARGE = 0.3, 30.0
 _EPS_16_BITS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # float32 and wider: float32's eps
 
 
@@ -135,6 +148,7 @@ def check_rows(
         >>> check_rows(model, num_microbatches=4, sequence_length=16)      # doctest: +SKIP
     """
     functional = functional_graph(model)
+    _check_stateless(functional)
     calls, sources = flatten_calls(functional)
     if input_shapes is None and sequence_length is None:
         sequence_length = 1
@@ -145,6 +159,25 @@ def check_rows(
             probe.run(call, shapes)
         for tensor in functional.outputs:
             probe.check_output(calls, sources[id(tensor)])
+        if probe.mixing_allowed:
+            return
+        for sign in _CONTRASTS:  # halves apart in sign and scale: a branch or a clip on a batch-wide statistic
+            contrasting = _Probe(model.name, num_microbatches, contrast=sign)
+            for call in calls:
+                contrasting.run(call, shapes)
+
+
+def _check_stateless(model: Any) -> None:
+    """Raises InputError for a stateful recurrent layer: its states hold a fixed batch size's rows and carry
+    each row's last state into the same row of the next batch, which a pipeline's stages do not."""
+    for layer in flatten_layers(model):
+        if getattr(layer, "stateful", False):
+            raise InputError(
+                f"'{layer.name}' ({type(layer).__name__}) of model '{model.name}' is stateful (stateful=True): it "
+                "keeps each row's last state for the same row of the next batch, across steps, which the pipeline "
+                "does not carry (its stages run each micro-batch's forward on its own). Expected stateful=False: "
+                "feed longer sequences instead, or train this model without the pipeline."
+            )
 
 
 def _weights_kept(operation: Any) -> Any:
@@ -181,10 +214,11 @@ class _Value(NamedTuple):
 class _Probe:
     """Runs the calls of a flattened graph on the probe batch and on its halves, checking each output."""
 
-    def __init__(self, model_name: str, num_microbatches: int | str) -> None:
+    def __init__(self, model_name: str, num_microbatches: int | str, contrast: float | None = None) -> None:
         self.model_name = model_name
         self.num_microbatches = num_microbatches
         self.mixing_allowed = num_microbatches == 1  # the one micro-batch is the batch
+        self.contrast = contrast  # None: standard normal floats; else a contrasting batch (_CONTRASTS), rows only
         self.rng = np.random.default_rng(0)
         self.produced: list[list[_Value]] = []  # per call, per output
 
@@ -199,7 +233,7 @@ class _Probe:
         def batch() -> dict[int, Any]:  # fresh tensors each call: a layer may take the mask off its inputs
             return {id(t): _with_mask(x.whole, x.mask) for t, x in zip(call.node.input_tensors, inputs)}
 
-        if not self.mixing_allowed:
+        if not self.mixing_allowed and self.contrast is None:
             self._check_training_state(call, batch())
         whole = self._call(call, batch())
         parts = [
@@ -207,12 +241,55 @@ class _Probe:
             for h in range(len(_HALVES))
         ]
         outputs = []
-        for position, value in enumerate(whole):
-            halves = tuple(part[position] for part in parts)
-            outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
-        if not self.mixing_allowed and _checked_in_training(call.operation):
-            self._check_training_rows(call, inputs, batch, outputs)
+        try:
+            for position, value in enumerate(whole):
+                halves = tuple(part[position] for part in parts)
+                outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
+        except InputError:
+            again = self._call(call, batch())  # the same rows again: random draws, not mixed rows?
+            if any(_difference(a, _numpy(b)) is not None for a, b in zip(whole, again, strict=True)):
+                self._draws(call)
+            raise
+        if not self.mixing_allowed and self.contrast is None:
+            self._check_regularizer(call, outputs)
+            if _checked_in_training(call.operation):
+                self._check_training_rows(call, inputs, batch, outputs)
         self.produced.append(outputs)
+
+    def _check_regularizer(self, call: LayerCall, outputs: list[_Value]) -> None:
+        """Raises InputError where the layer's activity regularizer is not a sum over rows: the stage applies it
+        to each micro-batch's rows and adds the parts (divided by the batch's row count, as Keras divides the
+        whole's), exact for Keras' L1 and L2 and not for a mean or a maximum over the batch."""
+        regularizer = getattr(call.operation, "activity_regularizer", None)
+        if regularizer is None:
+            return
+        for value in outputs:
+            if not value.rows:
+                continue  # no rows to split: the stage refuses it at M > 1 (runtime.program)
+            whole = _numpy(regularizer(value.whole))
+            parts = sum(_numpy(regularizer(half)).astype(np.float64) for half in value.halves)
+            worst = _difference(whole, parts)
+            if worst is not None:
+                operation = call.operation
+                raise InputError(
+                    f"The activity regularizer of '{operation.name}' ({type(operation).__name__}) of model "
+                    f"'{self.model_name}' is not a sum over the batch's rows: on a probe batch it gives "
+                    f"{float(whole):.6g} and the sum over its halves {float(parts):.6g}. With num_microbatches="
+                    f"{self.num_microbatches!r} each micro-batch applies it to its own rows and the parts are added, "
+                    "so the loss would differ from the original's. Expected a regularizer that sums over rows "
+                    "(keras.regularizers.L1, L2, L1L2), or num_microbatches=1; a penalty on a batch-wide value "
+                    "(a mean activation) belongs in the loss."
+                )
+
+    def _draws(self, call: LayerCall) -> None:
+        operation = call.operation
+        raise InputError(
+            f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' draws random values when "
+            "it is not training (two runs on the same rows gave other values), so with num_microbatches="
+            f"{self.num_microbatches!r} each micro-batch would draw its own and the outputs could not be the "
+            "original's. Expected random draws only in training, in Keras' random layers (Dropout, GaussianNoise, "
+            "with a seed), or num_microbatches=1."
+        )
 
     def _check_training_rows(
         self, call: LayerCall, inputs: list[_Value], batch: Callable[[], dict[int, Any]], outputs: list[_Value]
@@ -347,6 +424,11 @@ class _Probe:
 
     def _mixes(self, call: LayerCall, what: str) -> None:
         operation = call.operation
+        if self.contrast is not None:
+            what += (
+                " on a probe batch whose halves differ in sign and scale (as where a branch, a loop or a clip "
+                "depends on a batch-wide value: its mean, its maximum)"
+            )
         raise InputError(
             f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' mixes the rows of a "
             f"batch: {what}, so with num_microbatches={self.num_microbatches!r} it would compute something else "
@@ -363,7 +445,12 @@ class _Probe:
             return tf.constant(words[self.rng.integers(0, len(words), shape)])
         if "int" in name or "bool" in name:
             return keras.ops.convert_to_tensor(self.rng.integers(0, 2, shape).astype(name))
-        return keras.ops.convert_to_tensor(self.rng.normal(size=shape).astype(name))
+        values = self.rng.normal(size=shape)
+        if self.contrast is not None:
+            half = PROBE_ROWS // 2
+            values[:half] = self.contrast * _SMALL * (1.0 + 0.3 * np.abs(values[:half]))
+            values[half:] *= _LARGE
+        return keras.ops.convert_to_tensor(values.astype(name))
 
 
 def _difference(actual: Any, expected: Any) -> float | None:
