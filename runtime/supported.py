@@ -36,10 +36,12 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   random values when not training: it is refused as such. A layer's activity regularizer must be a sum
   over rows (each micro-batch applies it to its own rows and the parts are added): its value on the
   probe batch must be the sum of its values on the halves (Keras' L1 and L2 are; a mean is not). A
-  stateful recurrent layer is refused at any M: its states carry rows from one batch to the next. With M > 1 every op must be one of the two; with M = 1 (the
-  micro-batch is the batch) an op may mix values, but no tensor may change the batch's row count:
-  the runtime takes the batch's rows of the outputs, the loss's predictions and the regularized
-  tensors. A model output must always have one row per input row.
+  stateful recurrent layer is refused at any M: its states carry rows from one batch to the next.
+
+  With M > 1 every op must be one of the two; with M = 1 (the micro-batch is the batch) an op may mix
+  values, but no tensor may change the batch's row count: the runtime takes the batch's rows of the
+  outputs, the loss's predictions and the regularized tensors. A model output must always have one row
+  per input row.
 
   With M > 1 each op also runs once on the probe batch as in a training step (``training=True`` where it
   takes it), and one that changes a non-trainable variable of its own is refused: every micro-batch's forward
