@@ -152,6 +152,7 @@ def check_rows(
     functional = functional_graph(model)
     _check_stateless(functional)
     calls, sources = flatten_calls(functional)
+    _check_untied(functional, calls)
     if input_shapes is None and sequence_length is None:
         sequence_length = 1
     shapes = resolve_input_shapes(functional, input_shapes, sequence_length)
@@ -180,6 +181,31 @@ def _check_stateless(model: Any) -> None:
                 "does not carry (its stages run each micro-batch's forward on its own). Expected stateful=False: "
                 "feed longer sequences instead, or train this model without the pipeline."
             )
+
+
+def _check_untied(model: Any, calls: list[LayerCall]) -> None:
+    """Raises InputError where two layers of the flat graph hold one variable (a weight tied between layers:
+    keras-hub's ``MaskedLMHead`` holds its backbone's token embedding). The runtime rebuilds each layer from its
+    config on its device, which gives the second a copy of its own: the two would train apart (found by
+    probing, stop 36: ``BertMaskedLM``'s token embedding updated by 0.69 of the original's, at any M, on one
+    device too). A layer called twice (GPT2CausalLM's token embedding, for its logits) is one layer: it is
+    cloned once and kept on one device."""
+    owners: dict[int, Any] = {}
+    for call in calls:
+        operation = call.operation
+        if not isinstance(operation, keras.layers.Layer):
+            continue
+        for variable in operation.weights:
+            owner = owners.setdefault(id(variable), operation)
+            if owner is not operation:
+                raise InputError(
+                    f"'{operation.name}' ({type(operation).__name__}) of model '{model.name}' holds the variable "
+                    f"'{variable.path}' of '{owner.name}' ({type(owner).__name__}): a weight tied between two "
+                    "layers. The pipeline rebuilds each layer from its config on its planned device, which would "
+                    f"give '{operation.name}' a copy of its own, trained apart from the original's. Expected each "
+                    "variable in one layer of the model's graph (a layer called twice, as GPT2CausalLM's token "
+                    "embedding, stays one layer); untie the weights, or train this model without the pipeline."
+                )
 
 
 def _weights_kept(operation: Any) -> Any:

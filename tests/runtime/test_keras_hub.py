@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from test_transparency import _assert_gradients_match, _assert_step_matches, assert_close
 
-from partitioner.errors import InfeasiblePlanError, ProfileError
+from partitioner.errors import InfeasiblePlanError, InputError, ProfileError
 from runtime import placement_report, plan_and_wrap
 from runtime.devices import canonical
 from runtime.rebuild import seed_states
@@ -170,6 +170,27 @@ def test_keras_hub_tied_embedding_cannot_be_split_by_pins(virtual_devices) -> No
             model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB", pins=pins,
             sequence_length=LENGTH,
         )  # fmt: skip
+
+
+def test_keras_hub_masked_lm_with_a_tied_head_is_refused(virtual_devices) -> None:
+    """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer
+    called twice): rebuilt from its config the head had a copy of its own, and the wrapped model trained the table
+    to other numbers at every M, on one device too (probing, stop 36: 0.69 of the original's update)."""
+    backbone = keras_hub.models.BertBackbone(**SIZES, max_sequence_length=32, dropout=0.0)
+    model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
+    before = [w.copy() for w in model.get_weights()]
+    message = (
+        r"^'mlm_head' \(MaskedLMHead\) of model '\w+' holds the variable 'token_embedding/embeddings' of "
+        r"'token_embedding' \(ReversibleEmbedding\): a weight tied between two layers"
+    )
+    for num_microbatches in (1, 2):
+        with pytest.raises(InputError, match=message):
+            plan_and_wrap(
+                model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches,
+                sequence_length=LENGTH,
+            )  # fmt: skip
+    for after, expected in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(after, expected)
 
 
 # keras-hub 0.32 models whose blocks do not rebuild from their own config: rebuilt from the backbone's config

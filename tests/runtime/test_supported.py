@@ -300,6 +300,28 @@ def test_an_activity_regularizer_over_the_batch_is_refused_with_microbatches(vir
     check_rows(_regularized(keras.regularizers.L1L2(0.01, 0.02)), 4)  # Keras' own sum over rows
 
 
+class _TiedHead(keras.layers.Layer):
+    """Logits from another layer's embedding table (a weight tied between two layers)."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+def test_a_weight_tied_between_two_layers_is_refused(virtual_devices) -> None:
+    inputs = keras.Input((3,), dtype="int32", name="ids")
+    embedding = keras.layers.Embedding(10, 4, name="embed")
+    x = keras.layers.Dense(4, name="first")(keras.ops.mean(embedding(inputs), axis=1))
+    model = keras.Model(inputs, _TiedHead(embedding, name="last")(x), name="tied")
+    expected = r"^'last' \(_TiedHead\) of model 'tied' holds the variable 'embed/embeddings' of 'embed' \(Embedding\)"
+    for num_microbatches in (1, 2):
+        with pytest.raises(InputError, match=expected):
+            plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches)
+
+
 def test_a_stateful_recurrent_layer_is_refused(virtual_devices) -> None:
     """At any M, in one line that says so (before: the probe's 4 rows failed it, and the message asked for input
     sizes)."""
