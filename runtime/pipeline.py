@@ -217,9 +217,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         return placed
 
     def _micro_loss(self, y: Any, y_pred: Any, sample_weight: Any, share: tf.Tensor, weight_sums: Any) -> tf.Tensor:
-        return microbatch_part(
+        """Micro-batch m's part of the batch's loss; 0 for a micro-batch without rows of the batch (a batch shorter
+        than the one planned for: 6 rows in M = 4 micro-batches of 2), whose loss of no rows is NaN where the loss
+        reduces over the batch axis (``"mae"`` of outputs of shape (batch,)): the logged loss was NaN (found by
+        probing, stop 36), and ``TerminateOnNaN`` stopped ``fit``."""
+        part = microbatch_part(
             compile_loss(self), y, y_pred, sample_weight, share, weight_sums, self.options.num_replicas
         )
+        return tf.where(share > 0, part, tf.zeros_like(part))
 
     def loss_and_gradients(self, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """One pipelined forward and backward of a batch, without an update.

@@ -223,6 +223,25 @@ def test_a_loss_of_one_mean_value_for_the_batch_still_trains_as_the_original(vir
         wrapped.train_on_batch(x, y, sample_weight=np.linspace(0.5, 2.0, BATCH).astype("float32"))
 
 
+def test_a_batch_shorter_than_planned_logs_the_loss_of_its_rows(virtual_devices) -> None:
+    """6 rows in M = 4 micro-batches of 2 leave the last without rows; its loss of no rows ("mae" of outputs of
+    shape (batch,) reduces over the batch axis) was NaN, and so was the logged loss (the weights were right;
+    found by probing, stop 36)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.ops.squeeze(keras.layers.Dense(1)(keras.layers.Dense(4)(inputs)), axis=-1))
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(6, 6)).astype("float32"), rng.normal(size=(6,)).astype("float32")
+    original = _copy(model)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 4), validate=False)
+    for m in (original, wrapped):
+        m.compile(optimizer="sgd", loss="mae")
+    for _ in range(2):
+        np.testing.assert_allclose(wrapped.train_on_batch(x, y), original.train_on_batch(x, y), rtol=1e-5)
+    for got, want in zip(wrapped.unwrap().get_weights(), original.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     ("metric", "name"),
     [
