@@ -347,6 +347,39 @@ def compile_config(model: Any) -> dict[str, Any] | None:
     return None if kept is None else dict(kept.config)
 
 
+def keras_compile_arguments(model: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The arguments Keras' own ``compile`` would receive from ``model.compile(*args, **kwargs)`` where the
+    model's class has a ``compile`` of its own (keras-hub's tasks fill in their "auto" optimizer, loss and
+    metrics, and add metrics of their own), or None where its ``compile`` is Keras'.
+
+    Runs the class's ``compile`` with Keras' ``Trainer.compile`` replaced by a recorder that stops it there: the
+    model is not compiled, and what the class's ``compile`` does after Keras' (CausalLM sets its sampler) does
+    not run. Reaches ``keras.src.trainers.trainer.Trainer`` (the class whose ``compile`` every Keras model's is;
+    no public API resolves a subclass's defaults without compiling). Checked on 3.15 with keras-hub 0.32.
+    """
+    import inspect
+    from unittest import mock
+
+    from keras.src.trainers.trainer import Trainer
+
+    if type(model).compile is Trainer.compile:
+        return None
+    recorded: dict[str, Any] = {}
+    signature = inspect.signature(Trainer.compile)  # Keras' own, before the recorder takes its place
+
+    class _Recorded(Exception):
+        pass
+
+    def record(self: Any, *given: Any, **named: Any) -> None:
+        bound = signature.bind(self, *given, **named)
+        recorded.update({k: v for k, v in bound.arguments.items() if k != "self"})
+        raise _Recorded
+
+    with mock.patch.object(Trainer, "compile", record), contextlib.suppress(_Recorded):
+        type(model).compile(model, *args, **kwargs)
+    return recorded
+
+
 def compile_loss(model: Any) -> Any:
     """A compiled model's ``CompileLoss`` (the loss function ``compile(loss=...)`` made), or None.
 

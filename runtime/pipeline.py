@@ -34,6 +34,7 @@ from profiles.internals import (
     functional_class,
     get_keras_mask,
     initial_epoch,
+    keras_compile_arguments,
     loss_tracker,
     output_structure,
     run_through_graph,
@@ -251,7 +252,13 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         device (one XLA cluster per stage: XLA runs a cluster on one device), but a stage holding a
         recurrent layer, which runs uncompiled (``xla_stages``); Keras' "auto" means False here. The
         optimizer is built at once, its slots on their variables' devices, and its update arithmetic
-        is issued on each variable's device."""
+        is issued on each variable's device. A model whose class has a ``compile`` of its own (keras-hub's
+        tasks: their "auto" optimizer, loss and metrics) is compiled with what that ``compile`` gives Keras'
+        (``internals.keras_compile_arguments``): without it ``compile()`` took Keras' defaults (RMSprop where the
+        task's is Adam(5e-5), found by probing, stop 36)."""
+        resolved = keras_compile_arguments(self._state.original, args, kwargs)
+        if resolved is not None:
+            args, kwargs = (), resolved
         jit = kwargs.get("jit_compile") is True
         kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)

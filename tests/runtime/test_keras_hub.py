@@ -172,6 +172,27 @@ def test_keras_hub_tied_embedding_cannot_be_split_by_pins(virtual_devices) -> No
         )  # fmt: skip
 
 
+def test_compile_of_a_wrapped_keras_hub_task_takes_the_tasks_defaults(virtual_devices) -> None:
+    """``wrapped.compile()`` gets what the task's own compile gives Keras' (Adam(5e-5), its loss and accuracy);
+    it took Keras' defaults before (RMSprop, no loss; found by probing, stop 36). The original's compile state
+    stays its own (keras-hub compiles a task when it is made)."""
+    model, _, _ = bert_classifier()
+    model.compile(optimizer="sgd")
+    optimizer = model.optimizer
+    wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, sequence_length=LENGTH)
+    reference, _, _ = bert_classifier()
+    reference.compile()
+    wrapped.compile()
+    assert model.optimizer is optimizer
+    assert type(wrapped.optimizer) is type(reference.optimizer) is keras.optimizers.Adam
+    assert float(wrapped.optimizer.learning_rate) == pytest.approx(5e-5)
+    assert wrapped.get_compile_config()["loss"] == reference.get_compile_config()["loss"]
+    assert wrapped.get_compile_config()["metrics"] == reference.get_compile_config()["metrics"]
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.5))  # the task fills in the rest
+    assert type(wrapped.optimizer) is keras.optimizers.SGD
+    assert wrapped.get_compile_config()["loss"] == reference.get_compile_config()["loss"]
+
+
 def test_keras_hub_masked_lm_with_a_tied_head_is_refused(virtual_devices) -> None:
     """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer
     called twice): rebuilt from its config the head had a copy of its own, and the wrapped model trained the table
