@@ -12,7 +12,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from partitioner.errors import InputError
-from profiles.internals import backing_value, compile_config, set_weight_decay_function, weight_decay_function
+from profiles.internals import (
+    backing_value,
+    compile_config,
+    metric_function,
+    metric_function_kwargs,
+    set_weight_decay_function,
+    weight_decay_function,
+)
 
 
 def updates_sparse_rows_linearly(optimizer: Any) -> bool:
@@ -111,6 +118,9 @@ def _new_metrics(metrics: Any) -> Any:
     try:
         return type(metrics).from_config(metrics.get_config())
     except Exception as err:
+        if type(metrics) is keras.metrics.MeanMetricWrapper:  # around a lambda or the user's function: the same one
+            kwargs = metric_function_kwargs(metrics)
+            return keras.metrics.MeanMetricWrapper(metric_function(metrics), metrics.name, metrics.dtype, **kwargs)
         raise InputError(
             f"The metric {metrics.name!r} ({type(metrics).__name__}) cannot be made anew from its config for the "
             f"other model: from_config(get_config()) failed with {type(err).__name__}: {err}. Implement "

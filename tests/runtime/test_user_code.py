@@ -120,6 +120,27 @@ def _function_activation() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(2, name="fc")(h))
 
 
+def test_a_metric_wrapping_a_function_of_the_users_unwraps(virtual_devices) -> None:
+    """``MeanMetricWrapper(fn=...)`` around a lambda or an unregistered function cannot be made from its config:
+    unwrap (which compiles the plain model the same way) refused it (found by probing, stop 36); it is made anew
+    around the same function."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="fc2")(keras.layers.Dense(8, "relu", name="fc1")(inputs)))
+    wrapped = _two_stages(model, virtual_devices, "fc1", "fc2")
+    for fn in (my_metric, lambda t, p: keras.ops.mean(p, axis=-1)):
+        metric = keras.metrics.MeanMetricWrapper(fn=fn, name="wrapped_fn")
+        wrapped.compile(optimizer="sgd", loss="mse", metrics=[metric])
+        x, y = _data(model)
+        with pytest.warns(UserWarning, match=r"Metric 'wrapped_fn'"):  # a function of the user's: stacked
+            wrapped.train_on_batch(x, y)
+            expected = wrapped.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        evaluated = wrapped.unwrap().evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        assert sorted(evaluated) == sorted(expected) == ["loss", "wrapped_fn"]
+        for key, value in expected.items():
+            np.testing.assert_allclose(evaluated[key], value, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("build", "refusal", "load_arguments"),
     [
