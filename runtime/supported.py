@@ -170,6 +170,29 @@ def check_rows(
                 contrasting.run(call, shapes)
 
 
+def _keras_own(operation: Any) -> bool:
+    """A layer of Keras' own classes (and holding none of the user's, nor a Lambda): the standard probe batch
+    found its rows its own, and no Keras layer decides by a batch-wide value in inference, so the contrasting
+    batches (``_CONTRASTS``) take its outputs from one run on the batch, its halves sliced from them."""
+    if not isinstance(operation, keras.layers.Layer):
+        return False
+    layers = flatten_layers(operation)
+    return all(type(layer).__module__.startswith("keras.") for layer in layers) and not any(
+        isinstance(layer, keras.layers.Lambda) for layer in layers
+    )
+
+
+def _batched(value: Any) -> bool:
+    return bool(value.shape) and value.shape[0] == PROBE_ROWS
+
+
+def _sliced(value: Any) -> tuple[Any, ...]:
+    """The halves of a batched tensor's rows (a tensor without rows: itself, for each half)."""
+    if not _batched(value):
+        return tuple(value for _ in _HALVES)
+    return tuple(value[a:b] for a, b in _HALVES)
+
+
 def _check_stateless(model: Any) -> None:
     """Raises InputError for a stateful recurrent layer: its states hold a fixed batch size's rows and carry
     each row's last state into the same row of the next batch, which a pipeline's stages do not."""
@@ -264,6 +287,9 @@ class _Probe:
         if not self.mixing_allowed and self.contrast is None:
             self._check_training_state(call, batch())
         whole = self._call(call, batch())
+        if self.contrast is not None and _keras_own(call.operation):  # rows of its own on any values: run once
+            self.produced.append([_Value(v, _sliced(v), get_keras_mask(v), _batched(v)) for v in whole])
+            return
         parts = [
             self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h)
             for h in range(len(_HALVES))
