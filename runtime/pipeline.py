@@ -158,6 +158,24 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """The plan the model was built from."""
         return self._state.plan
 
+    def reprice(self, plan: Plan) -> None:
+        """Takes ``plan`` as this model's plan: the same placement, other prices (``plan_and_wrap`` with workers
+        puts each stage's all-reduce it timed in the predicted step).
+
+        Raises:
+            InputError: when ``plan`` places a node elsewhere or has other stages, micro-batches or schedule.
+        """
+        now = self._state.plan
+        same = (plan.assignment, plan.stages, plan.num_microbatches, plan.schedule, plan.recompute) == (
+            now.assignment, now.stages, now.num_microbatches, now.schedule, now.recompute,
+        )  # fmt: skip
+        if not same:
+            raise InputError(
+                "reprice takes a plan of the same placement, stages, micro-batches, schedule and recomputation as "
+                "the model's: it changes what the plan predicts, not what runs. Wrap the model again for another plan."
+            )
+        self._state = replace(self._state, plan=plan)
+
     @property
     def num_microbatches(self) -> int:
         """M, the number of micro-batches per training step."""

@@ -26,6 +26,8 @@ batch, exact for uneven shards (``TrainStep.finish`` in ``runtime.train_step``).
 from __future__ import annotations
 
 import hashlib
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,3 +173,36 @@ def agree(collectives: Sequence[StageCollectives], fingerprint: str, what: str) 
             "worker to wrap the same model with the same plan (make the plan once, on worker 0 or as a plan "
             "file, and pass it to wrap on every worker)."
         )
+
+
+def measure_reductions(
+    collectives: Sequence[StageCollectives], variables: Sequence[Sequence[Any]], repeats: int = 3
+) -> list[float]:
+    """Each stage's ``R`` timed alone: the packed sum of gradients the shape of its trainable ``variables`` with
+    the same stage of every other replica, on its device, the collective its step issues; the median of ``repeats``
+    runs after an untimed one (its first run sets the collective up). Every replica must call it at the same point
+    of its program (it is collective), as ``plan_and_wrap`` does after wrapping.
+
+    Returns:
+        Seconds per stage, in ``collectives``' order (0 for a stage without trainable variables).
+    """
+    seconds = []
+    for group, stage_variables in zip(collectives, variables, strict=True):
+        if not stage_variables:
+            seconds.append(0.0)
+            continue
+
+        @tf.function(autograph=False)  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
+        def run(group: StageCollectives = group, stage_variables: Sequence[Any] = stage_variables) -> Any:
+            with tf.device(group.device):
+                summed = group.sum([tf.ones(v.shape, v.dtype) for v in stage_variables], "measure")
+                return [tf.reshape(t, [-1])[:1] for t in summed]  # a small result: the time is the collective's
+
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    return seconds

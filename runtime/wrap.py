@@ -13,6 +13,7 @@ from partitioner.plan import Plan
 from partitioner.problem import check_recompute
 from partitioner.schedule import Schedule, schedule_for
 from partitioner.search.choose import AUTO, candidate_schedules, choose, timed_sizes
+from partitioner.search.replicas import with_reduce_times
 from partitioner.search.solve import solve
 from partitioner.validate import match_names, validate_plan
 from profiles.local import with_model_pool_capacities
@@ -23,7 +24,7 @@ from runtime.executor import ExecutionOptions
 from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
-from runtime.replicas import Replicas
+from runtime.replicas import Replicas, measure_reductions
 from runtime.supported import check_rows, check_steps
 from runtime.workers import current_worker, join_replicas
 
@@ -222,7 +223,12 @@ def plan_and_wrap(
         batch_norm=batch_norm,
         num_replicas=num_replicas,
     )
-    return _wrap(model, plan, options)
+    wrapped = _wrap(model, plan, options)
+    if num_replicas > 1:  # each stage's all-reduce with the other workers, timed here, in the predicted step
+        executor = wrapped.executor
+        times = measure_reductions(executor.collectives, [stage.trainable_variables for stage in executor.stages])
+        wrapped.reprice(with_reduce_times(wrapped.plan, graph, cluster, dict(zip(wrapped.plan.stages, times))))
+    return wrapped
 
 
 def wrap(

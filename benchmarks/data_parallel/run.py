@@ -48,10 +48,7 @@ def main() -> None:
     launch = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
     together = _run([*launch, "--timeout", "900", "--", sys.executable, *worker])
     one, two = alone[0], sorted(together, key=lambda r: r["rank"])
-    rows = [
-        ("1 worker x 2 devices", one["local_batch"], one["step_s"], None),
-        *((f"2 workers x 2 devices: worker {r['rank']}", r["local_batch"], r["step_s"], r["r_action_s"]) for r in two),
-    ]
+    rows = [("1 worker x 2 devices", one), *((f"2 workers x 2 devices: worker {r['rank']}", r) for r in two)]
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -65,13 +62,21 @@ def main() -> None:
     }
     (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        "| configuration | rows per worker | step (median) | R action alone | R share of the step |",
-        "|---|---|---|---|---|",
+        "| configuration | rows per worker | step (median) | R action alone | R share of the step "
+        "| R per stage, timed at wrap (the plan's) | predicted step (the plan's) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, rows_per, step, reduce_s in rows:
+    for name, r in rows:
+        step, reduce_s, planned = r["step_s"], r["r_action_s"], r.get("plan_reduce_s") or []
         share = "" if reduce_s is None else f"{reduce_s / step:.0%}"
         reduce_text = "" if reduce_s is None else f"{reduce_s * 1e3:.1f} ms"
-        lines.append(f"| {name} | {rows_per} | {step * 1e3:.1f} ms | {reduce_text} | {share} |")
+        planned_text = " + ".join(f"{t * 1e3:.1f}" for t in planned) + " ms" if any(planned) else ""
+        predicted = r.get("predicted_step_s")
+        predicted_text = "" if predicted is None else f"{predicted * 1e3:.1f} ms"
+        lines.append(
+            f"| {name} | {r['local_batch']} | {step * 1e3:.1f} ms | {reduce_text} | {share} | {planned_text} "
+            f"| {predicted_text} |"
+        )
     table = "\n".join(lines)
     print(table)
     write_block(HERE / "README.md", "results", table)

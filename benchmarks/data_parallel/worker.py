@@ -85,6 +85,10 @@ print(
             "step_s": float(np.median(times)),
             "step_quartiles_s": [float(q) for q in np.quantile(times, [0.25, 0.75])],
             "r_action_s": reduce_s,
+            # what the plan predicts: each stage's R as plan_and_wrap timed it at wrap (each stage alone), and the
+            # step with them (the pipeline priced by FLOPs: a worker of several does not time its layers)
+            "plan_reduce_s": [wrapped.plan.reduce_times.get(d, 0.0) for d in wrapped.plan.stages],
+            "predicted_step_s": wrapped.plan.predicted_step_s,
             "gradient_bytes": parameters * 4,
         }
     ),

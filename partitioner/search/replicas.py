@@ -274,16 +274,7 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
         >>> priced.step_time_s > plan.step_time_s
         True
     """
-    if plan.num_replicas > 1:
-        raise InputError(
-            f"The plan holds {plan.num_replicas} replicas of this cluster's devices (plan_replicas), whose all-reduce "
-            "it prices already. Expected one worker's pipeline priced as one of D (solve(..., num_replicas=D))."
-        )
-    if plan.priced_replicas < 2:
-        raise InputError(
-            "The plan was priced for one worker: there is no all-reduce between workers to price. Expected a plan "
-            "of one of D >= 2 workers (solve(..., num_replicas=D), partitioner plan --workers D)."
-        )
+    _check_worker_plan(plan)
     if not bandwidth_bytes_per_s > 0:
         raise InputError(
             f"The workers' link needs a bandwidth > 0 in bytes per second. Received: {bandwidth_bytes_per_s!r}."
@@ -295,11 +286,48 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
         reduce_times[d] = ring_allreduce_s(
             gradient_bytes, plan.priced_replicas, bandwidth_bytes_per_s, overhead_s=overhead
         )
-    priced = dataclasses.replace(plan, reduce_times=reduce_times)
+    return with_reduce_times(plan, graph, cluster, reduce_times)
+
+
+def with_reduce_times(plan: Plan, graph: nx.DiGraph, cluster: Cluster, reduce_times: dict[str, float]) -> Plan:
+    """``plan`` (one worker's pipeline, priced as one of ``plan.priced_replicas``) with each stage's ``R`` taking
+    ``reduce_times[device]`` seconds (a device left out: 0), after the stage's last action; its step simulated with
+    them and judged against its pipeline's bound (``R`` only lengthens a step). ``with_worker_reductions`` prices
+    them from the workers' link; ``runtime.plan_and_wrap`` with workers gives the times it measured.
+
+    Example:
+        >>> import partitioner as pt
+        >>> graph = pt.chain_graph([4e11] * 4, param_bytes=[2**28] * 4, activation_bytes=[2**20] * 4)
+        >>> cluster = pt.Cluster.uniform(2, memory="16GiB", flops_per_s=100e12, bandwidth=100e9)
+        >>> plan = pt.solve(graph, cluster, num_microbatches=4, num_replicas=2, time_limit_s=5)
+        >>> priced = with_reduce_times(plan, graph, cluster, {plan.devices[0]: 0.05})
+        >>> round((priced.step_time_s - plan.step_time_s) * 1e3)  # stage 0 ends the step: all of its R shows
+        50
+    """
+    _check_worker_plan(plan)
+    unknown = sorted(set(reduce_times) - set(plan.devices))
+    if unknown:
+        raise InputError(
+            f"reduce_times names devices the plan does not have: {unknown}. Expected some of {list(plan.devices)}."
+        )
+    priced = dataclasses.replace(plan, reduce_times={d: float(reduce_times.get(d, 0.0)) for d in plan.devices})
     priced = dataclasses.replace(priced, step_time_s=simulate(priced, graph, subset(cluster, plan.devices)).step_time_s)
     if plan.step_lower_bound_s is None:
         return priced
     return on_step(priced, plan.step_lower_bound_s, searched=plan.status != "heuristic")
+
+
+def _check_worker_plan(plan: Plan) -> None:
+    if plan.num_replicas > 1:
+        raise InputError(
+            f"The plan holds {plan.num_replicas} replicas of this cluster's devices (plan_replicas), whose all-reduce "
+            "it prices already. Expected one worker's pipeline priced as one of D (solve(..., num_replicas=D))."
+        )
+    if plan.priced_replicas < 2:
+        raise InputError(
+            "The plan was priced for one worker: there is no all-reduce between workers to price. Expected a plan "
+            "of one of D >= 2 workers (solve(..., num_replicas=D), partitioner plan --workers D)."
+        )
 
 
 def _rank(candidate: ReplicaCandidate) -> tuple[float, int, int]:

@@ -97,6 +97,23 @@ def test_a_workers_all_reduce_is_priced_only_on_a_plan_of_one_of_several_workers
     assert priced.gap > one_of_four.gap
 
 
+def test_measured_reduce_times_lengthen_the_step_where_they_end_it():
+    """``with_reduce_times`` (the times plan_and_wrap measures on workers): stage 0's R ends the step after the
+    last backward, all of it; the last stage's R hides behind stage 0's backwards where it is shorter."""
+    from partitioner.search.replicas import with_reduce_times
+
+    graph = pt.chain_graph([4e11] * 4, param_bytes=[2**28] * 4, activation_bytes=[2**20] * 4)
+    cluster = pt.Cluster.uniform(2, memory="16GiB", flops_per_s=100e12, bandwidth=100e9)
+    plan = pt.solve(graph, cluster, num_microbatches=4, num_replicas=2, time_limit_s=5)
+    first, last = plan.stages
+    assert with_reduce_times(plan, graph, cluster, {first: 0.05}).step_time_s == pytest.approx(plan.step_time_s + 0.05)
+    hidden = with_reduce_times(plan, graph, cluster, {last: 0.001})
+    assert hidden.step_time_s == pytest.approx(plan.step_time_s)
+    assert hidden.reduce_times == {first: 0.0, last: 0.001}
+    with pytest.raises(InputError, match=r"reduce_times names devices the plan does not have: \['/GPU:9'\]"):
+        with_reduce_times(plan, graph, cluster, {"/GPU:9": 0.1})
+
+
 def test_a_replicas_plan_keeps_its_own_all_reduce():
     from partitioner.search.replicas import with_worker_reductions
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from partitioner.plan import Plan
+
 HERE = Path(__file__).parent / "workers"
 sys.path.insert(0, str(HERE))
 from shards import GLOBAL_BATCH, NUM_STEPS, batch, build  # noqa: E402
@@ -79,6 +81,11 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(
     evaluated = reference.evaluate(*batch(NUM_STEPS - 1), verbose=0)  # evaluate: the global batch's loss too
     _assert_workers_match(tmp_path, reference.get_weights(), losses, evaluated)
     assert (tmp_path / "logs" / "worker-1.log").read_text().count("worker 1 of 2 done") == 1
+    for rank in range(2):  # each stage's all-reduce, timed at wrap, is in the plan's predicted step
+        plan = Plan.from_json((tmp_path / f"plan-{rank}.json").read_text())
+        assert plan.priced_replicas == 2
+        assert all(plan.reduce_times[d] > 0 for d in plan.stages), plan.reduce_times
+        assert plan.step_time_s > max(plan.reduce_times.values())
 
 
 def test_data_parallel_workers_train_as_mirrored_strategy(tmp_path, virtual_devices) -> None:

@@ -42,6 +42,22 @@ def test_plan_and_wrap_trains_with_fit(virtual_devices) -> None:
     assert wrapped.predict(x, batch_size=16, verbose=0).shape == (32, 5)
 
 
+def test_reprice_takes_a_plan_of_the_same_placement_only(virtual_devices) -> None:
+    """What plan_and_wrap on workers does with the all-reduce it timed: other prices, the same placement."""
+    import dataclasses
+
+    model, _, _, _ = _model_and_data()
+    wrapped = wrap(model, _uniform_plan(model, virtual_devices), validate=False)
+    plan = wrapped.plan
+    wrapped.reprice(dataclasses.replace(plan, step_time_s=2 * plan.step_time_s))
+    assert wrapped.plan.step_time_s == 2 * plan.step_time_s
+    node = next(iter(plan.assignment))
+    moved = dataclasses.replace(plan, assignment={**plan.assignment, node: plan.stages[-1]})
+    with pytest.raises(pt.InputError, match=r"^reprice takes a plan of the same placement, stages"):
+        wrapped.reprice(moved)
+    assert wrapped.plan.assignment == plan.assignment
+
+
 @pytest.mark.parametrize("batch", [13, 3])
 def test_remainders_match_full_batch(batch: int, virtual_devices) -> None:
     """A batch not divisible by M (13 = 4+3+3+3) or smaller than M (3 < 4) still equals the full step."""
