@@ -183,7 +183,7 @@ def _keras_own(operation: Any) -> bool:
 
 
 def _batched(value: Any) -> bool:
-    return bool(value.shape) and value.shape[0] == PROBE_ROWS
+    return value is not None and bool(value.shape) and value.shape[0] == PROBE_ROWS
 
 
 def _sliced(value: Any) -> tuple[Any, ...]:
@@ -287,6 +287,7 @@ class _Probe:
         if not self.mixing_allowed and self.contrast is None:
             self._check_training_state(call, batch())
         whole = self._call(call, batch())
+        self._check_shapes(call, whole)
         if self.contrast is not None and _keras_own(call.operation):  # rows of its own on any values: run once
             self.produced.append([_Value(v, _sliced(v), get_keras_mask(v), _batched(v)) for v in whole])
             return
@@ -298,6 +299,9 @@ class _Probe:
         try:
             for position, value in enumerate(whole):
                 halves = tuple(part[position] for part in parts)
+                if value is None:  # an output the layer leaves out (keras-hub's XLNetEncoder returns x, None)
+                    outputs.append(_Value(None, halves, None, False))
+                    continue
                 outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
         except InputError:
             again = self._call(call, batch())  # the same rows again: random draws, not mixed rows?
@@ -309,6 +313,28 @@ class _Probe:
             if _checked_in_training(call.operation):
                 self._check_training_rows(call, inputs, batch, outputs)
         self.produced.append(outputs)
+
+    def _check_shapes(self, call: LayerCall, whole: list[Any]) -> None:
+        """Raises InputError where an output's shape is not the one the model's graph gives it: the probe's sizes
+        do not fit the op (an image of 1 x 1 where the model leaves its size open: TensorFlow's oneDNN convolution
+        returned a tensor of other channels holding uninitialised memory, which read as random values)."""
+        expected = call.node.output_tensors
+        if len(expected) != len(whole):
+            return
+        for value, tensor in zip(whole, expected, strict=True):
+            if value is None:
+                continue
+            shape, graph = tuple(value.shape), tuple(tensor.shape)
+            if len(shape) == len(graph) and all(g is None or g == v for g, v in zip(graph[1:], shape[1:])):
+                continue
+            operation = call.operation
+            raise InputError(
+                f"Cannot check that '{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' "
+                f"computes each row of a batch from that row alone: on the probe's input sizes it returns shape "
+                f"{shape} where the model's graph gives {graph}, so those sizes do not fit it. Expected the input "
+                "sizes the model is trained on: pass them (input_shapes= or sequence_length=; an open size is "
+                "probed as 1)."
+            )
 
     def _check_regularizer(self, call: LayerCall, outputs: list[_Value]) -> None:
         """Raises InputError where the layer's activity regularizer is not a sum over rows: the stage applies it

@@ -300,6 +300,42 @@ def test_an_activity_regularizer_over_the_batch_is_refused_with_microbatches(vir
     check_rows(_regularized(keras.regularizers.L1L2(0.01, 0.02)), 4)  # Keras' own sum over rows
 
 
+def test_an_open_image_size_too_small_for_a_convolution_says_to_pass_the_sizes() -> None:
+    """An open size is probed as 1: TensorFlow's oneDNN convolution took a 1 x 1 image, returned other channels
+    of uninitialised memory, and the probe called the model random (found by a sweep of keras.applications with
+    input_shape=(None, None, 3), stop 36)."""
+    inputs = keras.Input((None, None, 3))
+    x = keras.layers.Conv2D(4, 3, strides=2, use_bias=False, name="conv")(inputs)
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D()(x), name="open")
+    # oneDNN's returns a (4, 1, 1, 3) tensor; a build that checks the size fails the call: one message either way
+    expected = r"^Cannot check that 'conv' \(Conv2D\) of model 'open' .*(returns shape \(4, 1, 1, 3\)|fails on 4 rows)"
+    with pytest.raises(InputError, match=expected):
+        check_rows(model, 4)
+    check_rows(model, 4, input_shapes=[(16, 16, 3)])
+
+
+class _TwoStreams(keras.layers.Layer):
+    """Returns (x, None), as keras-hub's XLNetEncoder does."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x), None
+
+    def compute_output_shape(self, shape):
+        return [(*shape[:-1], 4), (*shape[:-1], 4)]
+
+
+def test_an_output_a_layer_leaves_out_is_no_value_to_check() -> None:
+    inputs = keras.Input((3,))
+    x, _ = _TwoStreams(name="streams")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    for num_microbatches in (1, 4):
+        check_rows(model, num_microbatches)  # crashed on None's shape
+
+
 class _TiedHead(keras.layers.Layer):
     """Logits from another layer's embedding table (a weight tied between two layers)."""
 
