@@ -201,15 +201,19 @@ class Executor:
                 penalties.append(penalty)
         return tf.add_n(penalties) if penalties else None
 
-    def mean_over_replicas(self, value: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
-        """A replica's mean ``value`` over its ``count`` rows (or valid steps) -> the mean over every
-        replica's, on the last stage's device (the value itself with one replica): evaluation's loss."""
+    def mean_over_replicas(self, value: tf.Tensor, count: tf.Tensor, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """A replica's mean ``value`` over its ``count`` rows (or valid steps) and its batch's ``rows`` -> the mean
+        over every replica's and the global batch's rows, on the last stage's device (the two as given with one
+        replica): evaluation's loss, and what Keras' loss tracker weights it by (each worker's own rows weighted
+        an epoch's steps differently on each worker, found by probing, stop 36)."""
         if not self.collectives:
-            return value
+            return value, rows
         with tf.device(self.stages[-1].device):
             n = tf.cast(count, tf.float32)
-            total, rows = self.collectives[-1].sum([tf.cast(value, tf.float32) * n, n], "evaluate")
-            return tf.cast(total / rows, value.dtype)
+            total, valid, summed = self.collectives[-1].sum(
+                [tf.cast(value, tf.float32) * n, n, tf.cast(rows, tf.float32)], "evaluate"
+            )
+            return tf.cast(total / valid, value.dtype), summed
 
     def with_options(self, **changes: Any) -> Executor:
         """The same stages run with other options (new stage functions, traced afresh)."""
@@ -349,7 +353,8 @@ class Executor:
             (the batch's loss, the collected model outputs (one collector per output, and the mask's),
             which ``model_outputs`` makes the batch's and ``microbatch_outputs`` one micro-batch's, the
             gradients of every stage's trainable variables, stage after stage, each summed over the
-            micro-batches on its stage's device).
+            micro-batches on its stage's device, and the rows of the batch the loss is over: with replicas the
+            global batch's, which Keras' loss tracker weights the step's loss by).
         """
         return TrainStep(self, inputs, y, sample_weight, loss_fn, scale_loss, sparse_rows_summable).run()
 

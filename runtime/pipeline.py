@@ -258,7 +258,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         Example:
             >>> loss, grads = wrapped.loss_and_gradients(x, y)                        # doctest: +SKIP
         """
-        loss, _, gradients = self._state.executor.train(
+        loss, _, gradients, _ = self._state.executor.train(
             self._flat_inputs(x), y, sample_weight, self._micro_loss, _unscaled
         )
         return loss, [None if g is None else tf.convert_to_tensor(g) for g in gradients]  # sparse rows summed
@@ -358,12 +358,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         if problem is not None:
             raise InputError(problem)
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
-            loss, collected, gradients = executor.train(inputs, y, sample_weight, self._micro_loss, scale, summable)
+            loss, collected, gradients, rows = executor.train(
+                inputs, y, sample_weight, self._micro_loss, scale, summable
+            )
         if gradients:
             self.optimizer.apply(gradients, executor.trainable_variables)
         batch = tf.shape(inputs[0])[0]
         with tf.device(self._state.stages[-1]):
-            loss_tracker(self).update_state(loss, sample_weight=batch)
+            loss_tracker(self).update_state(loss, sample_weight=rows)  # the global batch's rows with replicas
             # without compiled metrics nothing reads the outputs here (the stack below is pruned)
             by_microbatch = (
                 self._by_microbatch(y, collected, batch, sample_weight) if compile_metrics(self) is not None else None
@@ -481,14 +483,14 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             # the loss is a mean over rows, or over valid steps where the outputs carry a mask (one mask)
             masks = [] if y_pred is None else map(get_keras_mask, keras.tree.flatten(y_pred))
             mask = next((m for m in masks if m is not None), None)
-            loss = executor.mean_over_replicas(
-                loss, batch if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32))
+            loss, rows = executor.mean_over_replicas(
+                loss, batch if mask is None else tf.reduce_sum(tf.cast(mask, tf.float32)), batch
             )
         penalty = executor.weight_penalties()  # as Keras' compute_loss adds them (the same on every replica)
         with tf.device(self._state.stages[-1]):
             if penalty is not None:
                 loss = loss + tf.cast(penalty, loss.dtype)
-            loss_tracker(self).update_state(loss, sample_weight=batch)
+            loss_tracker(self).update_state(loss, sample_weight=rows)  # the global batch's rows with replicas
             if y_pred is None:  # the metrics were updated micro-batch by micro-batch
                 return self.get_metrics_result()
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

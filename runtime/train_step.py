@@ -95,7 +95,7 @@ class TrainStep:
         self.model_inputs = {id(t) for t in executor.model.inputs}
         self.layer_losses: list[bool] = []  # per traced iteration: whether any stage returned a layer loss
 
-    def run(self) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
+    def run(self) -> tuple[tf.Tensor, Any, list[tf.Tensor], tf.Tensor]:
         # two iterations at least: a stage's sums of micro-batch m's gradients run beside the forward of
         # micro-batch m + 1 (the tokens keep the activations' bounds; the backward of m + 1 may make its gradients
         # before m's are added, as with GPipe's wider windows: docs/cost-model.md, "the gradient sums"). One
@@ -323,7 +323,7 @@ class TrainStep:
             totals[i] = new[i]
         return totals, rows
 
-    def finish(self, carry: dict[str, Any]) -> tuple[tf.Tensor, Any, list[tf.Tensor]]:
+    def finish(self, carry: dict[str, Any]) -> tuple[tf.Tensor, Any, list[tf.Tensor], tf.Tensor]:
         """After the last micro-batch, per stage on its device: with replicas, the ``R`` action (the
         stage's gradients, batch-norm moments and, on the last stage, the loss summed with the other
         replicas'); then the weights' regularization (once per step, with its gradients) and the deferred
@@ -365,8 +365,9 @@ class TrainStep:
                     parts = [unstacked(c, executor.num_microbatches) for c in collectors]
                 moments.setdefault(id(layer), (layer, []))[1].extend(list(x) for x in zip(*parts))
             statistics.append(list(moments.values()))
+        rows = self.parts.batch_rows  # what Keras' loss tracker weights the step's loss by: the global batch's rows
         if executor.collectives:
-            loss, layer_loss = self._reduce(sums, statistics, loss, layer_loss, count)
+            loss, layer_loss, rows = self._reduce(sums, statistics, loss, layer_loss, count, rows)
         losses = [loss] + ([] if layer_loss is None else [layer_loss])
         gradients = []
         for program, grads, layers in zip(executor.programs, sums, statistics):
@@ -380,15 +381,22 @@ class TrainStep:
                 gradients += grads  # None where nothing reaches the variable: the optimizer skips it, as Keras
         with tf.device(last):
             loss = tf.add_n(losses)
-        return loss, carry["outputs"], gradients
+        return loss, carry["outputs"], gradients, rows
 
     def _reduce(
-        self, sums: list[list[Any]], statistics: list[list[Any]], loss: tf.Tensor, layer_loss: Any, count: tf.Tensor
-    ) -> tuple[tf.Tensor, Any]:
+        self,
+        sums: list[list[Any]],
+        statistics: list[list[Any]],
+        loss: tf.Tensor,
+        layer_loss: Any,
+        count: tf.Tensor,
+        rows: tf.Tensor,
+    ) -> tuple[tf.Tensor, Any, tf.Tensor]:
         """The ``R`` action of every stage, in place: each replica's local means (gradients, loss, layer
         losses) times its ``count``, and its batch-norm moments as sums, summed over the replicas in one
         collective per stage; divided by the summed count they are the means over the global batch,
-        exact for uneven shards. Returns the global (loss, layer loss)."""
+        exact for uneven shards. Returns the global (loss, layer loss, rows): the last stage sums the replicas'
+        ``rows`` too."""
         executor = self.executor
         last = len(executor.stages) - 1
         for s, (group, grads, moments) in enumerate(zip(executor.collectives, sums, statistics)):
@@ -400,9 +408,12 @@ class TrainStep:
                     mean, variance, total = combine(stats)
                     tensors += [total * mean, total * (variance + tf.square(mean)), total]
                 tail = [loss, *([] if layer_loss is None else [layer_loss])] if s == last else []
-                tensors += [tf.cast(t, tf.float32) * n for t in tail] + [n]
+                tensors += [tf.cast(t, tf.float32) * n for t in tail]
+                tensors += ([tf.cast(rows, tf.float32)] if s == last else []) + [n]
                 summed = group.sum(tensors)
                 n = summed.pop()
+                if s == last:
+                    rows = summed.pop()
                 for i, g in zip(present, summed):
                     grads[i] = g / tf.cast(n, g.dtype)
                 done = len(present)
@@ -413,7 +424,7 @@ class TrainStep:
                 if s == last:
                     reduced = [t / n for t in summed[done + 3 * len(moments) :]]
                     loss, layer_loss = reduced[0], (reduced[1] if layer_loss is not None else None)
-        return loss, layer_loss
+        return loss, layer_loss, rows
 
 
 @dataclass

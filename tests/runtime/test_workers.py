@@ -47,14 +47,17 @@ def _assert_workers_match(out: Path, expected: list, losses: list, evaluated: fl
     workers = [np.load(out / f"worker-{rank}.npz") for rank in range(2)]
     for saved in workers:
         weights = [saved[f"arr_{i}"] for i in range(len(expected))]
-        assert len(saved.files) == len(expected) + 2
+        assert len(saved.files) == len(expected) + 3
         for actual, value in zip(weights, expected, strict=True):
             np.testing.assert_allclose(actual, value, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(saved["losses"], losses, rtol=1e-5)
         if evaluated is not None:
             np.testing.assert_allclose(saved["evaluated"], evaluated, rtol=1e-5)
+            # two steps of 8 and 7 global rows, weighted by them: the mean over the 15 rows (each worker weighted
+            # the steps by its own rows, 4 + 4 and 4 + 3, before: found by probing, stop 36)
+            np.testing.assert_allclose(saved["evaluated_steps"], evaluated, rtol=1e-5)
     for key in workers[0].files:
-        if key not in ("losses", "evaluated"):
+        if key not in ("losses", "evaluated", "evaluated_steps"):
             np.testing.assert_array_equal(workers[0][key], workers[1][key])
 
 
