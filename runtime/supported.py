@@ -305,7 +305,8 @@ class _Probe:
                 outputs.append(_Value(value, halves, get_keras_mask(value), self._judge(call, value, halves)))
         except InputError:
             again = self._call(call, batch())  # the same rows again: random draws, not mixed rows?
-            if any(_difference(a, _numpy(b)) is not None for a, b in zip(whole, again, strict=True)):
+            pairs = [(a, b) for a, b in zip(whole, again, strict=True) if a is not None and b is not None]
+            if any(_difference(a, _numpy(b)) is not None for a, b in pairs):
                 self._draws(call)
             raise
         if not self.mixing_allowed and self.contrast is None:
