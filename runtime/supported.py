@@ -130,6 +130,7 @@ def check_rows(
     model: Any,
     num_microbatches: int | str,
     *,
+    num_replicas: int = 1,
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
 ) -> None:
@@ -137,8 +138,10 @@ def check_rows(
 
     Args:
         model: a built Functional or Sequential keras.Model.
-        num_microbatches: M, or "auto" (checked as M > 1); with M = 1 only changes of the row count
-            are refused.
+        num_microbatches: M, or "auto" (checked as M > 1); with M = 1 on one replica only changes of the
+            row count are refused.
+        num_replicas: D, the workers each training on its shard of the global batch: with D > 1 a shard is
+            a part of the batch as a micro-batch is, and M = 1 is checked as M > 1.
         input_shapes, sequence_length: sizes for the model's unknown non-batch dimensions, as for
             ``plan_and_wrap``; without them every unknown dimension is 1.
 
@@ -157,7 +160,7 @@ def check_rows(
         sequence_length = 1
     shapes = resolve_input_shapes(functional, input_shapes, sequence_length)
     with variables_kept(functional.non_trainable_variables):  # a layer run as in training moves them
-        probe = _Probe(model.name, num_microbatches)
+        probe = _Probe(model.name, num_microbatches, num_replicas=num_replicas)
         for call in calls:
             probe.run(call, shapes)
         for tensor in functional.outputs:
@@ -165,7 +168,7 @@ def check_rows(
         if probe.mixing_allowed:
             return
         for sign in _CONTRASTS:  # halves apart in sign and scale: a branch or a clip on a batch-wide statistic
-            contrasting = _Probe(model.name, num_microbatches, contrast=sign)
+            contrasting = _Probe(model.name, num_microbatches, contrast=sign, num_replicas=num_replicas)
             for call in calls:
                 contrasting.run(call, shapes)
 
@@ -265,10 +268,17 @@ class _Value(NamedTuple):
 class _Probe:
     """Runs the calls of a flattened graph on the probe batch and on its halves, checking each output."""
 
-    def __init__(self, model_name: str, num_microbatches: int | str, contrast: float | None = None) -> None:
+    def __init__(
+        self, model_name: str, num_microbatches: int | str, contrast: float | None = None, num_replicas: int = 1
+    ) -> None:
         self.model_name = model_name
         self.num_microbatches = num_microbatches
-        self.mixing_allowed = num_microbatches == 1  # the one micro-batch is the batch
+        self.mixing_allowed = num_microbatches == 1 and num_replicas == 1  # the one micro-batch is the batch
+        # how the batch is split, for the messages: micro-batches, of each worker's shard with replicas
+        workers = f" on each of {num_replicas} workers" if num_replicas > 1 else ""
+        self.split = f"num_microbatches={num_microbatches!r}{workers}"
+        self.part = "micro-batch" if num_replicas == 1 else "worker's micro-batch"
+        self.alone = "num_microbatches=1" if num_replicas == 1 else "num_microbatches=1 on one worker"
         self.contrast = contrast  # None: standard normal floats; else a contrasting batch (_CONTRASTS), rows only
         self.rng = np.random.default_rng(0)
         self.produced: list[list[_Value]] = []  # per call, per output
@@ -355,21 +365,19 @@ class _Probe:
                 raise InputError(
                     f"The activity regularizer of '{operation.name}' ({type(operation).__name__}) of model "
                     f"'{self.model_name}' is not a sum over the batch's rows: on a probe batch it gives "
-                    f"{float(whole):.6g} and the sum over its halves {float(parts):.6g}. With num_microbatches="
-                    f"{self.num_microbatches!r} each micro-batch applies it to its own rows and the parts are added, "
-                    "so the loss would differ from the original's. Expected a regularizer that sums over rows "
-                    "(keras.regularizers.L1, L2, L1L2), or num_microbatches=1; a penalty on a batch-wide value "
-                    "(a mean activation) belongs in the loss."
+                    f"{float(whole):.6g} and the sum over its halves {float(parts):.6g}. With {self.split} each "
+                    f"{self.part} applies it to its own rows and the parts are added, so the loss would differ from "
+                    "the original's. Expected a regularizer that sums over rows (keras.regularizers.L1, L2, L1L2), "
+                    f"or {self.alone}; a penalty on a batch-wide value (a mean activation) belongs in the loss."
                 )
 
     def _draws(self, call: LayerCall) -> None:
         operation = call.operation
         raise InputError(
             f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' draws random values when "
-            "it is not training (two runs on the same rows gave other values), so with num_microbatches="
-            f"{self.num_microbatches!r} each micro-batch would draw its own and the outputs could not be the "
-            "original's. Expected random draws only in training, in Keras' random layers (Dropout, GaussianNoise, "
-            "with a seed), or num_microbatches=1."
+            f"it is not training (two runs on the same rows gave other values), so with {self.split} each "
+            f"{self.part} would draw its own and the outputs could not be the original's. Expected random draws "
+            f"only in training, in Keras' random layers (Dropout, GaussianNoise, with a seed), or {self.alone}."
         )
 
     def _check_training_rows(
@@ -429,11 +437,10 @@ class _Probe:
             if not np.array_equal(np.asarray(variable.numpy()), value):
                 raise InputError(
                     f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' changes its "
-                    f"non-trainable variable '{variable.path}' when it runs in a training step: with "
-                    f"num_microbatches={self.num_microbatches} every micro-batch's forward changes it, M times a "
-                    "step where Keras changes it once from the whole batch, so it would end elsewhere. Expected "
-                    "variables a step does not move (BatchNormalization's statistics the runtime handles), or "
-                    "num_microbatches=1."
+                    f"non-trainable variable '{variable.path}' when it runs in a training step: with {self.split} "
+                    f"every {self.part}'s forward changes it from its own rows, where Keras changes it once a step "
+                    "from the whole batch, so it would end elsewhere. Expected variables a step does not move "
+                    f"(BatchNormalization's statistics the runtime handles), or {self.alone}."
                 )
 
     def check_output(self, calls: list[LayerCall], source: Any) -> None:
@@ -512,9 +519,9 @@ class _Probe:
             )
         raise InputError(
             f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' mixes the rows of a "
-            f"batch: {what}, so with num_microbatches={self.num_microbatches!r} it would compute something else "
+            f"batch: {what}, so with {self.split} it would compute something else "
             "than the original on the whole batch. Expected each row to depend on its own row alone (batch "
-            "normalization aside): use num_microbatches=1, or move the batch-wide computation into the loss or the "
+            f"normalization aside): use {self.alone}, or move the batch-wide computation into the loss or the "
             "data pipeline."
         )
 

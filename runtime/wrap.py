@@ -144,7 +144,9 @@ def plan_and_wrap(
     candidate_schedules(schedule)  # bad options fail before profiling
     num_replicas = _num_replicas(replicas)
     check_steps(model)
-    check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
+    check_rows(
+        model, num_microbatches, num_replicas=num_replicas, input_shapes=input_shapes, sequence_length=sequence_length
+    )
     fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
     ExecutionOptions(
         fixed_microbatches,
@@ -289,7 +291,13 @@ def wrap(
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
     require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
-    check_rows(model, num_microbatches, input_shapes=input_shapes, sequence_length=sequence_length)
+    check_rows(
+        model,
+        num_microbatches,
+        num_replicas=options.num_replicas,
+        input_shapes=input_shapes,
+        sequence_length=sequence_length,
+    )
     if validate or not _same_names(model, plan):
         from profiles import profile_model
 

@@ -177,6 +177,15 @@ def test_op_mixing_rows_is_refused_with_microbatches(name: str, virtual_devices)
         np.testing.assert_array_equal(a, b)
 
 
+def test_op_mixing_rows_is_refused_with_workers_at_one_microbatch() -> None:
+    """With workers each trains on its shard of the global batch: a shard is a part of the batch as a micro-batch
+    is, so M = 1 on 2 workers is checked as M > 1 (before, only M was: mixing rows trained each worker's shard)."""
+    model = _mixing_model("mean_over_rows_kept")
+    with pytest.raises(InputError, match=r"mixes the rows of a batch: .* with num_microbatches=1 on each of 2 workers"):
+        check_rows(model, 1, num_replicas=2)
+    check_rows(model, 1)
+
+
 @pytest.mark.parametrize("name", [n for n, (_, _, exact) in MIXING.items() if exact is False])
 def test_op_changing_the_row_count_is_refused_at_one_microbatch(name: str, virtual_devices) -> None:
     """At M = 1 too: the runtime returns and scores the batch's rows (8 of the original's 16 before)."""
