@@ -158,6 +158,21 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """The plan the model was built from."""
         return self._state.plan
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not pipelined (a keras-hub task's ``generate`` runs its cache loop on the whole model): raises, saying to
+        generate with ``unwrap()``, the original's class with the trained weights."""
+        original = self._state.original
+        has = callable(getattr(original, "generate", None))
+        raise InputError(
+            "PipelinedModel.generate: generation is not pipelined. "
+            + (
+                f"Train wrapped, then generate with the original's class and the trained weights: "
+                f"wrapped.unwrap().generate(...) (a {type(original).__name__})."
+                if has
+                else f"The wrapped model ({type(original).__name__}) has no generate() either."
+            )
+        )
+
     def reprice(self, plan: Plan) -> None:
         """Takes ``plan`` as this model's plan: the same placement, other prices (``plan_and_wrap`` with workers
         puts each stage's all-reduce it timed in the predicted step).

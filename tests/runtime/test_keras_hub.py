@@ -193,6 +193,16 @@ def test_compile_of_a_wrapped_keras_hub_task_takes_the_tasks_defaults(virtual_de
     assert wrapped.get_compile_config()["loss"] == reference.get_compile_config()["loss"]
 
 
+def test_generate_on_the_wrapped_model_says_to_unwrap(virtual_devices) -> None:
+    """It was a bare AttributeError (found by probing, stop 36); generation runs on ``unwrap()``."""
+    model, _, _ = gpt2_causal_lm()
+    wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, sequence_length=LENGTH)
+    with pytest.raises(
+        InputError, match=r"generation is not pipelined.*wrapped\.unwrap\(\)\.generate\(\.\.\.\) \(a GPT2CausalLM\)"
+    ):
+        wrapped.generate({"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4), bool)})
+
+
 def test_keras_hub_masked_lm_with_a_tied_head_is_refused(virtual_devices) -> None:
     """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer
     called twice): rebuilt from its config the head had a copy of its own, and the wrapped model trained the table
