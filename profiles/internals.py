@@ -215,6 +215,26 @@ def flatten_layers(operation: Any, include_self: bool = True, recursive: bool = 
     return list(operation._flatten_layers(include_self=include_self, recursive=recursive))
 
 
+def replace_sublayer(layer: Any, attribute: str, sublayer: Any) -> None:
+    """Sets ``layer.<attribute>`` (a layer it tracks) to ``sublayer``, in the place the old one held among
+    ``layer``'s tracked layers, so its weights keep their order in ``layer.weights``; the old one is no longer
+    tracked. Before ``layer`` is built, or where its build reads no more than the sublayer's config (Keras'
+    wrappers, keras-hub's ``MaskedLMHead`` and ``TokenAndPositionEmbedding`` call the layer they hold at call
+    time).
+
+    Reaches ``Layer._tracker`` and ``Layer._layers``: Keras tracks a layer set as an attribute by appending it,
+    and does not untrack the one it replaces. Checked on 3.15.
+    """
+    old = getattr(layer, attribute)
+    tracked = layer._layers
+    position = next(i for i, held in enumerate(tracked) if held is old)
+    ids = layer._tracker.stored_ids["layers"]
+    ids.discard(id(old))
+    ids.add(id(sublayer))
+    tracked[position] = sublayer
+    object.__setattr__(layer, attribute, sublayer)
+
+
 def takes_training(operation: Any) -> bool:
     """True iff calling ``operation`` takes ``training=`` (Keras passes it on to it from the outer call).
 

@@ -2,8 +2,8 @@
 
 The profiler and the runtime both walk models with this module, so a plan's node names always
 match the layer calls the runtime rebuilds: "layer" for a layer's first call, "layer:1", ... for
-later calls (sharing ``colocation_group="layer"``), and "outer/layer" where flattening nested models
-makes names collide.
+later calls (sharing ``colocation_group="layer"``, as does a layer that holds another's weights,
+``tied_layers``), and "outer/layer" where flattening nested models makes names collide.
 """
 
 from __future__ import annotations
@@ -162,12 +162,13 @@ def _name_calls(calls: list[LayerCall]) -> None:
     for key, call in first.items():
         name = call.operation.name
         base[key] = "/".join((*call.path, name)) if owners[name] > 1 and call.path else name
-    num_calls = Counter(id(call.operation) for call in calls)
+    group = _weight_groups(calls)
+    num_calls = Counter(group[id(call.operation)] for call in calls)
     seen: Counter[int] = Counter()
     for call in calls:
         key = id(call.operation)
         call.name = base[key] if seen[key] == 0 else f"{base[key]}:{seen[key]}"
-        call.colocation_group = base[key] if num_calls[key] > 1 else None
+        call.colocation_group = base[group[key]] if num_calls[group[key]] > 1 else None
         seen[key] += 1
     names = Counter(call.name for call in calls)
     duplicates = sorted(name for name, count in names.items() if count > 1)
@@ -176,6 +177,38 @@ def _name_calls(calls: list[LayerCall]) -> None:
             f"Layers of the flattened model share the names {duplicates}, even after prefixing nested "
             "model names. Expected unique names; give layers and nested models distinct name= arguments."
         )
+
+
+def tied_layers(operation: Any, operations: dict[int, Any]) -> dict[str, Any]:
+    """{attribute: layer} for the layers with weights of ``operations`` (id -> operation of the flat graph) that
+    ``operation`` holds as attributes of its own: a weight tied between two layers of the graph (keras-hub's
+    ``MaskedLMHead`` holds its backbone's token embedding as ``token_embedding`` and calls it for its logits)."""
+    held = getattr(operation, "__dict__", {})
+    return {
+        attribute: value
+        for attribute, value in held.items()
+        if value is not operation and id(value) in operations and getattr(value, "weights", None)
+    }
+
+
+def _weight_groups(calls: list[LayerCall]) -> dict[int, int]:
+    """id(operation) -> id of the first operation (in call order) of the group it shares weights with: itself,
+    or the layer it holds or that holds it (``tied_layers``), transitively."""
+    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
+    group = {id(call.operation): id(call.operation) for call in calls}
+    order = {key: position for position, key in enumerate(dict.fromkeys(id(call.operation) for call in calls))}
+
+    def root(key: int) -> int:
+        while group[key] != key:
+            key = group[key]
+        return key
+
+    for key, operation in operations.items():
+        for layer in tied_layers(operation, operations).values():
+            one, other = root(key), root(id(layer))
+            first, last = sorted((one, other), key=order.__getitem__)
+            group[last] = first
+    return {key: root(key) for key in group}
 
 
 def flatten_calls(model: Any) -> tuple[list[LayerCall], dict[int, Source]]:

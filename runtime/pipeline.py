@@ -37,12 +37,14 @@ from profiles.internals import (
     keras_compile_arguments,
     loss_tracker,
     output_structure,
+    replace_sublayer,
     run_through_graph,
     set_initial_epoch,
     set_keras_mask,
     standardize_inputs,
     takes_training,
 )
+from profiles.walk import tied_layers
 from runtime.devices import canonical
 from runtime.executor import ExecutionOptions, Executor
 from runtime.losses import (
@@ -616,16 +618,30 @@ def _copy_architecture(model: Any) -> Any:
     Functional or Sequential model, and a class that cannot be made from its config (a subclass
     without ``get_config``, which Keras' own ``save`` refuses too), is cloned with
     ``keras.models.clone_model``: a functional model of the same layers, each copied by
-    ``clone_operation`` (a Lambda keeps the user's function), nested models likewise.
+    ``clone_operation`` (a Lambda keeps the user's function), nested models likewise; a layer that
+    holds a layer copied before it (a tied weight, ``profiles.walk.tied_layers``) holds that copy.
     """
     plain_classes = (keras.Model, functional_class(), keras.Sequential)
+    originals: dict[int, Any] = {}  # id(layer copied so far) -> the layer
+    copies: dict[int, Any] = {}  # id(layer copied so far) -> its copy
 
     def clone_model(model: Any) -> Any:
         with _uncompiled(model):
             return keras.models.clone_model(model, clone_function=clone)
 
     def clone(layer: Any) -> Any:
-        return clone_model(layer) if type(layer) in plain_classes else clone_operation(layer, layer.name)
+        if type(layer) in plain_classes:
+            return clone_model(layer)
+        copy = clone_operation(layer, layer.name)
+        originals[id(layer)], copies[id(layer)] = layer, copy
+        return copy
+
+    def tied(copy: Any) -> Any:
+        """``copy`` with each layer that holds another copied layer holding that one's copy (a tied weight)."""
+        for key, layer in originals.items():
+            for attribute, held in tied_layers(layer, originals).items():
+                replace_sublayer(copies[key], attribute, copies[id(held)])
+        return copy
 
     with user_code(model):  # the user's own model, in memory: their functions, not an untrusted file's
         if type(model) not in plain_classes:
@@ -633,7 +649,7 @@ def _copy_architecture(model: Any) -> Any:
                 return type(model).from_config(model.get_config())
             except (TypeError, ValueError, KeyError, NotImplementedError):
                 pass
-        return clone_model(model)
+        return tied(clone_model(model))
 
 
 @contextmanager

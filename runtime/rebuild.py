@@ -5,7 +5,9 @@ the plan's. Every leaf operation (layer or Keras op such as ``x * 2.0``) is clon
 and called on the symbolic inputs, both under ``tf.device(device)`` (which creates its variables
 there), and given the original's weights; the layers of a keras-hub backbone whose blocks do not
 rebuild from their own config are taken from the backbone rebuilt whole (``runtime.backbones``).
-Nested models are flattened; a shared layer is cloned once and called at every call site. Masks need
+Nested models are flattened; a shared layer is cloned once and called at every call site, and a layer
+that holds another layer of the graph as an attribute (a tied weight: keras-hub's ``MaskedLMHead`` holds
+the token embedding) holds that layer's clone (the plan keeps the two on one device). Masks need
 no special care: Keras records a mask a layer reads as an argument of its call, computed by an op
 node (``NotEqual`` for ``Embedding(mask_zero=True)``), so it is an ordinary tensor of the flat graph
 and crosses stages like any other. A masked model output goes through a ``MaskCarrier`` that takes
@@ -33,11 +35,12 @@ from profiles.internals import (
     keras_mask,
     lambda_output_shape,
     output_structure,
+    replace_sublayer,
     seed_generators,
     set_keras_mask,
     unsafe_deserialization,
 )
-from profiles.walk import LayerCall, flatten_calls, functional_graph
+from profiles.walk import LayerCall, flatten_calls, functional_graph, tied_layers
 from runtime.backbones import backbone_layers
 
 
@@ -93,8 +96,11 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     check_plan_matches([c.name for c in calls], assignment)
     names = _clone_names(calls)
     first_device: dict[int, str] = {}  # id(operation) -> the device of its first call, where its clone lives
+    first_node: dict[int, str] = {}  # id(operation) -> the plan's name of its first call
     for call in calls:
         first_device.setdefault(id(call.operation), assignment[call.name])
+        first_node.setdefault(id(call.operation), call.name)
+    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
     taken = backbone_layers(model, first_device)  # layers of keras-hub backbones rebuilt whole, already placed
 
     produced: list[list[Any]] = []  # per call: its new symbolic outputs, flattened
@@ -103,6 +109,29 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     node_of: dict[int, str] = {}
     origin: list[tuple[Any, Any]] = []
     masks = _Masks(device_of, set(names.values()))
+
+    def clone_of(operation: Any) -> Any:
+        """The clone of ``operation``, made on the device of its first call the first time it is asked for;
+        a layer it holds that is an operation of the graph too (a tied weight) is that operation's clone."""
+        key = id(operation)
+        clone = clones.get(key)
+        if clone is not None:
+            return clone
+        device = first_device[key]
+        clone = taken.get(key)
+        if clone is None:
+            with tf.device(device):
+                clone = clone_operation(operation, names[key])
+        else:
+            clone.name = names[key]  # the same name unless flattening made two names meet
+        clones[key] = clone
+        device_of[id(clone)] = device
+        node_of[id(clone)] = first_node[key]
+        for attribute, layer in tied_layers(operation, operations).items():
+            replace_sublayer(clone, attribute, clone_of(layer))
+        if getattr(operation, "weights", None) or seed_states(operation) or _keeps_state(operation):
+            origin.append((operation, clone))
+        return clone
 
     for call in calls:
         device = assignment[call.name]
@@ -119,20 +148,7 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             for t, s in zip(node.input_tensors, call.sources, strict=True)
         }
         args, kwargs = node.arguments.fill_in(values)
-        operation = call.operation
-        clone = clones.get(id(operation))
-        if clone is None:
-            clone = taken.get(id(operation))
-            if clone is None:
-                with tf.device(device):
-                    clone = clone_operation(operation, names[id(operation)])
-            else:
-                clone.name = names[id(operation)]  # the same name unless flattening made two names meet
-            clones[id(operation)] = clone
-            device_of[id(clone)] = device
-            node_of[id(clone)] = call.name
-            if getattr(operation, "weights", None) or seed_states(operation) or _keeps_state(operation):
-                origin.append((operation, clone))
+        clone = clone_of(call.operation)
         with tf.device(device):
             outputs = clone(*args, **kwargs)
         produced.append(keras.tree.flatten(outputs))
@@ -275,7 +291,7 @@ def _clone_names(calls: list[LayerCall]) -> dict[int, str]:
     first: dict[int, LayerCall] = {}
     for call in calls:
         first.setdefault(id(call.operation), call)
-    base = {key: call.colocation_group or call.name for key, call in first.items()}
+    base = {key: call.name for key, call in first.items()}  # a first call is named as its layer (or "outer/layer")
     taken = {call.operation.name for key, call in first.items() if base[key] == call.operation.name}
     names: dict[int, str] = {}
     for key, call in first.items():

@@ -87,7 +87,7 @@ from profiles.internals import (
 from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.timing import variables_kept
-from profiles.walk import LayerCall, flatten_calls, functional_graph
+from profiles.walk import LayerCall, flatten_calls, functional_graph, tied_layers
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
 PROBE_ROWS = 4  # the probe batch; each op is run again on its first and its last half
@@ -210,27 +210,31 @@ def _check_stateless(model: Any) -> None:
 
 
 def _check_untied(model: Any, calls: list[LayerCall]) -> None:
-    """Raises InputError where two layers of the flat graph hold one variable (a weight tied between layers:
-    keras-hub's ``MaskedLMHead`` holds its backbone's token embedding). The runtime rebuilds each layer from its
-    config on its device, which gives the second a copy of its own: the two would train apart (found by
-    probing, stop 36: ``BertMaskedLM``'s token embedding updated by 0.69 of the original's, at any M, on one
-    device too). A layer called twice (GPT2CausalLM's token embedding, for its logits) is one layer: it is
-    cloned once and kept on one device."""
+    """Raises InputError where two layers of the flat graph hold one variable other than as ``tied_layers``
+    (one layer holding the other as an attribute, which the rebuild keeps tied: keras-hub's ``MaskedLMHead``
+    holds its backbone's token embedding). The runtime rebuilds each layer from its config on its device,
+    which gives the second a copy of its own: the two would train apart (found by probing, stop 36:
+    ``BertMaskedLM``'s token embedding updated by 0.69 of the original's, at any M, on one device too). A layer
+    called twice (GPT2CausalLM's token embedding, for its logits) is one layer: it is cloned once."""
+    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
     owners: dict[int, Any] = {}
-    for call in calls:
-        operation = call.operation
+    for operation in operations.values():
         if not isinstance(operation, keras.layers.Layer):
             continue
+        held = {id(v) for layer in tied_layers(operation, operations).values() for v in layer.weights}
         for variable in operation.weights:
+            if id(variable) in held:
+                continue
             owner = owners.setdefault(id(variable), operation)
             if owner is not operation:
                 raise InputError(
                     f"'{operation.name}' ({type(operation).__name__}) of model '{model.name}' holds the variable "
                     f"'{variable.path}' of '{owner.name}' ({type(owner).__name__}): a weight tied between two "
-                    "layers. The pipeline rebuilds each layer from its config on its planned device, which would "
-                    f"give '{operation.name}' a copy of its own, trained apart from the original's. Expected each "
-                    "variable in one layer of the model's graph (a layer called twice, as GPT2CausalLM's token "
-                    "embedding, stays one layer); untie the weights, or train this model without the pipeline."
+                    "layers in a way the pipeline cannot keep. It rebuilds each layer from its config on its planned "
+                    f"device, which would give '{operation.name}' a copy of its own, trained apart from the "
+                    "original's. Expected each variable in one layer of the model's graph, or one layer holding "
+                    "the other as an attribute of its own (as keras-hub's MaskedLMHead holds the token "
+                    "embedding); untie the weights, or train this model without the pipeline."
                 )
 
 

@@ -120,6 +120,44 @@ def shared_layer() -> Entry:
     return keras.Model(inputs, outputs, name="shared_layer"), _images((12,), 3), SCCE
 
 
+@keras.saving.register_keras_serializable(package="zoo")
+class TiedHead(keras.layers.Layer):
+    """Scores over the vocabulary from the token embedding's own table (a weight tied between two layers, as
+    keras-hub's MaskedLMHead holds its backbone's token embedding): holds the embedding layer itself."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x: Any) -> Any:
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "embedding": keras.layers.serialize(self.embedding)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TiedHead:
+        return cls(keras.layers.deserialize(config.pop("embedding")), **config)
+
+
+def tied_head() -> Entry:
+    """Token ids -> embedding -> mean -> Dense -> scores from the embedding's table (``TiedHead``) -> Dense
+    layers: the embedding and the head are one colocation group, the Dense layers after them can go apart."""
+    tokens = keras.Input((5,), dtype="int32", name="tokens")
+    embedding = keras.layers.Embedding(12, 8, embeddings_initializer="normal", name="embed")
+    x = keras.layers.Dense(8, activation="tanh", name="first")(keras.ops.mean(embedding(tokens), axis=1))
+    x = TiedHead(embedding, name="tied")(x)
+    for number in range(3):
+        x = keras.layers.Dense(16, activation="relu", name=f"wide_{number}")(x)
+    outputs = keras.layers.Dense(3, name="scores")(x)
+
+    def make(batch_size: int, seed: int) -> Batch:
+        rng = np.random.default_rng(seed)
+        return rng.integers(0, 12, (batch_size, 5)), rng.integers(0, 3, batch_size)
+
+    return keras.Model(tokens, outputs, name="tied_head"), make, SCCE
+
+
 def nested_sequential() -> Entry:
     """A Sequential model used as a layer inside a functional model: flattened into its layers."""
     inner = keras.Sequential(
@@ -178,6 +216,7 @@ ZOO: dict[str, Callable[[], Entry]] = {
     "nested_sequential": nested_sequential,
     "mobilenet_v2": mobilenet_v2,
     "tagger": tagger,
+    "tied_head": tied_head,
 }
 
 

@@ -177,6 +177,20 @@ def test_profile_model_shared_layer_gives_colocated_nodes():
     assert list(graph.edges) == [("x", "shared"), ("shared", "shared:1")]
 
 
+def test_profile_model_layer_holding_another_gives_colocated_nodes():
+    """zoo.TiedHead holds the embedding layer (a weight tied between two layers): one colocation group, named as
+    the first of them, the shared table counted once (in the embedding's node)."""
+    from zoo import tied_head
+
+    model, _, _ = tied_head()
+    graph = _profile(model)
+    assert graph.nodes["embed"]["colocation_group"] == graph.nodes["tied"]["colocation_group"] == "embed"
+    assert "colocation_group" not in graph.nodes["first"]
+    assert graph.nodes["embed"]["param_bytes"] == 12 * 8 * 4
+    assert graph.nodes["tied"]["param_bytes"] == 0
+    assert _total(graph, "param_bytes") == model.count_params() * 4
+
+
 def test_profile_model_nested_sequential_is_flattened():
     graph = _profile(nested())
     assert list(graph.nodes) == ["x", "pre", "inner_a", "inner_b", "post"]

@@ -48,13 +48,29 @@ def bert_classifier():
     return model, loss, lambda x, rng: rng.integers(0, 3, BATCH)
 
 
-MODELS = {"gpt2_backbone": gpt2_backbone, "gpt2_causal_lm": gpt2_causal_lm, "bert_classifier": bert_classifier}
+def bert_masked_lm():
+    """The MaskedLMHead holds the backbone's token embedding (a weight tied between two layers)."""
+    backbone = keras_hub.models.BertBackbone(**SIZES, max_sequence_length=32, dropout=0.0)
+    model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, loss, lambda x, rng: rng.integers(0, VOCABULARY, x["mask_positions"].shape)
+
+
+MODELS = {
+    "gpt2_backbone": gpt2_backbone,
+    "gpt2_causal_lm": gpt2_causal_lm,
+    "bert_classifier": bert_classifier,
+    "bert_masked_lm": bert_masked_lm,
+}
 # Pins that make the plan use both devices (the models are too small for the planner to want two).
 PINS = {
     "gpt2_backbone": {"token_embedding": 0, "layer_norm": 1},
     "gpt2_causal_lm": {},  # the tied embedding computes the first and the last layer: one stage (see below)
     "bert_classifier": {"token_embedding": 0, "logits": 1},
+    "bert_masked_lm": {},  # likewise: the head holds the token embedding
 }
+# The calls that hold one weight, so one device (and so one stage: they are the first and last layers).
+TIED = {"gpt2_causal_lm": ("token_embedding", "token_embedding:1"), "bert_masked_lm": ("token_embedding", "mlm_head")}
 
 
 def _batch(model, make_targets, length: int, seed: int):
@@ -67,6 +83,8 @@ def _batch(model, make_targets, length: int, seed: int):
     x = {"token_ids": token_ids * mask, "padding_mask": mask}
     if "segment_ids" in [t.name for t in model.inputs]:
         x["segment_ids"] = np.zeros((BATCH, length), "int32")
+    if "mask_positions" in [t.name for t in model.inputs]:
+        x["mask_positions"] = rng.integers(0, length, (BATCH, 3)).astype("int32")
     return x, make_targets(x, rng)
 
 
@@ -90,8 +108,9 @@ def test_keras_hub_model_trains_like_the_original(name: str, virtual_devices, tm
         sequence_length=LENGTH,
     )  # fmt: skip
     plan = wrapped.plan
-    if name == "gpt2_causal_lm":  # logits reuse the token embedding: both calls on one device, so one stage
-        assert plan.assignment["token_embedding"] == plan.assignment["token_embedding:1"]
+    if name in TIED:  # the logits use the token embedding's table: both calls on one device, so one stage
+        first, last = TIED[name]
+        assert plan.assignment[first] == plan.assignment[last]
         assert plan.num_stages == 1
     else:
         assert plan.num_stages == 2
@@ -203,25 +222,26 @@ def test_generate_on_the_wrapped_model_says_to_unwrap(virtual_devices) -> None:
         wrapped.generate({"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4), bool)})
 
 
-def test_keras_hub_masked_lm_with_a_tied_head_is_refused(virtual_devices) -> None:
+def test_keras_hub_masked_lm_trains_its_tied_table_as_the_original(virtual_devices) -> None:
     """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer
     called twice): rebuilt from its config the head had a copy of its own, and the wrapped model trained the table
-    to other numbers at every M, on one device too (probing, stop 36: 0.69 of the original's update)."""
-    backbone = keras_hub.models.BertBackbone(**SIZES, max_sequence_length=32, dropout=0.0)
-    model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
-    before = [w.copy() for w in model.get_weights()]
-    message = (
-        r"^'mlm_head' \(MaskedLMHead\) of model '\w+' holds the variable 'token_embedding/embeddings' of "
-        r"'token_embedding' \(ReversibleEmbedding\): a weight tied between two layers"
+    to other numbers at every M, on one device too (probing, stop 36: 0.69 of the original's update; refused
+    since, until stop 37). Now the head's clone holds the embedding's clone: two Adam steps at M = 2 match."""
+    keras.utils.set_random_seed(0)
+    model, loss, make_targets = bert_masked_lm()
+    reference = _same_class_copy(model)
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB", sequence_length=LENGTH
     )
-    for num_microbatches in (1, 2):
-        with pytest.raises(InputError, match=message):
-            plan_and_wrap(
-                model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches,
-                sequence_length=LENGTH,
-            )  # fmt: skip
-    for after, expected in zip(model.get_weights(), before, strict=True):
-        np.testing.assert_array_equal(after, expected)
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    for seed in (1, 2):
+        x, y = _batch(model, make_targets, LENGTH, seed)
+        assert_close(np.asarray(wrapped.train_on_batch(x, y)), np.asarray(reference.train_on_batch(x, y)))
+    plain = wrapped.unwrap()
+    for expected, actual in zip(reference.weights, plain.weights, strict=True):
+        assert_close(np.asarray(actual), np.asarray(expected))
+    assert plain.get_layer("mlm_head").token_embedding is plain.backbone.token_embedding
 
 
 # keras-hub 0.32 models whose blocks do not rebuild from their own config: rebuilt from the backbone's config

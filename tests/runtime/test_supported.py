@@ -345,23 +345,80 @@ def test_an_output_a_layer_leaves_out_is_no_value_to_check() -> None:
         check_rows(model, num_microbatches)  # crashed on None's shape
 
 
-class _TiedHead(keras.layers.Layer):
-    """Logits from another layer's embedding table (a weight tied between two layers)."""
+def test_a_layer_holding_another_trains_tied_and_unwraps_tied(virtual_devices, tmp_path) -> None:
+    """A layer that holds another layer of the graph (``zoo.TiedHead`` holds the embedding, as keras-hub's
+    MaskedLMHead does) keeps one table: the plan keeps the two on one device, the rebuild gives the head the
+    embedding's clone, and the table trains by both uses, as the original's (before stop 37: refused; before
+    stop 36: a copy of its own, trained apart). ``unwrap()`` and ``save`` keep the tie too."""
+    keras.utils.set_random_seed(0)
+    model, make_batch, loss = ZOO["tied_head"]()
+    reference, _, _ = ZOO["tied_head"]()
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB",
+        pins={"embed": virtual_devices[0], "scores": virtual_devices[1]},
+    )  # fmt: skip
+    assert wrapped.plan.assignment["tied"] == virtual_devices[0] and wrapped.plan.num_stages == 2
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+    for seed in (1, 2):
+        x, y = make_batch(BATCH, seed)
+        assert_close(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y))
+    plain = wrapped.unwrap()
+    for expected, actual in zip(reference.weights, plain.weights, strict=True):
+        assert_close(np.asarray(actual), np.asarray(expected))
+    assert plain.get_layer("tied").embedding is plain.get_layer("embed")
+    x, y = make_batch(BATCH, 3)
+    plain.fit(x, y, verbose=0)  # the unwrapped model trains its one table on
+    reference.fit(x, y, verbose=0)
+    assert_close(plain.predict(x, verbose=0), reference.predict(x, verbose=0))
 
-    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
+
+def _time_distributed_and_alone() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4, 6))
+    shared = keras.layers.Dense(6, name="shared")
+    x = keras.layers.Flatten()(keras.layers.TimeDistributed(shared, name="td")(inputs))
+    x = shared(keras.layers.Dense(6, name="mid")(x))
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+
+
+def test_a_layer_inside_a_wrapper_and_called_alone_stays_one_layer(virtual_devices) -> None:
+    """TimeDistributed holds the Dense that the graph also calls alone: one kernel, trained by both uses, and one
+    in ``unwrap()`` (its copy's wrapper holds the copied Dense: clone_model copies the wrapper first)."""
+    model, reference = _time_distributed_and_alone(), _time_distributed_and_alone()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH, 4, 6)).astype("float32"), rng.normal(size=(BATCH, 2)).astype("float32")
+    wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    for _ in range(2):
+        assert_close(wrapped.train_on_batch(x, y), reference.train_on_batch(x, y))
+    plain = wrapped.unwrap()
+    assert plain.get_layer("td").layer is plain.get_layer("shared")
+    assert_close(plain.predict(x, verbose=0), reference.predict(x, verbose=0))
+
+
+class _HeldVariable(keras.layers.Layer):
+    """Logits from another layer's embedding table, held as a variable of its own (not the layer)."""
+
+    def __init__(self, table: keras.Variable, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.embedding = embedding
+        self.table = table
 
     def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+        return keras.ops.matmul(x, keras.ops.transpose(self.table))
 
 
-def test_a_weight_tied_between_two_layers_is_refused(virtual_devices) -> None:
+def test_a_variable_held_by_two_layers_is_refused(virtual_devices) -> None:
     inputs = keras.Input((3,), dtype="int32", name="ids")
     embedding = keras.layers.Embedding(10, 4, name="embed")
     x = keras.layers.Dense(4, name="first")(keras.ops.mean(embedding(inputs), axis=1))
-    model = keras.Model(inputs, _TiedHead(embedding, name="last")(x), name="tied")
-    expected = r"^'last' \(_TiedHead\) of model 'tied' holds the variable 'embed/embeddings' of 'embed' \(Embedding\)"
+    model = keras.Model(inputs, _HeldVariable(embedding.embeddings, name="last")(x), name="tied")
+    expected = (
+        r"^'last' \(_HeldVariable\) of model 'tied' holds the variable 'embed/embeddings' of 'embed' \(Embedding\): "
+        r"a weight tied between two layers in a way the pipeline cannot keep"
+    )
     for num_microbatches in (1, 2):
         with pytest.raises(InputError, match=expected):
             plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches)
