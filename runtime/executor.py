@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -214,10 +214,6 @@ class Executor:
                 [tf.cast(value, tf.float32) * n, n, tf.cast(rows, tf.float32)], "evaluate"
             )
             return tf.cast(total / valid, value.dtype), summed
-
-    def with_options(self, **changes: Any) -> Executor:
-        """The same stages run with other options (new stage functions, traced afresh)."""
-        return Executor(self.model, self.stages, replace(self.options, **changes))
 
     # ----- micro-batches and the order of each stage's actions -----------------------------------
 

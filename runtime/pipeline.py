@@ -297,17 +297,27 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         jit = kwargs.get("jit_compile") is True
         kwargs["jit_compile"] = False
         super().compile(*args, **kwargs)
-        state = self._state
-        if state.executor.options.jit_compile != jit:
-            self._state = replace(state, executor=state.executor.with_options(jit_compile=jit))
+        self._state = replace(self._state, executor=self._recut(jit_compile=jit))
         if self.optimizer is not None:
             if not self.optimizer.built and self.trainable_variables:
                 self.optimizer.build(self.trainable_variables)
             place_updates(self.optimizer)
 
+    def _recut(self, **changes: Any) -> Executor:
+        """A new executor (stage functions traced afresh) on the stages cut again, each with its layers' trainable
+        weights as they are now, as Keras' ``compile`` takes them: a layer frozen or unfrozen after the wrap, or
+        the whole model's ``trainable = False``, then ``compile()``. Cut once at the wrap, the stages trained
+        what was trainable then (found by probing, stop 37: a layer unfrozen after the wrap stayed frozen, 0.059
+        off after 2 epochs; ``wrapped.trainable = False`` trained every weight; a layer frozen after the wrap
+        failed in Keras' optimizer with "Unknown variable"; a BatchNormalization frozen after training kept
+        normalising by the batch in functions traced before)."""
+        state = self._state
+        stages = cut_stages(state.rebuilt.model, state.rebuilt.device_of, state.stages)
+        return Executor(state.rebuilt.model, stages, replace(state.executor.options, **changes))
+
     def retrace(self) -> None:
         """Drops every traced function (stage functions and Keras' step functions): the next step traces afresh."""
-        self._state = replace(self._state, executor=self._state.executor.with_options())
+        self._state = replace(self._state, executor=self._recut())
         self.make_train_function(force=True)
         self.make_test_function(force=True)
         self.make_predict_function(force=True)
@@ -389,11 +399,53 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             )
             if by_microbatch is not None:
                 by_microbatch.run(self._update_metrics(by_microbatch), tf.zeros([]))
-                return self.get_metrics_result()
+                return self._metrics_result()
             y_pred = _own_rows(executor.model_outputs(collected), batch)
             if compile_loss(self).metrics:  # each output's loss, logged as Keras does: once, on the whole batch
                 compile_loss(self)(y, y_pred, sample_weight)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return self._metrics_result()
+
+    def _metrics_result(self, purpose: str = "metrics") -> dict[str, Any]:
+        """The step's logs, as Keras' ``get_metrics_result``; with replicas, every metric's variables are summed
+        over the replicas first (one collective, on the last stage's device) and its result taken from the sums
+        (``Metric.stateless_result``), as tf.distribute sums a metric's variables over its replicas: each worker
+        logs the global batch's metrics and per-output losses, so callbacks that watch one act alike on every
+        worker. Each worker logged its own shard's before: ``ReduceLROnPlateau(monitor="accuracy")`` set the
+        replicas' learning rates apart (weights 0.027 apart after 5 epochs while both logged the same loss) and
+        ``EarlyStopping`` on it stopped one worker and left the other waiting in a collective forever (found
+        by probing, stop 37). The loss tracker is global already (``train_step._reduce``)."""
+        if self.options.num_replicas == 1:
+            return self.get_metrics_result()
+        tracker = loss_tracker(self)
+        metrics = [m for m in self.metrics if m is not tracker]
+        values = [tf.convert_to_tensor(v) for m in metrics for v in m.variables]
+        kept = [v.dtype if v.dtype.is_floating else None for v in values]  # integer states summed as float64
+        sent = [v if dtype is not None else tf.cast(v, tf.float64) for v, dtype in zip(values, kept)]
+        summed = iter(self._state.executor.collectives[-1].sum(sent, purpose=purpose))
+        logs: dict[str, Any] = {}
+        for metric in self.metrics:
+            if metric is tracker:
+                result = metric.result()
+            else:
+                states = [next(summed) for _ in metric.variables]
+                result = metric.stateless_result(
+                    [t if t.dtype == v.dtype else tf.cast(t, v.dtype) for t, v in zip(states, metric.variables)]
+                )
+            if isinstance(result, dict):
+                logs.update(result)
+            else:
+                logs[metric.name] = result
+        return logs
+
+    def _get_metrics_result_or_logs(self, logs: Any) -> Any:
+        """With replicas, the last step's logs (global, ``_metrics_result``) are the epoch's and evaluate's, not
+        Keras' ``get_metrics_result()`` read again outside the step, which would give this worker's own metrics
+        (Keras reads them again for asynchronous steps, which these are not). Overrides a method of Keras'
+        Trainer (``fit`` and ``evaluate`` call it at their end; checked on 3.15)."""
+        if self.options.num_replicas == 1:
+            return super()._get_metrics_result_or_logs(logs)
+        return logs
 
     def _by_microbatch(self, y: Any, collected: list[Any], batch: tf.Tensor, sample_weight: Any) -> ByMicrobatch | None:
         """The batch micro-batch by micro-batch (``runtime.metrics``), where the compiled loss and metrics
@@ -508,9 +560,9 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             if penalty is not None:
                 loss = loss + tf.cast(penalty, loss.dtype)
             loss_tracker(self).update_state(loss, sample_weight=rows)  # the global batch's rows with replicas
-            if y_pred is None:  # the metrics were updated micro-batch by micro-batch
-                return self.get_metrics_result()
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            if y_pred is not None:  # else the metrics were updated micro-batch by micro-batch
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return self._metrics_result("evaluate_metrics")
 
     def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)

@@ -38,7 +38,16 @@ from partitioner.errors import InputError
 
 GROUP_KEY_BASE = 1000  # stage s's collective group is GROUP_KEY_BASE + s (below: TensorFlow's own strategies)
 INSTANCE_KEY_BASE = 1_000_000  # the first instance key; TensorFlow's strategies count theirs from 1
-_PURPOSES = ("gradients", "broadcast", "agree", "evaluate", "measure")  # measure: benchmarks
+# metrics: a training step's metric states (PipelinedModel._metrics_result), evaluate_metrics: evaluate's
+_PURPOSES = (
+    "gradients",
+    "broadcast",
+    "agree",
+    "evaluate",
+    "measure",
+    "metrics",
+    "evaluate_metrics",
+)  # measure: benchmarks
 _DTYPES_PER_PURPOSE = 16  # one instance key per purpose and dtype packed
 _MAX_STAGES = 1024
 # TensorFlow keeps a collective instance's shape and dtype by its instance key: the n-th StageCollectives

@@ -96,3 +96,59 @@ def test_mixed_precision_layers_match_the_original(virtual_devices) -> None:
     expected = reference.fit(x, y, **options).history
     history = wrapped.fit(x, y, **options).history
     _assert_same_training(reference, wrapped, expected, history, tolerance=2e-3)
+
+
+def _frozen_mlp(batch_norm: bool) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization(center=False, scale=False, name="bn")(h)
+    h = keras.layers.Dense(16, activation="tanh", name="d3")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def _freeze(model: keras.Model, change: str) -> None:
+    if change == "whole model":
+        model.trainable = False
+    elif change == "one layer":
+        model.get_layer("d1").trainable = False
+    elif change == "unfreeze":
+        model.get_layer("d3").trainable = True
+    else:  # a batch normalization frozen after training: inference mode from the next compile on
+        model.get_layer("bn").trainable = False
+
+
+@pytest.mark.parametrize("change", ["whole model", "one layer", "unfreeze", "batch norm"])
+def test_trainable_changed_after_the_wrap_takes_effect_at_compile(change: str, virtual_devices) -> None:
+    """Keras takes each layer's ``trainable`` as it is at ``compile``; the wrapped model does too (its stages
+    are cut again). Found by probing (stop 37): a layer unfrozen after the wrap stayed frozen, the whole model
+    frozen trained every weight, a layer frozen after the wrap failed with "Unknown variable", a batch
+    normalization frozen after training kept normalising by the batch. 2 devices, M = 2 (M = 1 with batch
+    normalization, whose micro-batch statistics differ by design), one epoch before the change and one after,
+    each model changed and recompiled alike."""
+    model = _frozen_mlp(batch_norm=change == "batch norm")
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    if change == "unfreeze":  # frozen before the wrap
+        for m in (model, reference):
+            m.get_layer("d3").trainable = False
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=1 if change == "batch norm" else 2,
+        memory="1GiB", pins={"d1": virtual_devices[0], "head": virtual_devices[1]},
+    )  # fmt: skip
+    x, y = _data(16)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for m in (reference, wrapped):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    before = [np.asarray(w) for w in reference.get_weights()]
+    for m in (reference, wrapped):
+        _freeze(m, change)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert len(wrapped.executor.trainable_variables) == len(reference.trainable_variables)
+    for expected, actual in zip(reference.get_weights(), wrapped.unwrap().get_weights(), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), before, strict=True))
+    assert (moved == 0) == (change == "whole model")

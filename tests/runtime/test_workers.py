@@ -37,7 +37,8 @@ def _reference(kind: str = "mlp") -> keras.Model:
     keras.utils.set_random_seed(100)  # worker 0's seed
     reference = build(kind)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if kind == "masked" else keras.optimizers.Adam(0.01)
-    reference.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"] if kind == "mlp" else [])
     return reference
 
 
@@ -76,7 +77,8 @@ def test_two_workers_train_as_one_model_on_the_whole_batch(
     """Uneven shards (8 and 7 rows of 15), an L2 penalty, Adam, 3 steps, each worker seeded differently:
     the workers end bitwise equal (worker 0's initial weights were broadcast) and equal, within 1e-5, to
     the original model trained on the whole batch with worker 0's initial weights (what MirroredStrategy
-    computes for K = 1)."""
+    computes for K = 1). Each step's loss and accuracy, and evaluate's, are the global batch's on both
+    workers (the accuracy was each worker's shard's until stop 37)."""
     result = _launch(tmp_path, schedule, str(num_microbatches), recompute, *flags)
     assert result.returncode == 0, result.stdout[-3000:]
     reference = _reference()
@@ -106,7 +108,7 @@ def test_data_parallel_workers_train_as_mirrored_strategy(tmp_path, virtual_devi
         x, y = batch(step)
         even = GLOBAL_BATCH // 2 * 2
         history = mirrored.fit(x[:even], y[:even], batch_size=even, epochs=1, shuffle=False, verbose=0)
-        losses.append(history.history["loss"][0])
+        losses.append([history.history["loss"][0], history.history["accuracy"][0]])
     _assert_workers_match(tmp_path, mirrored.get_weights(), losses)
 
 

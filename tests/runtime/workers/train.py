@@ -45,7 +45,9 @@ assert wrapped.plan.num_stages == len(devices), wrapped.plan.assignment
 (out / f"plan-{worker.rank}.json").write_text(wrapped.plan.to_json())  # with the all-reduce timed at wrap
 # an embedding's sparse rows with Adam across replicas are refused (Keras' row-by-row update): SGD momentum
 optimizer = keras.optimizers.SGD(0.1, momentum=0.9) if kind == "masked" else keras.optimizers.Adam(0.01)
-wrapped.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+# the MLP logs accuracy: each worker logs the global batch's (its metric states summed over the workers)
+metrics = ["accuracy"] if kind == "mlp" else []
+wrapped.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=metrics)
 losses = []
 for step in range(NUM_STEPS):
     # "--even": contiguous even shards for the MLP too (MirroredStrategy needs a batch the replicas divide)
