@@ -90,6 +90,13 @@ from profiles.timing import variables_kept
 from profiles.walk import LayerCall, flatten_calls, functional_graph, tied_layers
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
+# what a user's class may override around the steps, which the wrapped model (a PipelinedModel) never calls;
+# keras-hub's tasks override some of them to run their preprocessor, which the wrap refuses to hold
+FRONT_DOORS = (
+    "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch", "__call__",
+    "make_train_function", "make_test_function", "make_predict_function",
+)  # fmt: skip
+_LIBRARIES = ("keras.", "keras_hub.", "keras_nlp.", "keras_cv.")
 PROBE_ROWS = 4  # the probe batch; each op is run again on its first and its last half
 _HALVES = ((0, PROBE_ROWS // 2), (PROBE_ROWS // 2, PROBE_ROWS))
 # the contrasting probe batches: floats of the first half small and of one sign (each sign once), of the last
@@ -100,7 +107,8 @@ _EPS_16_BITS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # float32 and wider: 
 
 
 def check_steps(model: Any) -> None:
-    """Raises InputError when ``model``'s own class (or a parent of its own) overrides a step or ``call``.
+    """Raises InputError when ``model``'s own class (or a parent of its own) overrides a step or ``call``, or
+    (outside Keras and keras-hub) a front door around the steps (``fit``, ``evaluate``, ... ``FRONT_DOORS``).
 
     Raises:
         ProfileError: for a model without a functional graph (a subclassed model), as ``profiles.walk``.
@@ -123,6 +131,20 @@ def check_steps(model: Any) -> None:
             "pipelined model runs Keras' own steps over micro-batches and stages, so fit, evaluate and predict "
             "would skip that code. Expected a functional or Sequential model with Keras' steps: move the custom "
             "logic into the loss, a metric or a layer (add_loss), or train this model without wrapping it."
+        )
+    doors = [
+        f"{cls.__name__}.{name}"
+        for cls in type(model).__mro__
+        if not cls.__module__.startswith(_LIBRARIES)
+        for name in FRONT_DOORS
+        if name in vars(cls)
+    ]
+    if doors:  # found by probing (stop 37): a fit that scaled its inputs was skipped, weights 0.11 apart
+        raise InputError(
+            f"Model '{model.name}' is a {type(model).__name__} whose class overrides {', '.join(doors)}: the wrapped "
+            "model is a model of the runtime's own class, whose fit, evaluate, predict and their batch forms are "
+            "Keras', so that code would not run. Expected a functional or Sequential model with Keras' own: do "
+            "that work in the data pipeline or a callback, or train this model without wrapping it."
         )
 
 
