@@ -605,6 +605,16 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             for target in (places[id(orig)] if every_place else places[id(orig)][-1:])
         ]
 
+    def get_config(self) -> dict[str, Any]:
+        """Refused in one line: a wrapped model is made from a plan and devices, not from a config. Keras asks for
+        it when a model that holds this one as a layer is saved or cloned (it raised its own NotImplementedError,
+        "must override get_config()", found by probing, stop 37); ``save`` writes the original architecture."""
+        raise InputError(
+            f"'{self.name}' (PipelinedModel) has no config to save: it is built from a plan and its devices. "
+            "Expected the original architecture: save this model itself (wrapped.save writes the plain model), or "
+            "use wrapped.unwrap() as the layer of a model to save."
+        )
+
     def save(self, filepath: Any, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes the original architecture with the current weights (and optimizer state, when
         compiled): a ``.keras`` file that ``keras.models.load_model`` loads without this library."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from partitioner.errors import InputError
 from runtime import plan_and_wrap
 
 BATCH = 8
@@ -152,3 +153,12 @@ def test_trainable_changed_after_the_wrap_takes_effect_at_compile(change: str, v
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), before, strict=True))
     assert (moved == 0) == (change == "whole model")
+
+
+def test_a_model_holding_the_wrapped_model_says_how_to_save(virtual_devices, tmp_path) -> None:
+    """Keras' own error was "must override get_config()" (found by probing, stop 37)."""
+    wrapped = plan_and_wrap(_functional(), virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+    inputs = keras.Input((6,))
+    outer = keras.Model(inputs, keras.layers.Dense(2)(wrapped(inputs)))
+    with pytest.raises(InputError, match=r"^'\w+' \(PipelinedModel\) has no config to save.*wrapped\.unwrap\(\) as"):
+        outer.save(tmp_path / "outer.keras")
