@@ -139,28 +139,24 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
 # MobileNetV2 (keras.applications) takes 40-85 s a case on 2 cores, half of the runtime suite: its cases
 # run in the slow suite (`make test-slow`, which CI runs after `make test`)
 _SLOW = {"mobilenet_v2": [pytest.mark.slow]}
-_SLOW_AT_ONE = {"tied_head"}  # M = 1 in the slow suite: the tie is one stage's, which M = 4 covers
+# the cases of a model that `make test` runs (the others in the slow suite): tied_head's tie is one stage's, so
+# two cases hold it there (a pipeline with M = 4, and 1F1B with recomputation on 4 devices)
+_FAST = {"tied_head": {(2, 4, "gpipe", "never", False), (4, 4, "1f1b", "always", False)}}
 
 
-def _marks(name: str, num_microbatches: int) -> list[pytest.MarkDecorator]:
-    return _SLOW.get(name, [pytest.mark.slow] if name in _SLOW_AT_ONE and num_microbatches == 1 else [])
+def _marks(name: str, *case: object) -> list[pytest.MarkDecorator]:
+    if name in _FAST:
+        return [] if case in _FAST[name] else [pytest.mark.slow]
+    return _SLOW.get(name, [])
 
 
 CASES = [
-    pytest.param(name, k, m, "gpipe", "never", False, marks=_marks(name, m))
+    pytest.param(name, k, m, "gpipe", "never", False, marks=_marks(name, k, m, "gpipe", "never", False))
     for name in ZOO
     for k in (2, 4)
     for m in (1, 4)
 ] + [
-    pytest.param(
-        name,
-        4,
-        4,
-        schedule,
-        recompute,
-        jit,
-        marks=_SLOW.get(name, []),
-    )
+    pytest.param(name, 4, 4, schedule, recompute, jit, marks=_marks(name, 4, 4, schedule, recompute, jit))
     for name in ZOO
     for schedule, recompute, jit in (
         ("1f1b", "never", False),
