@@ -66,11 +66,13 @@ def backbone_layers(model: Any, device_of: Mapping[int, str]) -> dict[int, Any]:
             if not misplaced:
                 taken[id(layer)] = copy
             elif any(layer is f for f in failing):
+                made = canonical(next(v.value.device for v in copy.variables if v.path in misplaced))
                 raise ProfileError(
                     f"Cannot place '{layer.name}' ({type(layer).__name__}) on {device_of[id(layer)]}: it does not "
                     f"rebuild from its own config, and rebuilding '{backbone.name}' from its config made its "
-                    f"variable(s) {misplaced[:3]} outside its build, where the device is not known. Expected every "
-                    "variable made while its layer builds; train the model unwrapped."
+                    f"variable(s) {misplaced[:3]} outside its build, on {made}. Expected every variable made while "
+                    f"its layer builds; pin the layer where they were made (pins={{'{layer.name}': '{made}'}}), or "
+                    "train the model unwrapped."
                 )
     return taken
 

@@ -365,6 +365,14 @@ class _Probe:
             if len(shape) == len(graph) and all(g is None or g == v for g, v in zip(graph[1:], shape[1:])):
                 continue
             operation = call.operation
+            if len(shape) != len(graph):  # no input size changes a rank (found by probing: keras-hub's XLNet)
+                raise InputError(
+                    f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' returns values of "
+                    f"shape {shape} where the model's graph records {graph} (its compute_output_shape): another "
+                    "rank, so the graph the stages are cut from does not describe what the layer computes. Expected "
+                    "a layer whose compute_output_shape agrees with its call: fix it in the layer's class, or train "
+                    "this model without the pipeline."
+                )
             raise InputError(
                 f"Cannot check that '{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' "
                 f"computes each row of a batch from that row alone: on the probe's input sizes it returns shape "

@@ -424,7 +424,8 @@ def test_keras_hub_backbone_that_cannot_place_a_block_is_refused(virtual_devices
     message = (
         r"Cannot place 'broken' \(_BrokenConfig\) on /device:CPU:2: it does not rebuild from its own config, "
         r"and rebuilding '\w+' from its config made its variable\(s\) \['seed_generator_\d+/seed_generator_state'\] "
-        r"outside its build.*train the model unwrapped"
+        r"outside its build, on /device:CPU:\d\..*pin the layer where they were made "
+        r"\(pins=\{'broken': '/device:CPU:\d'\}\), or train the model unwrapped"
     )
     with pytest.raises(ProfileError, match=message):
         plan_and_wrap(

@@ -510,3 +510,22 @@ def test_a_layer_that_mixes_rows_only_in_training_is_refused_with_microbatches(v
     ):
         plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
     check_rows(model, 1)  # one micro-batch is the batch
+
+
+class _WrongRank(keras.layers.Layer):
+    """Its compute_output_shape gives rank 2 where its call returns rank 3 (keras-hub 0.32's XLNet mask layer)."""
+
+    def call(self, x):
+        return x[:, :, None] * x[:, None, :]
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def test_a_layer_whose_graph_shape_has_another_rank_is_refused_without_asking_for_sizes() -> None:
+    """No input size changes a rank: the message asked for input sizes the user had passed (found by probing)."""
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(_WrongRank(name="pairs")(inputs))))
+    expected = r"^'pairs' \(_WrongRank\) of model '\w+' returns values of shape \(4, 5, 5\) where the model's graph"
+    with pytest.raises(InputError, match=expected):
+        check_rows(model, 2)
