@@ -200,6 +200,21 @@ def set_keras_mask(tensor: Any, mask: Any) -> None:
     set_mask(tensor, mask)
 
 
+def keras_logits(tensor: Any) -> Any | None:
+    """The logits Keras keeps on a softmax's or sigmoid's output (``_keras_logits``, set by its TensorFlow
+    backend's ``softmax`` and ``sigmoid``, so by ``activation="softmax"`` and ``keras.ops.softmax``), or None.
+
+    Keras' cross-entropies (``backend.tensorflow.nn._get_logits``) compute from these logits rather than from
+    the clipped probabilities. Reaches a private attribute. Checked on 3.15.
+    """
+    return getattr(tensor, "_keras_logits", None)
+
+
+def set_keras_logits(tensor: Any, logits: Any) -> None:
+    """Puts ``logits`` on ``tensor`` as Keras' softmax and sigmoid do (``keras_logits``)."""
+    tensor._keras_logits = logits
+
+
 # ----- layers ----------------------------------------------------------------------------------------
 
 

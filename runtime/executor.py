@@ -39,11 +39,16 @@ import tensorflow as tf
 
 from partitioner.errors import InputError
 from partitioner.schedule import SCHEDULES, Schedule, schedule_for
-from profiles.internals import automatic_control_dependencies_off, output_structure, set_keras_mask
+from profiles.internals import (
+    automatic_control_dependencies_off,
+    output_structure,
+    set_keras_logits,
+    set_keras_mask,
+)
 from runtime.batchnorm import BATCH_NORM, check_deferrable
 from runtime.losses import weight_penalty
 from runtime.microbatches import Microbatches, collect, collector, take, take_rows, whole
-from runtime.program import Boundary, StageProgram, check_splittable
+from runtime.program import Boundary, StageProgram, check_logits_reach_the_loss, check_splittable
 from runtime.replicas import Replicas, StageCollectives
 from runtime.stages import Stage, output_masks
 from runtime.train_step import TrainStep
@@ -116,9 +121,16 @@ class Executor:
         # what the last stage returns for the loss: the model's outputs, and their mask
         self.loss_tensors = (*model.outputs, *(() if self.mask is None else (self.mask,)))
         last = len(self.stages) - 1
+        outputs = {id(t) for t in model.outputs}
         self.programs = [
-            StageProgram(s, (*s.outputs, *(self.loss_tensors if s.index == last else ())), options) for s in self.stages
+            StageProgram(s, (*s.outputs, *self.loss_tensors), options, range(len(s.outputs), len(s.outputs) + n), True)
+            if s.index == last
+            else StageProgram(s, s.outputs, options, [p for p, t in enumerate(s.outputs) if id(t) in outputs])
+            for s, n in ((s, len(model.outputs)) for s in self.stages)
         ]
+        # which model outputs the last stage returns Keras' logits for (a softmax's or sigmoid's), after the
+        # loss tensors: set when its functions are traced (``trace``), the same for every kind
+        self.logit_outputs: tuple[int, ...] = ()
         self._loss_functions: dict[Any, Any] = {}
         # the R action: each stage's collectives with the same stage of the other replicas (none when D = 1)
         self.collectives = (
@@ -128,8 +140,9 @@ class Executor:
         )
 
     def loss_function(self, loss_fn: Any, scale_loss: Any) -> Any:
-        """f(y, flat_predictions, mask, sample_weight, weight_sums, rows, share) -> (a micro-batch's part of
-        the batch's loss, the gradient of its scaled part for each floating prediction, [valid steps, steps]).
+        """f(y, flat_predictions, mask, logits, sample_weight, weight_sums, rows, share) -> (a micro-batch's part
+        of the batch's loss, the gradient of its scaled part for each floating prediction and then for each of
+        ``logits``, [valid steps, steps]).
 
         The part is ``loss_fn`` over the micro-batch's own first ``rows`` rows, given ``share`` (the
         micro-batch's share of the batch's rows) and ``weight_sums`` (the batch's sample weights summed,
@@ -143,7 +156,9 @@ class Executor:
         taken inside, so the last stage's backward starts from it and the step graph holds no backward
         of this function: one function, traced once, called once per micro-batch. (Differentiated from
         outside, its backward had unused outputs, the gradients of the targets and shares, and Grappler
-        specialised a copy of it for every micro-batch.)"""
+        specialised a copy of it for every micro-batch.) ``logits`` are those of the predictions
+        ``logit_outputs`` names, put back on them (``with_logits``): Keras' cross-entropies compute from them,
+        and the backward starts from their gradients too."""
         key = (loss_fn, scale_loss)
         if key not in self._loss_functions:
             structure = output_structure(self.model)
@@ -152,16 +167,19 @@ class Executor:
                 y: Any,
                 flat: list[tf.Tensor],
                 mask: Any,
+                logits: list[tf.Tensor],
                 sample_weight: Any,
                 weight_sums: Any,
                 rows: tf.Tensor,
                 share: tf.Tensor,
             ) -> Any:
-                floating = [t for t in flat if t.dtype.is_floating]
+                floating = [t for t in flat if t.dtype.is_floating] + list(logits)
                 steps = None
                 with tf.GradientTape() as tape:
                     tape.watch(floating)
-                    predictions = [t[:rows] for t in flat]
+                    predictions = self.with_logits(
+                        [*(t[:rows] for t in flat), *([] if mask is None else [mask]), *(t[:rows] for t in logits)]
+                    )
                     if mask is not None:
                         own_mask = mask[:rows]
                         for t in predictions:
@@ -245,10 +263,18 @@ class Executor:
             results = [tf.TensorSpec(x.shape, x.dtype) for x in tf.nest.flatten(concrete.structured_outputs)]
             if losses:
                 check_splittable(program, kind)
+                check_logits_reach_the_loss(program, kind)
             returns = program.split(results, kind)[0]
             specs.update({id(t): spec for t, spec in zip(program.returns, returns)})
             traced.append(results)
+        self.logit_outputs = self.programs[-1].logits.get(kind, ())
         return traced
+
+    def returned_for_loss(self, traced: list[list[Any]]) -> list[Any]:
+        """Of the last stage's traced results (or values): the loss tensors (the model's outputs, the mask)
+        and the logits of the outputs that have them, in that order: what the steps collect."""
+        start = len(self.programs[-1].stage.outputs)
+        return list(traced[-1][start : start + len(self.loss_tensors) + len(self.logit_outputs)])
 
     def _loop(self, iteration: Any, carry: Any, parallel: int) -> Any:
         """``iteration(m, carry) -> carry`` for m = 0..M-1: unlooped when M = 1, else in one
@@ -280,7 +306,7 @@ class Executor:
         parts = Microbatches(self.num_microbatches, inputs)
         traced = self.trace("inference", parts, losses)
         last = self.programs[-1]
-        returned = traced[-1][len(last.stage.outputs) :][: len(self.loss_tensors)]
+        returned = self.returned_for_loss(traced)
         with tf.device(last.stage.device):  # where the collectors are written (microbatches.collector)
             collected = [collector(spec, self.num_microbatches) for spec in returned]
             carry = {"outputs": collected, "layer_loss": tf.zeros([])}
@@ -299,7 +325,7 @@ class Executor:
             with tf.device(last.stage.device):
                 has_layer_losses.append(bool(terms))
                 return {
-                    "outputs": [collect(c, m, values[id(t)]) for c, t in zip(carry["outputs"], self.loss_tensors)],
+                    "outputs": [collect(c, m, x) for c, x in zip(carry["outputs"], self.returned_for_loss([outputs]))],
                     "layer_loss": carry["layer_loss"] + (tf.add_n(terms) if terms else 0.0),
                 }
 
@@ -309,18 +335,31 @@ class Executor:
 
     def microbatch_outputs(self, collected: Sequence[Any], m: Any, rows: Any) -> Any:
         """Micro-batch m's first ``rows`` rows (its own) of the collected model outputs, in the model's
-        output structure, without their mask (``runtime.metrics`` is not used where there is one)."""
-        outputs = [take_rows(c, m, rows) for c in collected[: len(self.model.outputs)]]
-        return keras.tree.pack_sequence_as(output_structure(self.model), outputs)
+        output structure, without their mask (``runtime.metrics`` is not used where there is one), with
+        Keras' logits where the original's have them (``with_logits``)."""
+        flat = [take_rows(c, m, rows) for c in collected]
+        return keras.tree.pack_sequence_as(output_structure(self.model), self.with_logits(flat))
 
     def model_outputs(self, collected: Sequence[Any]) -> Any:
-        """The collected model outputs (and output mask) -> the model's output structure, each [M * ceil(B/M), ...]."""
+        """The collected model outputs (and output mask, and logits) -> the model's output structure, each
+        [M * ceil(B/M), ...], with their mask and logits (``with_logits``)."""
         flat = [whole(c) for c in collected]
-        outputs = flat[: len(self.model.outputs)]
+        outputs = self.with_logits(flat)
         if self.mask is not None:
             for output in outputs:
-                set_keras_mask(output, flat[-1])
+                set_keras_mask(output, flat[len(outputs)])
         return keras.tree.pack_sequence_as(output_structure(self.model), outputs)
+
+    def with_logits(self, flat: Sequence[Any]) -> list[Any]:
+        """The model outputs among ``flat`` (laid out as ``returned_for_loss``: outputs, mask, logits), each
+        output whose logits follow carrying them as Keras' softmax and sigmoid leave them on their outputs
+        (``profiles.internals.keras_logits``): Keras' cross-entropies then compute from the logits, as the
+        original's do on its own outputs."""
+        outputs = list(flat[: len(self.model.outputs)])
+        logits = flat[len(self.loss_tensors) : len(self.loss_tensors) + len(self.logit_outputs)]
+        for i, values in zip(self.logit_outputs, logits, strict=True):
+            set_keras_logits(outputs[i], values)
+        return outputs
 
     def train(
         self,

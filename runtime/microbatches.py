@@ -100,7 +100,10 @@ def collector(spec: tf.TensorSpec, num_microbatches: int) -> Any:
     iteration, which on GPUs copies every tensor written so far (M^2 copies of the outputs a step)."""
     if num_microbatches == 1:
         return None
-    return tf.TensorArray(spec.dtype, size=num_microbatches, element_shape=spec.shape)
+    # read more than once (a micro-batch's rows for the metrics, then the stack): run eagerly
+    # (compile(run_eagerly=True)) a TensorArray forgets an element once read, by default (a metric read zeros,
+    # found by probing, stop 37); in a tf.function it is a TensorList, which never does
+    return tf.TensorArray(spec.dtype, size=num_microbatches, element_shape=spec.shape, clear_after_read=False)
 
 
 def take(stacked: Any, m: Any) -> Any:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from partitioner.errors import InputError
@@ -35,11 +36,13 @@ from profiles.internals import (
     get_keras_mask,
     initial_epoch,
     keras_compile_arguments,
+    keras_logits,
     loss_tracker,
     output_structure,
     replace_sublayer,
     run_through_graph,
     set_initial_epoch,
+    set_keras_logits,
     set_keras_mask,
     standardize_inputs,
     takes_training,
@@ -78,6 +81,60 @@ class _State:
     stages: tuple[str, ...]  # devices in pipeline order
 
 
+class NestedLayers:
+    """A nested model of the original as the wrapped model holds it: the copies of its layers (the staged model
+    flattens nested models). Setting ``trainable`` sets it on each of them, as Keras sets it on a nested model's
+    layers; as in Keras, it counts from the next ``compile()``."""
+
+    def __init__(self, name: str, layers: list[Any]) -> None:
+        self.name = name
+        self.layers = layers
+
+    @property
+    def trainable(self) -> bool:
+        return all(layer.trainable for layer in self.layers)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.trainable = value
+
+    def _variables(self, kind: str) -> list[Any]:
+        return list({id(v): v for layer in self.layers for v in getattr(layer, kind, [])}.values())
+
+    @property
+    def weights(self) -> list[Any]:
+        return self._variables("weights")
+
+    @property
+    def trainable_weights(self) -> list[Any]:
+        return self._variables("trainable_weights")
+
+    @property
+    def non_trainable_weights(self) -> list[Any]:
+        return self._variables("non_trainable_weights")
+
+    def count_params(self) -> int:
+        return sum(int(np.prod(v.shape)) for v in self.weights)
+
+    def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
+        if index is not None:
+            return self.layers[index]
+        return next(layer for layer in self.layers if layer.name == name)
+
+
+def _copies(layers: list[Any], clone_of: dict[int, Any]) -> list[Any]:
+    """Each of ``layers`` (an original model's) as its copy in the staged model; a nested model as
+    ``NestedLayers`` of its own layers' copies."""
+    copies: list[Any] = []
+    for layer in layers:
+        if id(layer) in clone_of:
+            copies.append(clone_of[id(layer)])
+        elif isinstance(layer, keras.Model):
+            copies.append(NestedLayers(layer.name, _copies(layer.layers, clone_of)))
+    return copies
+
+
 def _call_fn(operation: Any, device: str, training: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         if training is not None and takes_training(operation):
@@ -89,14 +146,18 @@ def _call_fn(operation: Any, device: str, training: Any) -> Any:
 
 
 def _own_rows(outputs: Any, batch: tf.Tensor) -> Any:
-    """The executor's outputs, [M * ceil(B/M), ...] -> the batch's B rows, with their Keras masks: the
-    micro-batches' rows one after the other are the batch's in order, then the repeated rows."""
+    """The executor's outputs, [M * ceil(B/M), ...] -> the batch's B rows, with their Keras masks and logits
+    (``Executor.with_logits``): the micro-batches' rows one after the other are the batch's in order, then the
+    repeated rows."""
 
     def one(x: tf.Tensor) -> tf.Tensor:
         output = x[:batch]
         mask = get_keras_mask(x)
         if mask is not None:
             set_keras_mask(output, mask[:batch])
+        logits = keras_logits(x)
+        if logits is not None:
+            set_keras_logits(output, logits[:batch])
         return output
 
     return keras.tree.map_structure(one, outputs)
@@ -224,11 +285,30 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """The symbolic outputs of the staged model (those of the original, in its order)."""
         return list(self.staged.outputs)
 
+    @property
+    def layers(self) -> list[Any]:
+        """The original's layers (``original.layers``, in its order), each as its copy here: the copy on its
+        device, whose weights training moves, so ``for layer in wrapped.layers[:-1]: layer.trainable = False``
+        freezes what it freezes in the original. A nested model (the staged model flattens them) comes as a
+        ``NestedLayers`` of its layers' copies. Keras' own ``layers`` held one layer, the staged model: that
+        idiom froze nothing, and ``layers[-1].trainable = False`` everything (found by probing, stop 37)."""
+        return _copies(self._state.original.layers, self._state.rebuilt.clone_of)
+
     def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
-        """The layer of the staged model by name (or index): the copy on its device, whose weights are
-        the ones training moves. Nested models are flattened: their layers are found by their own names
-        (``"inner_fc"`` where a name repeats across nesting levels)."""
-        return self.staged.get_layer(name=name, index=index)
+        """A layer by index (in ``layers``, the original's order) or name: the copy on its device, whose
+        weights are the ones training moves. Nested models are flattened: their layers are found by their own
+        names too (``"inner_fc"`` where a name repeats across nesting levels)."""
+        layers = self.layers
+        if index is not None:
+            return layers[index]
+        for layer in layers:
+            if layer.name == name:
+                return layer
+        return self.staged.get_layer(name=name)
+
+    def summary(self, *args: Any, **kwargs: Any) -> None:
+        """The staged model's summary: every layer copy (nested models flattened), in the staged graph's order."""
+        self.staged.summary(*args, **kwargs)
 
     def device_of(self, layer: Any) -> str:
         """The device a (cloned) layer of ``self.staged`` runs on."""

@@ -22,6 +22,8 @@ from profiles.internals import (
     clear_losses,
     embedding_calls_observed,
     flatten_layers,
+    keras_history,
+    keras_logits,
     own_losses,
     seed_generators,
     takes_training,
@@ -119,9 +121,25 @@ class Boundary:
 class StageProgram:
     """The compiled functions of one stage: forward (training or not), and the recomputing forward."""
 
-    def __init__(self, stage: Stage, returns: Sequence[Any], options: ExecutionOptions) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        returns: Sequence[Any],
+        options: ExecutionOptions,
+        model_outputs: Sequence[int] = (),
+        last: bool = False,
+    ) -> None:
         self.stage = stage
         self.returns = tuple(returns)  # symbolic tensors the stage function returns, in order
+        # the positions in ``returns`` of the model's outputs: on the last stage, a traced one that carries Keras'
+        # logits (a softmax's or sigmoid's output) has them returned too, after the returns (``logits``); on
+        # another stage (an output it computes and sends on) such an output is refused (``_run``)
+        self.model_outputs = tuple(model_outputs)
+        self.last = last
+        # per function kind: the model outputs with Keras' logits that this stage (not the last) computes
+        self.sent_logits: dict[str, tuple[Any, ...]] = {}
+        # per function kind: which model outputs (their index among the model's outputs) came with logits
+        self.logits: dict[str, tuple[int, ...]] = {}
         # XLA per stage, where XLA can compile the stage's recorded forward (``xla_blockers``)
         self.jit_compile = options.jit_compile and not xla_blockers(stage)
         self.batch_norm = options.batch_norm
@@ -205,7 +223,17 @@ class StageProgram:
                 for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                     values[id(symbolic)] = value
         self.returns_layer_loss[kind] = bool(terms)
-        return [values[id(t)] for t in self.returns], (tf.add_n(terms) if terms else None)
+        returned = [values[id(t)] for t in self.returns]
+        # Keras computes a cross-entropy from the logits behind a softmax or sigmoid output; the value returned
+        # from this function loses them, so they are returned too (found by probing, stop 37: saturated softmax
+        # outputs gave 11.53 where Keras gives 23.47, from probabilities clipped to 1e-7)
+        found = [(i, keras_logits(returned[p])) for i, p in enumerate(self.model_outputs)]
+        if not self.last:  # refused where a loss is taken (``check_logits_reach_the_loss``), not in predict
+            self.sent_logits[kind] = tuple(self.returns[self.model_outputs[i]] for i, x in found if x is not None)
+            found = []
+        self.logits[kind] = tuple(i for i, logits in found if logits is not None)
+        returned += [logits for _, logits in found if logits is not None]
+        return returned, (tf.add_n(terms) if terms else None)
 
     def _layer_losses(
         self, kind: str, operation: Any, outputs: Any, regularizer: Any, rows: Any, batch: Any
@@ -240,9 +268,10 @@ class StageProgram:
     def split(
         self, results: Sequence[tf.Tensor], kind: str = "forward"
     ) -> tuple[list[tf.Tensor], tf.Tensor | None, list[list[tf.Tensor]], list[tf.Tensor]]:
-        """A stage function's results -> (returns, layer loss or None, [mean, variance, count] per
-        deferred batch-norm call, seeds); the last two only for the training forward."""
-        count = len(self.returns)
+        """A stage function's results -> (returns and the logits of the model outputs that have them
+        (``logits``), layer loss or None, [mean, variance, count] per deferred batch-norm call, seeds); the last
+        two only for the training forward."""
+        count = len(self.returns) + len(self.logits.get(kind, ()))
         layer_loss = results[count] if self.returns_layer_loss.get(kind) else None
         start = count + int(layer_loss is not None)
         num_stats = 3 * len(self.deferred_layers) if kind == "forward" else 0
@@ -361,6 +390,23 @@ class StageProgram:
                 return [tf.identity(o) for o in outputs]
 
         return self._compile("recompute", body)
+
+
+def check_logits_reach_the_loss(program: StageProgram, kind: str) -> None:
+    """Raises InputError for a model output with Keras' logits (a softmax's or sigmoid's) that a stage before the
+    last computes: the last stage, which takes the loss, gets its values but not the logits Keras' cross-entropies
+    compute from (from the clipped probabilities they differ where the output saturates)."""
+    if not program.sent_logits.get(kind):
+        return
+    output, stage = program.sent_logits[kind][0], program.stage.index
+    history = keras_history(output)
+    layer = history.operation.name if history is not None else output.name
+    raise InputError(
+        f"Model output '{layer}' is a softmax's or sigmoid's output computed on stage {stage}, before the last: "
+        "Keras computes its cross-entropy from the logits behind it, which the pipeline passes only from the last "
+        f"stage. Expected the output's layer on the last stage: pin it there (pins={{'{layer}': <the last "
+        "stage's device>}), or give the output without the activation and the loss from_logits=True."
+    )
 
 
 def check_splittable(program: StageProgram, kind: str) -> None:

@@ -23,7 +23,7 @@ import functools
 import tempfile
 import types
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner.errors import PlanError, ProfileError
@@ -53,6 +53,7 @@ class Rebuilt:
     origin: list[tuple[Any, Any]]  # (original operation, clone) for every operation with weights, seeds or kept state
     node_of: dict[int, str]  # id(cloned operation) -> the plan's node name (first call)
     input_devices: tuple[str, ...] = ()  # per input of ``model``: its InputLayer's device, where its batch is split
+    clone_of: dict[int, Any] = field(default_factory=dict)  # id(original operation or InputLayer) -> its clone
 
 
 def check_plan_matches(names: list[str], assignment: Mapping[str, str]) -> None:
@@ -71,7 +72,7 @@ def check_plan_matches(names: list[str], assignment: Mapping[str, str]) -> None:
         )
 
 
-def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
+def rebuild(model: Any, assignment: Mapping[str, str], last_device: str | None = None) -> Rebuilt:
     """Clones ``model``'s layers onto the devices ``assignment`` names and wires them as the original.
 
     Every operation of the flattened graph (layer or Keras op) is cloned once, under
@@ -80,9 +81,15 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     layer's name unless flattening makes two names meet (an outer and a nested ``"fc"``): then it
     takes its node name, with ``"_"`` for ``"/"``.
 
+    A model output made by a layer's softmax or sigmoid activation on another device than ``last_device``
+    (the last stage's, which takes the loss) is made by the layer's clone without its activation and an
+    ``Activation`` on ``last_device`` (``_moved_activation``): Keras' cross-entropies compute from the logits
+    behind such an activation, which only the last stage hands to the loss.
+
     Args:
         model: a built Functional or Sequential keras.Model.
         assignment: {node name: TensorFlow device name}, e.g. ``plan.assignment``.
+        last_device: the last stage's device (``plan.stages[-1]``); None: no activation is moved.
 
     Raises:
         PlanError: when the plan's nodes differ from the model's layer calls.
@@ -133,13 +140,18 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
             origin.append((operation, clone))
         return clone
 
-    for call in calls:
+    model_outputs = {
+        (s.call, s.output) for s in (sources[id(t)] for t in keras.tree.flatten(output_structure(functional)))
+    }
+    reads = {(s.call, s.output) for call in calls for s in call.sources}
+    for index, call in enumerate(calls):
         device = assignment[call.name]
         node = call.node
         if call.is_input:
             (tensor,) = node.output_tensors
             with tf.device(device):
                 new = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype, name=call.operation.name)
+            clones[id(call.operation)] = keras_history(new).operation
             produced.append([new])
             masks.produced(new, device)
             continue
@@ -149,9 +161,30 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
         }
         args, kwargs = node.arguments.fill_in(values)
         clone = clone_of(call.operation)
+        moved = (
+            last_device is not None
+            and device != last_device
+            and (index, 0) in model_outputs
+            and (index, 0) not in reads
+            and _moved_activation(call, calls, clone)
+        )
+        if moved:
+            activation = clone.activation
+            clone.activation = keras.activations.linear
         with tf.device(device):
             outputs = clone(*args, **kwargs)
         produced.append(keras.tree.flatten(outputs))
+        if moved:
+            name = f"{clone.name}_activation"
+            while name in names.values() or name in masks.taken:
+                name = f"{name}_"
+            masks.taken.add(name)
+            with tf.device(last_device):
+                layer = keras.layers.Activation(activation, name=name, dtype=clone.dtype_policy)
+                produced[-1] = [layer(produced[-1][0])]
+            device_of[id(layer)] = last_device
+            masks.produced(produced[-1][0], last_device)
+            continue
         for new in produced[-1]:
             masks.produced(new, device)
 
@@ -165,7 +198,23 @@ def rebuild(model: Any, assignment: Mapping[str, str]) -> Rebuilt:
     outputs = keras.tree.map_structure(masks.output, outputs)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     copy_weights(origin)
-    return Rebuilt(flat, device_of, origin, node_of, tuple(masks.device[id(t)] for t in flat.inputs))
+    return Rebuilt(flat, device_of, origin, node_of, tuple(masks.device[id(t)] for t in flat.inputs), clones)
+
+
+def _moved_activation(call: LayerCall, calls: list[LayerCall], clone: Any) -> bool:
+    """Whether the model output ``call`` makes (its only output, read by no other call) can come from its clone
+    without its activation and an ``Activation`` on the last stage: a layer called once, without a Keras mask
+    on its output, whose ``activation`` is Keras' softmax or sigmoid (the output then carries the logits
+    Keras' cross-entropies compute from, which a stage boundary drops)."""
+    import keras
+
+    operation = call.operation
+    if not isinstance(operation, keras.layers.Layer) or len(call.node.output_tensors) != 1:
+        return False
+    if sum(c.operation is operation for c in calls) > 1 or keras_mask(call.node.output_tensors[0]) is not None:
+        return False
+    activation = getattr(clone, "activation", None)
+    return activation is not None and activation in (keras.activations.softmax, keras.activations.sigmoid)
 
 
 class _Masks:
@@ -419,7 +468,8 @@ def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
     does not set: Normalization's mean and variance are tensors derived from its variables (its
     ``load_own_variables`` derives them again), a lookup's vocabulary (StringLookup, IntegerLookup,
     TextVectorization) is a lookup table that Keras saves as an asset, and a TF-IDF lookup's weights
-    a variable outside ``weights``. Each such layer inside a pair is copied as Keras' ``save`` and
+    a variable outside ``weights``, a Discretization's bin boundaries an attribute (Keras saves them
+    in its config). Each such layer inside a pair is copied as Keras' ``save`` and
     ``load_model`` copy it: ``save_own_variables`` into ``load_own_variables``, then ``save_assets``
     into ``load_assets`` through a temporary folder. Other layers are copied by ``set_weights`` only
     (Keras' ``save_own_variables`` of a Dense with LoRA would merge the adapters into the kernel).
@@ -442,5 +492,7 @@ def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
                     with tempfile.TemporaryDirectory() as folder:
                         layer.save_assets(folder)
                         copy.load_assets(folder)
+                if getattr(layer, "bin_boundaries", None) is not None:  # Discretization's, kept in its config
+                    copy.bin_boundaries = list(layer.bin_boundaries)  # (adapted on the wrapped model: lost, probe)
         for state, copy in zip(seed_states(source), seed_states(destination)):
             copy.assign(state.value)

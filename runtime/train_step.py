@@ -114,10 +114,7 @@ class TrainStep:
             with tf.device(program.stage.device):  # where they are written (microbatches.collector)
                 collectors.append([[collector(spec, executor.num_microbatches) for spec in m] for m in stats])
         with tf.device(last.stage.device):
-            outputs = [
-                collector(spec, executor.num_microbatches)
-                for spec in self.traced[-1][len(last.stage.outputs) :][: len(executor.loss_tensors)]
-            ]
+            outputs = [collector(spec, executor.num_microbatches) for spec in executor.returned_for_loss(self.traced)]
         carry: dict[str, Any] = {
             "forward": [[_token(s.device)] if looped else [] for s in executor.stages],
             # each stage's backwards one after the other: each holds its working set (recomputing: a
@@ -194,13 +191,14 @@ class TrainStep:
         if s != len(executor.stages) - 1:
             return None
         m = micro.m
-        start = len(executor.stages[s].outputs)
-        flat = list(outputs[start : start + len(executor.model.outputs)])
-        mask = None if executor.mask is None else outputs[-1]
+        returned = executor.returned_for_loss([outputs])  # the model's outputs, the mask, the logits
+        flat = returned[: len(executor.model.outputs)]
+        mask = None if executor.mask is None else returned[len(flat)]
         loss, gradients, steps = self.loss_function(
             take(self.y, m),
             flat,
             mask,
+            returned[len(executor.loss_tensors) :],
             take(self.weights, m),
             self.weight_sums,
             self.parts.rows(m),
@@ -209,7 +207,7 @@ class TrainStep:
         new["loss"] = _add(new["loss"], loss)
         if steps is not None:
             new["steps"] = _add(new["steps"], steps)
-        new["outputs"] = [collect(c, m, x) for c, x in zip(new["outputs"], outputs[start:])]
+        new["outputs"] = [collect(c, m, x) for c, x in zip(new["outputs"], returned, strict=True)]
         return list(gradients)
 
     def forward(self, s: int, micro: _Micro, new: dict[str, Any]) -> list[tf.Tensor]:
@@ -257,9 +255,9 @@ class TrainStep:
             targets.append(layer_loss)
             output_gradients.append(tf.cast(self.scale_loss(tf.ones([], tf.float32)), tf.float32))
         if loss_gradients is not None:  # the last stage: from the loss's gradients for the model's outputs
-            start = len(stage.outputs)
-            predictions = [t for t in outputs[start : start + len(self.executor.model.outputs)] if t.dtype.is_floating]
-            targets += predictions
+            returned = self.executor.returned_for_loss([outputs])  # and for their logits, where they have them
+            predictions = [t for t in returned[: len(self.executor.model.outputs)] if t.dtype.is_floating]
+            targets += predictions + returned[len(self.executor.loss_tensors) :]
             output_gradients += loss_gradients
         for symbolic, value in zip(stage.outputs, outputs):
             grads = micro.pending.pop(id(symbolic), None)

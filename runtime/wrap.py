@@ -372,7 +372,7 @@ def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:
     """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along. With
     replicas, every worker checks it runs the same plan and takes worker 0's initial weights."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
-    rebuilt = rebuild(model, assignment)
+    rebuilt = rebuild(model, assignment, canonical(plan.stages[-1]))
     wrapped = PipelinedModel(rebuilt, plan, model, options)
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)

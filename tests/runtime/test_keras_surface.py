@@ -162,3 +162,70 @@ def test_a_model_holding_the_wrapped_model_says_how_to_save(virtual_devices, tmp
     outer = keras.Model(inputs, keras.layers.Dense(2)(wrapped(inputs)))
     with pytest.raises(InputError, match=r"^'\w+' \(PipelinedModel\) has no config to save.*wrapped\.unwrap\(\) as"):
         outer.save(tmp_path / "outer.keras")
+
+
+def test_run_eagerly_logs_the_originals_metrics(virtual_devices) -> None:
+    """compile(run_eagerly=True) at M = 2, two outputs: an eager TensorArray forgot micro-batch 0's outputs once
+    read, so the stacked outputs held zeros there: evaluate's loss 2.0323 against 2.2067 (found by probing, stop
+    37; with a metric of the user's, TensorFlow failed: "Could not read index 0 twice")."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="features")
+    h = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    model = keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(h), "b": keras.layers.Dense(1, name="b")(h)})
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB",
+        pins={"first": virtual_devices[0], "a": virtual_devices[1], "b": virtual_devices[1]},
+    )  # fmt: skip
+    x, labels = _data(16)
+    y = {"a": labels, "b": x[:, :1]}
+    logs = []
+    for m in (reference, wrapped):
+        m.compile(
+            optimizer="sgd",
+            loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"},
+            metrics={"a": ["accuracy"], "b": ["mae"]},
+            run_eagerly=True,
+        )
+        logs.append(m.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0))
+        logs.append(m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history)
+    for key, value in logs[0].items():
+        np.testing.assert_allclose(logs[2][key], value, rtol=1e-5)
+    for key, value in logs[1].items():
+        np.testing.assert_allclose(logs[3][key], value, rtol=1e-5)
+
+
+def _nested() -> keras.Model:
+    inner = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(12, activation="tanh", name="inner_a")], name="base"
+    )
+    inputs = keras.Input((6,), name="features")
+    x = keras.layers.Dense(12, activation="relu", name="second")(inner(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+
+
+@pytest.mark.parametrize("build", [_functional, _sequential, _nested])
+def test_layers_are_the_originals_in_its_order(build, virtual_devices) -> None:
+    """``wrapped.layers`` held one layer, the staged model: freezing all but the last layer froze nothing, and
+    a Sequential's ``get_layer(index=1)`` was another layer than the original's (found by probing, stop 37). Now
+    the original's layers as their copies (a nested model as ``NestedLayers``), frozen alike, trained alike."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    reference = build()
+    reference.set_weights(model.get_weights())
+    wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
+    assert [layer.name for layer in wrapped.layers] == [layer.name for layer in reference.layers]
+    assert wrapped.get_layer(index=1).name == reference.get_layer(index=1).name
+    for m in (reference, wrapped):
+        for layer in m.layers[:-1]:
+            layer.trainable = False
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    assert len(wrapped.trainable_variables) == len(reference.trainable_variables) == 2
+    x, y = _data(16)
+    for m in (reference, wrapped):
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for expected, actual in zip(reference.get_weights(), wrapped.unwrap().get_weights(), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

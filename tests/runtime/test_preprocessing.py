@@ -107,3 +107,20 @@ def test_adapted_preprocessing_survives_save_weights_and_load_weights(name: str,
     fresh = wrap(model, plan, validate=False)
     fresh.load_weights(tmp_path / "step.weights.h5")
     assert_close(fresh.predict(x, batch_size=BATCH, verbose=0), np.asarray(model(x)))
+
+
+@pytest.mark.parametrize("name", ["normalization", "discretization", "string_lookup"])
+def test_preprocessing_adapted_again_on_the_wrapped_model_is_unwrapped(name: str, virtual_devices) -> None:
+    """``wrapped.get_layer("prep").adapt(other data)``: the wrapped model uses the new state, and so does what
+    ``unwrap()`` gives (a Discretization's new bin boundaries were lost there, found by probing, stop 37)."""
+    model, x = _adapted(name)
+    wrapped = wrap(model, _plan(model, virtual_devices, 2, 4), validate=False)
+    layer = wrapped.get_layer("prep")
+    if name == "string_lookup":
+        layer.adapt(np.array([["zeta"], ["eta"], ["eta"]]))
+    else:
+        layer.adapt(50.0 + 10.0 * _NUMBERS)
+    wrapped.retrace()
+    expected = np.asarray(wrapped(x))
+    assert not np.allclose(expected, np.asarray(model(x)))  # the new state changed the outputs
+    assert_close(np.asarray(wrapped.unwrap()(x)), expected)

@@ -20,7 +20,7 @@ import tensorflow as tf
 from zoo import ZOO, has_batch_norm
 
 import partitioner as pt
-from partitioner.errors import ProfileError
+from partitioner.errors import InputError, ProfileError
 from profiles import profile_model
 from runtime import placement_report, plan_and_wrap, wrap
 from runtime.rebuild import seed_states
@@ -619,3 +619,94 @@ def test_masked_output_with_layer_losses_is_refused(virtual_devices) -> None:
     wrapped.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
     with pytest.raises(pt.InputError, match=r"carries a Keras mask and its layers add losses.*Expected one of the two"):
         wrapped.train_on_batch(x, y)
+
+
+def _saturated_heads() -> keras.Model:
+    """Three heads on one trunk: softmax, sigmoid and linear, fed large inputs, so probabilities saturate (Keras'
+    cross-entropies take the logits behind a softmax or sigmoid, not the probabilities clipped to 1e-7)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="trunk")(inputs)
+    h = keras.layers.Dense(16, activation="relu", name="middle")(h)
+    outputs = {
+        "classes": keras.layers.Dense(5, activation="softmax", name="classes")(h),
+        "flags": keras.layers.Dense(2, activation="sigmoid", name="flags")(h),
+        "value": keras.layers.Dense(1, name="value")(h),
+    }
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize(
+    ("num_microbatches", "schedule", "early"), [(1, "gpipe", False), (2, "1f1b", False), (4, "gpipe", True)]
+)
+def test_saturated_softmax_and_sigmoid_outputs_take_the_loss_from_their_logits(
+    num_microbatches: int, schedule: str, early: bool, virtual_devices
+) -> None:
+    """Found by probing (stop 37): the last stage returned the probabilities without the logits Keras keeps on
+    them, so the wrapped model's cross-entropy took clipped probabilities: 11.53 against Keras' 23.47, gradients
+    off by 9.9 of 12.4, and evaluate likewise, at every M. The loss, evaluate and weights after two SGD steps;
+    ``early``: the softmax head on the first stage (its activation moves to the last, ``rebuild``)."""
+    model, reference = _saturated_heads(), _saturated_heads()
+    rng = np.random.default_rng(0)
+    x = 30 * rng.normal(size=(BATCH, 6)).astype("float32")
+    y = {
+        "classes": rng.integers(0, 5, BATCH),
+        "flags": rng.integers(0, 2, (BATCH, 2)).astype("float32"),
+        "value": rng.normal(size=(BATCH, 1)).astype("float32"),
+    }
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=num_microbatches, memory="1GiB",
+        pins={
+            "trunk": virtual_devices[0],
+            "classes": virtual_devices[0 if early else 1],
+            **{head: virtual_devices[1] for head in ("flags", "value")},
+        },
+        schedule=schedule,
+    )  # fmt: skip
+    assert wrapped.plan.num_stages == 2
+    assert early == ("classes_activation" in [layer.name for layer in wrapped.staged.layers])  # on the last stage
+    losses = {"classes": "sparse_categorical_crossentropy", "flags": "binary_crossentropy", "value": "mse"}
+    for m in (reference, wrapped):
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.01), loss=losses, metrics={"classes": ["sparse_categorical_crossentropy"]}
+        )
+    expected = reference.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    probabilities = reference.predict(x, batch_size=BATCH, verbose=0)["classes"][np.arange(BATCH), y["classes"]]
+    clipped = float(np.mean(-np.log(np.clip(probabilities, 1e-7, 1.0))))  # the loss from clipped probabilities
+    assert expected["classes_loss"] > clipped + 1.0  # saturated: the logits' loss is far above it
+    actual = wrapped.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    for key, value in expected.items():
+        assert_close(np.float32(actual[key]), np.float32(value))
+    for _ in range(2):
+        assert_close(np.asarray(wrapped.train_on_batch(x, y)), np.asarray(reference.train_on_batch(x, y)))
+    for expected_weight, actual_weight in zip(reference.get_weights(), wrapped.unwrap().get_weights(), strict=True):
+        assert_close(actual_weight, expected_weight)
+
+
+def test_a_softmax_output_computed_before_the_last_stage_is_refused_where_a_loss_is_taken(virtual_devices) -> None:
+    """A softmax inside a layer (here a Lambda) on a stage before the last: its logits do not reach the last
+    stage, which takes the loss (a layer's own softmax activation is moved there instead): fit and evaluate
+    refuse it in one line that says to pin it to the last stage; predict, which takes no loss, runs."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, name="trunk")(inputs)
+    scores = keras.layers.Lambda(lambda t: keras.ops.softmax(t), name="scores")(keras.layers.Dense(3, name="pre")(h))
+    value = keras.layers.Dense(1, name="value")(keras.layers.Dense(8, name="more")(h))
+    model = keras.Model(inputs, {"scores": scores, "value": value})
+    wrapped = plan_and_wrap(
+        model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB",
+        pins={"trunk": virtual_devices[0], "scores": virtual_devices[0], "more": virtual_devices[1]},
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 6)).astype("float32")
+    y = {"scores": np.zeros(BATCH), "value": np.zeros((BATCH, 1))}
+    wrapped.compile(optimizer="sgd", loss={"scores": "sparse_categorical_crossentropy", "value": "mse"})
+    expected = (
+        r"^Model output 'scores' is a softmax's or sigmoid's output computed on stage 0, before the last: .*pin it "
+        r"there \(pins=\{'scores': <the last stage's device>\}\)"
+    )
+    for run in (wrapped.train_on_batch, wrapped.test_on_batch):
+        with pytest.raises(InputError, match=expected):
+            run(x, y)
+    predicted = wrapped.predict(x, batch_size=BATCH, verbose=0)
+    assert_close(predicted["scores"], np.asarray(model(x)["scores"]))
