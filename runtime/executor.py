@@ -270,7 +270,7 @@ class Executor:
         self.logit_outputs = self.programs[-1].logits.get(kind, ())
         return traced
 
-    def returned_for_loss(self, traced: list[list[Any]]) -> list[Any]:
+    def returned_for_loss(self, traced: Sequence[Sequence[Any]]) -> list[Any]:
         """Of the last stage's traced results (or values): the loss tensors (the model's outputs, the mask)
         and the logits of the outputs that have them, in that order: what the steps collect."""
         start = len(self.programs[-1].stage.outputs)

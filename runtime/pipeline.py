@@ -496,7 +496,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         ``EarlyStopping`` on it stopped one worker and left the other waiting in a collective forever (found
         by probing, stop 37). The loss tracker is global already (``train_step._reduce``)."""
         if self.options.num_replicas == 1:
-            return self.get_metrics_result()
+            return dict(self.get_metrics_result())
         tracker = loss_tracker(self)
         metrics = [m for m in self.metrics if m is not tracker]
         values = [tf.convert_to_tensor(v) for m in metrics for v in m.variables]

@@ -174,7 +174,7 @@ def rebuild(model: Any, assignment: Mapping[str, str], last_device: str | None =
         with tf.device(device):
             outputs = clone(*args, **kwargs)
         produced.append(keras.tree.flatten(outputs))
-        if moved:
+        if moved and last_device is not None:
             name = f"{clone.name}_activation"
             while name in names.values() or name in masks.taken:
                 name = f"{name}_"
