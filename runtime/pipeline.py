@@ -117,6 +117,16 @@ class NestedLayers:
     def count_params(self) -> int:
         return sum(int(np.prod(v.shape)) for v in self.weights)
 
+    def get_weights(self) -> list[Any]:
+        return [np.asarray(v) for v in self.weights]
+
+    def set_weights(self, values: list[Any]) -> None:
+        weights = self.weights
+        if len(values) != len(weights):
+            raise InputError(f"'{self.name}' holds {len(weights)} weights. Received {len(values)} values.")
+        for variable, value in zip(weights, values, strict=True):
+            variable.assign(value)
+
     def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
         if index is not None:
             return self.layers[index]

@@ -217,6 +217,8 @@ def test_layers_are_the_originals_in_its_order(build, virtual_devices) -> None:
     wrapped = plan_and_wrap(model, virtual_devices[:2], batch_size=BATCH, num_microbatches=2, memory="1GiB")
     assert [layer.name for layer in wrapped.layers] == [layer.name for layer in reference.layers]
     assert wrapped.get_layer(index=1).name == reference.get_layer(index=1).name
+    for mine, theirs in zip(wrapped.layers, reference.layers, strict=True):
+        assert len(mine.get_weights()) == len(theirs.get_weights()) and mine.count_params() == theirs.count_params()
     for m in (reference, wrapped):
         for layer in m.layers[:-1]:
             layer.trainable = False
