@@ -222,6 +222,7 @@ def test_generate_on_the_wrapped_model_says_to_unwrap(virtual_devices) -> None:
         wrapped.generate({"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4), bool)})
 
 
+@pytest.mark.slow  # 12 s on 2 cores; make test-slow runs it
 def test_keras_hub_masked_lm_trains_its_tied_table_as_the_original(virtual_devices) -> None:
     """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer
     called twice): rebuilt from its config the head had a copy of its own, and the wrapped model trained the table

@@ -139,9 +139,15 @@ def _assert_step_matches(wrapped, reference, tape, ref_loss, x, y) -> None:
 # MobileNetV2 (keras.applications) takes 40-85 s a case on 2 cores, half of the runtime suite: its cases
 # run in the slow suite (`make test-slow`, which CI runs after `make test`)
 _SLOW = {"mobilenet_v2": [pytest.mark.slow]}
-# the cases of a model that `make test` runs (the others in the slow suite): tied_head's tie is one stage's, so
-# two cases hold it there (a pipeline with M = 4, and 1F1B with recomputation on 4 devices)
-_FAST = {"tied_head": {(2, 4, "gpipe", "never", False), (4, 4, "1f1b", "always", False)}}
+# the cases of a model that `make test` runs (the others in the slow suite, to keep `make test` under 15 minutes):
+# a pipeline at M = 4, 1F1B with recomputation on 4 devices, and for the small models M = 1 (the step inlined) and
+# XLA's stage functions; tied_head's tie is one stage's, so its two cases hold it there
+_PIPELINE, _RECOMPUTING = (2, 4, "gpipe", "never", False), (4, 4, "1f1b", "always", False)
+_SMALL = {_PIPELINE, _RECOMPUTING, (2, 1, "gpipe", "never", False), (4, 4, "1f1b", "never", True)}
+_FAST = {
+    **{name: _SMALL for name in ("mlp", "two_in_two_out", "returned_and_read", "shared_layer", "nested_sequential")},
+    **{name: {_PIPELINE, _RECOMPUTING} for name in ("cifar_cnn", "resnet_style", "tagger", "tied_head")},
+}
 
 
 def _marks(name: str, *case: object) -> list[pytest.MarkDecorator]:
