@@ -161,29 +161,32 @@ def rebuild(model: Any, assignment: Mapping[str, str], last_device: str | None =
         }
         args, kwargs = node.arguments.fill_in(values)
         clone = clone_of(call.operation)
+        # the device the output's activation moves to (``_moved_activation``), or None
         moved = (
-            last_device is not None
+            last_device
+            if last_device is not None
             and device != last_device
             and (index, 0) in model_outputs
             and (index, 0) not in reads
             and _moved_activation(call, calls, clone)
+            else None
         )
-        if moved:
+        if moved is not None:
             activation = clone.activation
             clone.activation = keras.activations.linear
         with tf.device(device):
             outputs = clone(*args, **kwargs)
         produced.append(keras.tree.flatten(outputs))
-        if moved and last_device is not None:
+        if moved is not None:
             name = f"{clone.name}_activation"
             while name in names.values() or name in masks.taken:
                 name = f"{name}_"
             masks.taken.add(name)
-            with tf.device(last_device):
+            with tf.device(moved):
                 layer = keras.layers.Activation(activation, name=name, dtype=clone.dtype_policy)
                 produced[-1] = [layer(produced[-1][0])]
-            device_of[id(layer)] = last_device
-            masks.produced(produced[-1][0], last_device)
+            device_of[id(layer)] = moved
+            masks.produced(produced[-1][0], moved)
             continue
         for new in produced[-1]:
             masks.produced(new, device)
