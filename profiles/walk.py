@@ -179,6 +179,12 @@ def _name_calls(calls: list[LayerCall]) -> None:
         )
 
 
+def graph_operations(calls: list[LayerCall]) -> dict[int, Any]:
+    """id(operation) -> operation for the operations of a flat graph's calls, each once (input layers left out):
+    what ``tied_layers`` looks a held layer up in."""
+    return {id(call.operation): call.operation for call in calls if not call.is_input}
+
+
 def tied_layers(operation: Any, operations: dict[int, Any]) -> dict[str, Any]:
     """{attribute: layer} for the layers with weights of ``operations`` (id -> operation of the flat graph) that
     ``operation`` holds as attributes of its own: a weight tied between two layers of the graph (keras-hub's
@@ -194,7 +200,7 @@ def tied_layers(operation: Any, operations: dict[int, Any]) -> dict[str, Any]:
 def _weight_groups(calls: list[LayerCall]) -> dict[int, int]:
     """id(operation) -> id of the first operation (in call order) of the group it shares weights with: itself,
     or the layer it holds or that holds it (``tied_layers``), transitively."""
-    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
+    operations = graph_operations(calls)
     group = {id(call.operation): id(call.operation) for call in calls}
     order = {key: position for position, key in enumerate(dict.fromkeys(id(call.operation) for call in calls))}
 

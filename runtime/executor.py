@@ -30,8 +30,8 @@ are the original model's on the whole batch) and out of batch normalization's st
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
@@ -68,6 +68,9 @@ class ExecutionOptions:
     batch_norm: str = "deferred"  # "deferred": one moving-statistics update per step; "per_microbatch": M updates
     jit_compile: bool = False  # compile each stage's functions with XLA on its device
     num_replicas: int = 1  # D: copies of the pipeline whose stages sum their gradients (runtime.replicas)
+    # {a layer's name in the rebuilt model: what its added loss is} for the layers whose add_loss the stages split
+    # over the batch's parts, each part's value times its share of the rows (runtime.supported.check_rows)
+    loss_kinds: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         Replicas(self.num_replicas)  # an integer >= 1, or one clear error
@@ -303,7 +306,7 @@ class Executor:
             batch's in order, the rest repeating them; ``microbatch_outputs`` one micro-batch's; the
             batch's layer losses (``add_loss``, activity regularizers) or None if there are none).
         """
-        parts = Microbatches(self.num_microbatches, inputs)
+        parts = self.microbatches(inputs, losses)
         traced = self.trace("inference", parts, losses)
         last = self.programs[-1]
         returned = self.returned_for_loss(traced)
@@ -332,6 +335,22 @@ class Executor:
         carry = self._loop(iteration, carry, parallel=len(self.stages))
         with tf.device(last.stage.device):
             return carry["outputs"], (carry["layer_loss"] if any(has_layer_losses) else None)
+
+    def microbatches(self, inputs: Sequence[tf.Tensor], losses: bool) -> Microbatches:
+        """The batch's inputs as M micro-batches; where the step takes a loss (``losses``) and a stage splits an
+        added loss that is a mean over the rows (``StageProgram.loss_kinds``), M must divide the batch: a
+        micro-batch's repeated rows would count in its mean."""
+        means = sorted(name for p in self.programs for name, kind in p.loss_kinds.items() if kind == "mean")
+        whole = None
+        if losses and means:
+            whole = (
+                f"Layer '{means[0]}' adds a loss that is a mean over the batch's rows (add_loss), which the pipeline "
+                f"splits exactly only over whole micro-batches: a batch of {{rows}} rows does not split into "
+                f"{self.num_microbatches}, and the repeated rows that fill the last micro-batch would count in "
+                f"its mean. Expected batches of a multiple of {self.num_microbatches} rows: drop the remainder "
+                "(dataset.batch(..., drop_remainder=True)), or wrap with num_microbatches=1."
+            )
+        return Microbatches(self.num_microbatches, inputs, whole)
 
     def microbatch_outputs(self, collected: Sequence[Any], m: Any, rows: Any) -> Any:
         """Micro-batch m's first ``rows`` rows (its own) of the collected model outputs, in the model's

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from partitioner.errors import InputError
+
 
 def batch_size(inputs: Sequence[tf.Tensor]) -> tf.Tensor:
     """The batch's row count B, as a value Grappler cannot fold into a constant.
@@ -33,11 +35,20 @@ class Microbatches:
     shape (each stage function is traced once). The batch's own rows of micro-batch m are its first
     ``rows(m)``; ``valid`` [M, ceil(B/M)] marks them."""
 
-    def __init__(self, num_microbatches: int, inputs: Sequence[tf.Tensor]) -> None:
+    def __init__(self, num_microbatches: int, inputs: Sequence[tf.Tensor], whole: str | None = None) -> None:
+        """``whole``: where given, the batch must split into M micro-batches without repeated rows, or the step
+        fails with this message (at the trace where B is static, else before any micro-batch runs)."""
         self.num = num = num_microbatches
         self.batch = batch = batch_size(inputs)
-        self.size = (batch + num - 1) // num
         static = tf.convert_to_tensor(inputs[0]).shape[0] if inputs else None  # B, where static
+        if whole is not None and num > 1:
+            if static is not None and static % num:
+                raise InputError(whole.format(rows=static))
+            if static is None:  # every micro-batch's size, and so all the step, waits for the check
+                check = tf.debugging.Assert(tf.equal(batch % num, 0), [whole.format(rows="B"), "B =", batch])
+                with tf.control_dependencies([check]):
+                    self.batch = batch = tf.identity(batch)
+        self.size = (batch + num - 1) // num
         self.static_size = None if static is None else -(-static // num)  # ceil(B / M): the traced shape
         self.index = tf.range(self.size * num) % batch
         self.batch_rows = tf.cast(batch, tf.float32)

@@ -168,9 +168,17 @@ class StageProgram:
         self.deferred_layers: list[Any] = []  # batch-norm calls whose statistics the training forward returns
         # layers whose activity regularizer the stage applies itself, to the micro-batch's own rows
         self.regularized = any(getattr(op, "activity_regularizer", None) is not None for op in stage.operations)
-        # only a stage with batch normalization or an activity regularizer takes the micro-batch's row
-        # mask (statistics and regularizers skip the repeated rows); a regularized one also the batch size
-        self.takes_mask = self.regularized or any(
+        # {name: kind} of the layers whose added loss the stage splits (runtime.supported.check_rows); none at M x D = 1
+        self.loss_kinds = {
+            op.name: options.loss_kinds[op.name]
+            for op in stage.operations
+            if self.num_parts > 1 and op.name in options.loss_kinds
+        }
+        # a stage with activity regularizers or split added losses takes the micro-batch's row mask and the
+        # batch's row count: it weighs their parts by the micro-batch's own rows
+        self.counts_rows = self.regularized or bool(self.loss_kinds)
+        # and one with batch normalization the mask (its statistics skip the repeated rows)
+        self.takes_mask = self.counts_rows or any(
             isinstance(op, keras.layers.BatchNormalization) for op in stage.operations
         )
         # per function kind: True iff it returns the stage's layer loss (after the returns)
@@ -184,7 +192,7 @@ class StageProgram:
     def arguments(self, values: Sequence[tf.Tensor], valid: tf.Tensor, batch: tf.Tensor) -> list[tf.Tensor]:
         """The stage function's arguments for one micro-batch: its inputs, its row mask if it takes one,
         and the batch's row count (float32) if it applies activity regularizers."""
-        return [*values, *([valid] if self.takes_mask else []), *([batch] if self.regularized else [])]
+        return [*values, *([valid] if self.takes_mask else []), *([batch] if self.counts_rows else [])]
 
     def _run(
         self, kind: str, flat: Sequence[tf.Tensor], training: bool, stats: list[Any]
@@ -195,8 +203,8 @@ class StageProgram:
         moving their own."""
         count = len(self.stage.inputs)
         valid = flat[count] if self.takes_mask else None
-        batch = flat[count + 1] if self.regularized else None
-        own_rows = tf.reduce_sum(tf.cast(valid, tf.int32)) if self.regularized else None  # repeats come last
+        batch = flat[count + 1] if self.counts_rows else None
+        own_rows = tf.reduce_sum(tf.cast(valid, tf.int32)) if self.counts_rows else None  # repeats come last
         values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
         terms: list[tf.Tensor] = []
         self.unsplittable[kind] = None
@@ -242,16 +250,20 @@ class StageProgram:
         the batch's: Keras divides an activity regularizer's value by the batch size, so the stage
         applies it to the micro-batch's own rows and divides by the whole batch's row count (exact for
         regularizers that sum over rows, as Keras' L1 and L2 do). Any other added loss is taken whole at
-        M = 1; with M > 1 the stage cannot know whether it is a mean or a sum over the batch, and marks
-        itself ``unsplittable`` (training and evaluation then refuse)."""
+        M x D = 1; else times the micro-batch's share of the batch's rows where ``check_rows`` found what it is
+        (``loss_kinds``: exact for a mean over the rows and for a constant), and where it did not the stage
+        marks itself ``unsplittable`` (training and evaluation then refuse)."""
         terms: list[tf.Tensor] = []
         if isinstance(operation, keras.layers.Layer):
-            added = [x for layer in flatten_layers(operation) for x in own_losses(layer)]
+            losses = [x for layer in flatten_layers(operation) for x in own_losses(layer)]
+            added = [tf.reduce_sum(tf.cast(x, tf.float32)) for x in losses]
             clear_losses(operation)  # the tensors belong to this function's graph: leave none behind
-            if added and self.num_parts > 1:
-                self.unsplittable[kind] = operation.name
+            if added and self.num_parts == 1:
+                terms += added
+            elif added and operation.name in self.loss_kinds:
+                terms.append(tf.add_n(added) * tf.cast(rows, tf.float32) / batch)
             elif added:
-                terms += [tf.reduce_sum(tf.cast(x, tf.float32)) for x in added]
+                self.unsplittable[kind] = operation.name
         if regularizer is not None:
             for output in keras.tree.flatten(outputs):
                 if not tf.is_tensor(output):
@@ -373,7 +385,7 @@ class StageProgram:
         itself) are put back afterwards, so it updates nothing twice; a stage with such variables
         runs no forward while its recompute runs (``Executor.windows``).
         """
-        num_arguments = len(self.stage.inputs) + int(self.takes_mask) + int(self.regularized)
+        num_arguments = len(self.stage.inputs) + int(self.takes_mask) + int(self.counts_rows)
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             state = self.restored()
@@ -414,12 +426,12 @@ def check_splittable(program: StageProgram, kind: str) -> None:
     name = program.unsplittable.get(kind)
     if name is not None:
         raise InputError(
-            f"Layer '{name}' adds a loss (add_loss, or an activity regularizer of a layer inside it or of a "
-            f"scalar output) that cannot be split over {program.num_parts} parts of the batch "
-            f"({program.num_microbatches} micro-batches x {program.num_parts // program.num_microbatches} "
-            "replica(s)): the runtime cannot tell whether it is a mean or a sum over the batch's rows. Use "
-            "num_microbatches=1 on one replica, or give the layer an activity_regularizer on a batched "
-            "output (split exactly) instead."
+            f"Layer '{name}' adds a loss (add_loss, or an activity regularizer of a scalar output) that cannot be "
+            f"split over {program.num_parts} parts of the batch ({program.num_microbatches} micro-batches x "
+            f"{program.num_parts // program.num_microbatches} replica(s)): the wrap's check of the model's rows "
+            "did not see it added on its probe batch, so the runtime cannot tell whether it is a mean over the "
+            "batch's rows. Use num_microbatches=1 on one replica, or add the loss on every call (the check then "
+            "measures it), or give the layer an activity_regularizer on a batched output (split exactly) instead."
         )
 
 

@@ -40,7 +40,7 @@ from profiles.internals import (
     set_keras_mask,
     unsafe_deserialization,
 )
-from profiles.walk import LayerCall, flatten_calls, functional_graph, tied_layers
+from profiles.walk import LayerCall, flatten_calls, functional_graph, graph_operations, tied_layers
 from runtime.backbones import backbone_layers
 
 
@@ -107,7 +107,7 @@ def rebuild(model: Any, assignment: Mapping[str, str], last_device: str | None =
     for call in calls:
         first_device.setdefault(id(call.operation), assignment[call.name])
         first_node.setdefault(id(call.operation), call.name)
-    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
+    operations = graph_operations(calls)
     taken = backbone_layers(model, first_device)  # layers of keras-hub backbones rebuilt whole, already placed
 
     produced: list[list[Any]] = []  # per call: its new symbolic outputs, flattened

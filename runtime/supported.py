@@ -38,6 +38,14 @@ compute something else than the original, silently, so ``plan_and_wrap`` and ``w
   probe batch must be the sum of its values on the halves (Keras' L1 and L2 are; a mean is not). A
   stateful recurrent layer is refused at any M: its states carry rows from one batch to the next.
 
+  A loss a layer adds (``add_loss``) is measured on the probe batch and its halves, in inference and, for a layer
+  of the user's that takes ``training``, as in a training step: the same value on any rows (a penalty on the
+  layer's weights) or the mean of the halves' (``ops.mean`` of per-row values, a variational autoencoder's KL
+  term) splits exactly, each part's value weighted by its share of the batch's rows (a mean where M divides the
+  batch: a remainder batch with repeated rows is refused at the step); a batch-wide value (a sum over the rows,
+  a mixture of experts' load-balancing loss) is refused unless ``added_losses="per_microbatch"`` takes it the
+  pipelines' way, per micro-batch.
+
   With M > 1 every op must be one of the two; with M = 1 (the micro-batch is the batch) an op may mix
   values, but no tensor may change the batch's row count: the runtime takes the batch's rows of the
   outputs, the loss's predictions and the regularized tensors. A model output must always have one row
@@ -79,6 +87,7 @@ from profiles.internals import (
     clear_losses,
     flatten_layers,
     get_keras_mask,
+    own_losses,
     own_variables,
     seed_generators,
     set_keras_mask,
@@ -87,7 +96,7 @@ from profiles.internals import (
 from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.timing import variables_kept
-from profiles.walk import LayerCall, flatten_calls, functional_graph, tied_layers
+from profiles.walk import LayerCall, flatten_calls, functional_graph, graph_operations, tied_layers
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
 # what a user's class may override around the steps, which the wrapped model (a PipelinedModel) never calls;
@@ -97,6 +106,12 @@ FRONT_DOORS = (
     "make_train_function", "make_test_function", "make_predict_function",
 )  # fmt: skip
 _LIBRARIES = ("keras.", "keras_hub.", "keras_nlp.", "keras_cv.")
+# how the losses layers add (add_loss) are split over a batch's parts: "exact" takes only those the split keeps
+# exact, "per_microbatch" also a batch-wide one, each part's value weighted by its rows (``check_rows``)
+ADDED_LOSSES = ("exact", "per_microbatch")
+# what a layer's added loss is, found on the probe batch: the same on any rows (a penalty on weights), a mean
+# over the rows, or a batch-wide value (a mixture of experts' load-balancing loss); in this order of rank
+LOSS_KINDS = ("constant", "mean", "batch")
 PROBE_ROWS = 4  # the probe batch; each op is run again on its first and its last half
 _HALVES = ((0, PROBE_ROWS // 2), (PROBE_ROWS // 2, PROBE_ROWS))
 # the contrasting probe batches: floats of the first half small and of one sign (each sign once), of the last
@@ -155,8 +170,10 @@ def check_rows(
     num_replicas: int = 1,
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
-) -> None:
-    """Raises InputError when an op of ``model`` mixes the rows of a batch where M micro-batches cannot.
+    added_losses: str = "exact",
+) -> dict[int, str]:
+    """Raises InputError when an op of ``model`` mixes the rows of a batch where M micro-batches cannot;
+    returns what each layer that adds a loss adds, for the stages to split it.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -166,10 +183,19 @@ def check_rows(
             a part of the batch as a micro-batch is, and M = 1 is checked as M > 1.
         input_shapes, sequence_length: sizes for the model's unknown non-batch dimensions, as for
             ``plan_and_wrap``; without them every unknown dimension is 1.
+        added_losses: "exact" refuses a layer whose added loss is a batch-wide value (neither a mean over the
+            rows nor the same on any rows); "per_microbatch" accepts it (``ADDED_LOSSES``).
+
+    Returns:
+        {id(layer): its kind in ``LOSS_KINDS``} for every layer the probe saw add a loss (``add_loss``, in
+        inference or, for a layer of the user's that takes ``training``, in training; an activity
+        regularizer of the layer itself is checked apart), empty with M = 1 on one replica (the one part
+        is the batch). The stages take each part's added loss times the part's share of the batch's rows:
+        exact for a mean over the rows (where M divides the batch) and for a constant.
 
     Raises:
         InputError: naming the first op (in the model's order) that mixes rows, or that fails on the
-            probe batch.
+            probe batch, or whose added loss is batch-wide under ``added_losses="exact"``.
 
     Example:
         >>> check_rows(model, num_microbatches=4, sequence_length=16)      # doctest: +SKIP
@@ -181,18 +207,21 @@ def check_rows(
     if input_shapes is None and sequence_length is None:
         sequence_length = 1
     shapes = resolve_input_shapes(functional, input_shapes, sequence_length)
+    if added_losses not in ADDED_LOSSES:
+        raise InputError(f"added_losses must be one of {ADDED_LOSSES}. Received: added_losses={added_losses!r}.")
     with variables_kept(functional.non_trainable_variables):  # a layer run as in training moves them
-        probe = _Probe(model.name, num_microbatches, num_replicas=num_replicas)
+        probe = _Probe(model.name, num_microbatches, num_replicas=num_replicas, added_losses=added_losses)
         for call in calls:
             probe.run(call, shapes)
         for tensor in functional.outputs:
             probe.check_output(calls, sources[id(tensor)])
         if probe.mixing_allowed:
-            return
+            return {}
         for sign in _CONTRASTS:  # halves apart in sign and scale: a branch or a clip on a batch-wide statistic
             contrasting = _Probe(model.name, num_microbatches, contrast=sign, num_replicas=num_replicas)
             for call in calls:
                 contrasting.run(call, shapes)
+    return probe.loss_kinds
 
 
 def _keras_own(operation: Any) -> bool:
@@ -238,7 +267,7 @@ def _check_untied(model: Any, calls: list[LayerCall]) -> None:
     which gives the second a copy of its own: the two would train apart (found by probing, stop 36:
     ``BertMaskedLM``'s token embedding updated by 0.69 of the original's, at any M, on one device too). A layer
     called twice (GPT2CausalLM's token embedding, for its logits) is one layer: it is cloned once."""
-    operations = {id(call.operation): call.operation for call in calls if not call.is_input}
+    operations = graph_operations(calls)
     owners: dict[int, Any] = {}
     for operation in operations.values():
         if not isinstance(operation, keras.layers.Layer):
@@ -295,9 +324,17 @@ class _Probe:
     """Runs the calls of a flattened graph on the probe batch and on its halves, checking each output."""
 
     def __init__(
-        self, model_name: str, num_microbatches: int | str, contrast: float | None = None, num_replicas: int = 1
+        self,
+        model_name: str,
+        num_microbatches: int | str,
+        contrast: float | None = None,
+        num_replicas: int = 1,
+        added_losses: str = "exact",
     ) -> None:
         self.model_name = model_name
+        self.added_losses = added_losses
+        self.loss_kinds: dict[int, str] = {}  # id(layer) -> what its added loss is (``LOSS_KINDS``)
+        self.added: float | None = None  # the loss the last call added (its own activity regularizer's aside)
         self.num_microbatches = num_microbatches
         self.mixing_allowed = num_microbatches == 1 and num_replicas == 1  # the one micro-batch is the batch
         # how the batch is split, for the messages: micro-batches, of each worker's shard with replicas
@@ -323,14 +360,16 @@ class _Probe:
         if not self.mixing_allowed and self.contrast is None:
             self._check_training_state(call, batch())
         whole = self._call(call, batch())
+        added = [self.added]
         self._check_shapes(call, whole)
         if self.contrast is not None and _keras_own(call.operation):  # rows of its own on any values: run once
             self.produced.append([_Value(v, _sliced(v), get_keras_mask(v), _batched(v)) for v in whole])
             return
-        parts = [
-            self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h)
-            for h in range(len(_HALVES))
-        ]
+        parts = []
+        for h in range(len(_HALVES)):
+            part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
+            parts.append(self._call(call, part, h))
+            added.append(self.added)
         outputs = []
         try:
             for position, value in enumerate(whole):
@@ -347,6 +386,7 @@ class _Probe:
             raise
         if not self.mixing_allowed and self.contrast is None:
             self._check_regularizer(call, outputs)
+            self._classify_losses(call, inputs, batch, added)
             if _checked_in_training(call.operation):
                 self._check_training_rows(call, inputs, batch, outputs)
         self.produced.append(outputs)
@@ -404,6 +444,55 @@ class _Probe:
                     "the original's. Expected a regularizer that sums over rows (keras.regularizers.L1, L2, L1L2), "
                     f"or {self.alone}; a penalty on a batch-wide value (a mean activation) belongs in the loss."
                 )
+
+    def _classify_losses(
+        self, call: LayerCall, inputs: list[_Value], batch: Callable[[], dict[int, Any]], added: list[float | None]
+    ) -> None:
+        """Records what the loss the call adds is (``LOSS_KINDS``), from its values on the probe batch and on
+        its halves (``added``: whole, then each half; None where it adds none), in inference and, for a layer
+        of the user's that takes ``training``, as in a training step (a mixture of experts adds its router
+        loss only there). Raises InputError for a batch-wide one under ``added_losses="exact"``."""
+        operation = call.operation
+        found = [(added, "")] if added[0] is not None else []
+        if takes_training(operation) and not _keras_own(operation):
+            try:
+                with _weights_kept(operation):
+                    self._call(call, batch(), training=True)
+                    trained = [self.added]
+                    if trained[0] is not None:
+                        for h in range(len(_HALVES)):
+                            part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
+                            self._call(call, part, h, training=True)
+                            trained.append(self.added)
+                        found.append((trained, " in a training step"))
+            except InputError:  # it fails in training on probe data: the step will say why, as Keras would
+                pass
+        if not found:
+            return
+        ranks = [self.loss_kinds.get(id(operation), LOSS_KINDS[0])]
+        for measured, where in found:
+            whole, *halves = measured
+            if any(h is None for h in halves):  # added on the batch, not on a part of it: batch-wide
+                kind = "batch"
+            elif all(_difference(whole, h) is None for h in halves):
+                kind = "constant"
+            else:
+                mean = sum(h for h in halves if h is not None) / len(halves)
+                kind = "mean" if _difference(whole, mean) is None else "batch"
+            ranks.append(kind)
+            if kind == "batch" and self.added_losses != "per_microbatch":
+                shown = ", ".join("none" if h is None else f"{h:.6g}" for h in halves)
+                raise InputError(
+                    f"'{operation.name}' ({type(operation).__name__}) of model '{self.model_name}' adds a loss "
+                    f"(add_loss){where} that is a batch-wide value: on a probe batch of {PROBE_ROWS} rows it gives "
+                    f"{whole:.6g} and on its halves {shown}, neither their mean nor the same value. With "
+                    f"{self.split} each {self.part} would add its own, so the loss would differ from the "
+                    "original's. Expected a loss that is a mean over the batch's rows (ops.mean of per-row values; "
+                    "a sum divided by the batch's rows) or that does not depend on them; or "
+                    f'added_losses="per_microbatch" to take each {self.part}\'s value weighted by its rows (as '
+                    f"pipelines take a mixture of experts' router loss), or {self.alone}."
+                )
+        self.loss_kinds[id(operation)] = max(ranks, key=LOSS_KINDS.index)
 
     def _draws(self, call: LayerCall) -> None:
         operation = call.operation
@@ -496,7 +585,11 @@ class _Probe:
         operation = call.operation
         if takes_training(operation):
             kwargs["training"] = training
+        regularizer = getattr(operation, "activity_regularizer", None)  # checked apart (_check_regularizer)
+        self.added = None
         try:
+            if regularizer is not None:
+                operation.activity_regularizer = None
             outputs = operation(*args, **kwargs)
         except Exception as err:
             rows = PROBE_ROWS if half is None else _HALVES[half][1] - _HALVES[half][0]
@@ -508,7 +601,11 @@ class _Probe:
                 "depending on the batch's size."
             ) from err
         finally:
+            if regularizer is not None:
+                operation.activity_regularizer = regularizer
             if isinstance(operation, keras.layers.Layer):
+                losses = [_numpy(x) for layer in flatten_layers(operation) for x in own_losses(layer)]
+                self.added = float(np.sum([x.astype(np.float64) for x in losses])) if losses else None
                 clear_losses(operation)  # the losses it added on probe data: leave none behind
         return list(keras.tree.flatten(outputs))
 

@@ -30,7 +30,7 @@ from partitioner.errors import InputError
 from profiles.internals import flatten_layers
 from runtime.batchnorm import combine, update_moving_statistics
 from runtime.losses import weight_penalty, weight_sums
-from runtime.microbatches import Microbatches, collect, collector, take, unstacked
+from runtime.microbatches import collect, collector, take, unstacked
 from runtime.stages import Stage
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class TrainStep:
         self.reached: set[tuple[int, int]] = set()
         self.scale_loss = scale_loss
         self.loss_function = executor.loss_function(loss_fn, scale_loss)
-        self.parts = Microbatches(executor.num_microbatches, inputs)
+        self.parts = executor.microbatches(inputs, True)
         self.y = self.parts.stack(y)
         self.weights = self.parts.stack(sample_weight)
         with tf.device(executor.stages[-1].device):  # the whole batch's weights, where the loss is

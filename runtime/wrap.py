@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from partitioner.cluster import DEFAULT_MEMORY_HEADROOM, Cluster, Device
@@ -71,6 +72,7 @@ def plan_and_wrap(
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
     replicas: int | None = None,
+    added_losses: str = "exact",
 ) -> PipelinedModel:
     """Profiles ``model``, plans its split over ``devices``, validates the plan and rebuilds the model.
 
@@ -115,6 +117,13 @@ def plan_and_wrap(
             with M > 1 a batch normalization with renorm, called with a Keras mask or inside another
             layer is refused) or "per_microbatch" (M moving updates per step, as Keras' layer makes
             micro-batch by micro-batch).
+        added_losses: how the losses layers add (``add_loss``) are split over the micro-batches (and
+            workers). "exact": each part's added loss times its share of the batch's rows, which is the
+            original's for a loss that is a mean over the rows or does not depend on them (measured at the
+            wrap on a probe batch: ``runtime.supported.check_rows``); a batch-wide one is refused, and a
+            mean on a batch that M does not divide is refused at its step. "per_microbatch": a batch-wide
+            one (a mixture of experts' load-balancing loss) is taken that way too, as pipelines take it:
+            each micro-batch balances its own experts, not the original's number.
         input_shapes: the shapes to plan for where the model leaves non-batch dimensions open
             (keras-hub backbones take ``(None, None)`` token ids): ``{"token_ids": (128,)}`` or a
             list in the order of ``model.inputs``, without the batch axis. The wrapped model still
@@ -144,8 +153,13 @@ def plan_and_wrap(
     candidate_schedules(schedule)  # bad options fail before profiling
     num_replicas = _num_replicas(replicas)
     check_steps(model)
-    check_rows(
-        model, num_microbatches, num_replicas=num_replicas, input_shapes=input_shapes, sequence_length=sequence_length
+    loss_kinds = check_rows(
+        model,
+        num_microbatches,
+        num_replicas=num_replicas,
+        input_shapes=input_shapes,
+        sequence_length=sequence_length,
+        added_losses=added_losses,
     )
     fixed_microbatches = 1 if isinstance(num_microbatches, str) else num_microbatches  # "auto": chosen below
     ExecutionOptions(
@@ -225,7 +239,7 @@ def plan_and_wrap(
         batch_norm=batch_norm,
         num_replicas=num_replicas,
     )
-    wrapped = _wrap(model, plan, options)
+    wrapped = _wrap(model, plan, options, loss_kinds)
     if num_replicas > 1:  # each stage's all-reduce with the other workers, timed here, in the predicted step
         executor = wrapped.executor
         times = measure_reductions(executor.collectives, [stage.trainable_variables for stage in executor.stages])
@@ -245,6 +259,7 @@ def wrap(
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
     replicas: int | None = None,
+    added_losses: str = "exact",
 ) -> PipelinedModel:
     """Rebuilds ``model`` with the placement of a plan made earlier (e.g. by the CLI's ``--out``).
 
@@ -260,6 +275,7 @@ def wrap(
             ``plan_and_wrap``).
         batch_norm: "deferred" or "per_microbatch" (see ``plan_and_wrap``).
         replicas: D, the data-parallel copies, one per worker (see ``plan_and_wrap``).
+        added_losses: "exact" or "per_microbatch" (see ``plan_and_wrap``).
         input_shapes, sequence_length: the shapes to validate at, where the model leaves non-batch
             dimensions open (see ``plan_and_wrap``), and to check its rows at (every open dimension 1
             without them).
@@ -291,12 +307,13 @@ def wrap(
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
     require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
-    check_rows(
+    loss_kinds = check_rows(
         model,
         num_microbatches,
         num_replicas=options.num_replicas,
         input_shapes=input_shapes,
         sequence_length=sequence_length,
+        added_losses=added_losses,
     )
     if validate or not _same_names(model, plan):
         from profiles import profile_model
@@ -316,7 +333,7 @@ def wrap(
     note = unpriced_replicas_note(plan, num_microbatches, options.num_replicas)
     if note:  # after the checks: a plan that cannot run says so first
         warnings.warn(note, stacklevel=2)
-    return _wrap(model, plan, options)
+    return _wrap(model, plan, options, loss_kinds)
 
 
 def _same_names(model: Any, plan: Plan) -> bool:
@@ -368,12 +385,14 @@ def _num_replicas(replicas: int | None) -> int:
     return replicas
 
 
-def _wrap(model: Any, plan: Plan, options: ExecutionOptions) -> PipelinedModel:
+def _wrap(model: Any, plan: Plan, options: ExecutionOptions, loss_kinds: Mapping[int, str]) -> PipelinedModel:
     """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along. With
-    replicas, every worker checks it runs the same plan and takes worker 0's initial weights."""
+    replicas, every worker checks it runs the same plan and takes worker 0's initial weights. ``loss_kinds``:
+    what each layer's added loss is, by id of the original layer (``check_rows``)."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
     rebuilt = rebuild(model, assignment, canonical(plan.stages[-1]))
-    wrapped = PipelinedModel(rebuilt, plan, model, options)
+    kinds = {rebuilt.clone_of[key].name: kind for key, kind in loss_kinds.items() if key in rebuilt.clone_of}
+    wrapped = PipelinedModel(rebuilt, plan, model, replace(options, loss_kinds=kinds))
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)
     join_replicas(wrapped, options.num_replicas)

@@ -222,6 +222,32 @@ def test_generate_on_the_wrapped_model_says_to_unwrap(virtual_devices) -> None:
         wrapped.generate({"token_ids": np.ones((1, 4), "int32"), "padding_mask": np.ones((1, 4), bool)})
 
 
+def test_mixture_of_experts_router_loss_is_refused_at_wrap_or_taken_per_microbatch(virtual_devices) -> None:
+    """Mixtral's load-balancing loss (add_loss in training) is a batch-wide value: refused at the first step
+    before stop 38, now at wrap; ``added_losses="per_microbatch"`` takes each micro-batch's, as pipelines do."""
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=50, num_layers=2, num_query_heads=2, hidden_dim=16, intermediate_dim=32,
+        num_key_value_heads=1, num_experts=4, top_k=2,
+    )  # fmt: skip
+    model = keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(1, 50, (BATCH, 6)).astype("int32"), "padding_mask": np.ones((BATCH, 6), "int32")}
+    y = rng.integers(1, 50, (BATCH, 6)).astype("int32")
+    options = {"batch_size": BATCH, "num_microbatches": 2, "sequence_length": 6}
+    with pytest.raises(InputError, match=r"'transformer_layer_0' \(MixtralTransformerDecoder\) .* in a training step"):
+        plan_and_wrap(model, virtual_devices[:2], **options)
+    wrapped = plan_and_wrap(model, virtual_devices[:2], added_losses="per_microbatch", **options)
+    assert wrapped.options.loss_kinds == {"transformer_layer_0": "batch", "transformer_layer_1": "batch"}
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    expected = []  # each half's loss and router losses, as the original computes them on that half alone
+    for rows in (slice(0, 4), slice(4, 8)):
+        logits = model({k: v[rows] for k, v in x.items()}, training=True)
+        expected.append(float(loss(y[rows], logits)) + sum(float(v) for v in model.losses))
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    assert wrapped.train_on_batch(x, y)[0] == pytest.approx(np.mean(expected), rel=1e-5)
+
+
 @pytest.mark.slow  # 12 s on 2 cores; make test-slow runs it
 def test_keras_hub_masked_lm_trains_its_tied_table_as_the_original(virtual_devices) -> None:
     """BertMaskedLM's MaskedLMHead holds the backbone's token embedding (a layer inside another, not a layer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from partitioner.errors import InputError
 from runtime import plan_and_wrap
@@ -20,12 +21,34 @@ class MeanPenalty(keras.layers.Layer):  # type: ignore[misc]  # keras ships no t
         return x
 
 
-def _model(add_loss: bool) -> keras.Model:
+@keras.saving.register_keras_serializable(package="tests")
+class LargestPenalty(keras.layers.Layer):  # type: ignore[misc]
+    """Adds half the largest value of its input: a batch-wide loss, as a mixture of experts' router loss is."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.max(x) * 0.5)
+        return x
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class ScaleWithPenalty(keras.layers.Layer):  # type: ignore[misc]
+    """Scales its input by a weight and, in training only, adds a penalty on that weight (the same on any rows)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x, training=None):
+        if training:
+            self.add_loss(keras.ops.sum(keras.ops.square(self.scale - 0.5)) * 0.1)
+        return x * self.scale
+
+
+def _model(add_loss: bool | type) -> keras.Model:
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     h = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L1L2(0.1, 0.2), name="first")(inputs)
     if add_loss:
-        h = MeanPenalty(name="penalty")(h)
+        h = (MeanPenalty if add_loss is True else add_loss)(name="penalty")(h)
     h = keras.layers.Dense(6, activity_regularizer="l2", name="second")(h)
     return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
 
@@ -77,17 +100,60 @@ def test_activity_regularizers_split_exactly_over_microbatches(
     _assert_wrapped_matches(_model(add_loss=False), virtual_devices, batch, num_microbatches, **options)
 
 
-def test_add_loss_with_microbatches_is_refused_but_predicts(virtual_devices) -> None:
+@pytest.mark.parametrize(
+    ("layer", "batch", "num_microbatches", "options"),
+    [
+        (MeanPenalty, 8, 2, {}),
+        (MeanPenalty, 8, 4, {"schedule": "1f1b", "recompute": "always"}),
+        (ScaleWithPenalty, 7, 3, {}),  # the same on any rows: a remainder batch splits it exactly too
+    ],
+)
+def test_add_loss_of_a_mean_or_a_constant_splits_exactly_over_microbatches(
+    layer: type, batch: int, num_microbatches: int, options: dict, virtual_devices
+) -> None:
+    """Refused at M > 1 before stop 38; the wrap's probe measures what each added loss is (``check_rows``)."""
+    _assert_wrapped_matches(_model(add_loss=layer), virtual_devices, batch, num_microbatches, **options)
+
+
+def test_add_loss_of_a_mean_on_a_batch_m_does_not_divide_is_refused_before_the_step_moves_a_weight(
+    virtual_devices,
+) -> None:
     model = _model(add_loss=True)
-    x, y = _data(8)
+    x, y = _data(15)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    reference.compile("sgd", "mse")
+    reference.train_on_batch(x[:8], y[:8])
     wrapped = plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
     wrapped.compile("sgd", "mse")
-    np.testing.assert_allclose(wrapped.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
-    split = r"cannot be split over 2 parts of the batch \(2 micro-batches x 1 replica\(s\)\)"
-    with pytest.raises(InputError, match=r"Layer 'penalty' adds a loss .* " + split):
-        wrapped.train_on_batch(x, y)
-    with pytest.raises(InputError, match="Use num_microbatches=1"):
-        wrapped.evaluate(x, y, verbose=0)
+    message = r"a mean over the batch's rows .* a batch of 7 rows does not split into 2"
+    with pytest.raises(InputError, match=message):  # a batch of static size: at the trace
+        wrapped.train_on_batch(x[8:], y[8:])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # batches of unknown size: 8, then 7 rows
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"a batch of B rows does not split into 2.*B =.*7"):
+        wrapped.fit(dataset, epochs=1, verbose=0)
+    for want, got in zip(reference.get_weights(), wrapped.unwrap().get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the first batch's step, not the second's
+
+
+def test_batch_wide_add_loss_is_refused_at_wrap_or_taken_per_microbatch(virtual_devices) -> None:
+    model = _model(add_loss=LargestPenalty)
+    x, y = _data(8)
+    message = r"'penalty' \(LargestPenalty\) .* adds a loss \(add_loss\) that is a batch-wide value: .*"
+    message += r"added_losses=\"per_microbatch\""
+    with pytest.raises(InputError, match=message):
+        plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2)
+    wrapped = plan_and_wrap(
+        model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2, added_losses="per_microbatch"
+    )
+    assert wrapped.options.loss_kinds == {"penalty": "batch"}
+    wrapped.compile("sgd", "mse")
+    model.compile("sgd", "mse")
+    halves = [model.evaluate(x[a : a + 4], y[a : a + 4], verbose=0) for a in (0, 4)]  # each half's own penalty
+    assert wrapped.evaluate(x, y, verbose=0) == pytest.approx(np.mean(halves), rel=1e-5)
+    assert abs(wrapped.evaluate(x, y, verbose=0) - model.evaluate(x, y, verbose=0)) > 1e-3  # by design
+    with pytest.raises(InputError, match=r"added_losses must be one of \('exact', 'per_microbatch'\)"):
+        plan_and_wrap(model, devices=virtual_devices[:2], batch_size=8, num_microbatches=2, added_losses="sum")
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 2])
@@ -96,7 +162,7 @@ def test_evaluate_counts_layer_losses_once_after_recompile_and_an_eager_call(
 ) -> None:
     """An eager call leaves its added losses on the layers (Keras drops them at the model's next call,
     which the pipelined steps never make): evaluate and val_loss count the step's own, once."""
-    model = _model(add_loss=num_microbatches == 1)  # add_loss is refused with micro-batches
+    model = _model(add_loss=True)
     x, y = _data(8)
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())

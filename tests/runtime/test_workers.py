@@ -147,6 +147,17 @@ def test_two_workers_with_a_masked_output_train_as_one_model_on_the_whole_batch(
     _assert_workers_match(tmp_path, reference.get_weights(), losses, evaluated)
 
 
+def test_two_workers_with_a_layer_loss_train_as_one_model_on_the_whole_batch(tmp_path) -> None:
+    """A layer's add_loss that is a mean over the rows, on uneven shards (8 and 7 rows), M = 1 on each worker:
+    each replica's part weighted by its rows is the global batch's mean (refused with replicas until stop 38)."""
+    result = _launch(tmp_path, "gpipe", "1", "never", "--penalty")
+    assert result.returncode == 0, result.stdout[-3000:]
+    reference = _reference("penalty")
+    losses = [reference.train_on_batch(*batch(step)) for step in range(NUM_STEPS)]
+    evaluated = reference.evaluate(*batch(NUM_STEPS - 1), verbose=0)
+    _assert_workers_match(tmp_path, reference.get_weights(), losses, evaluated)
+
+
 def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:
     result = _launch(tmp_path, "gpipe", "2", "never", "--disagree")
     assert result.returncode != 0

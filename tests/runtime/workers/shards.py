@@ -12,9 +12,18 @@ NUM_STEPS = 3
 STEPS, VOCABULARY = 5, 12  # the "masked" kind: token sequences padded with 0
 
 
+class MeanPenalty(keras.layers.Layer):  # type: ignore[misc]  # keras ships no type hints
+    """Adds a tenth of the mean square of its input to the loss (add_loss: a mean over the rows)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
 def build(kind: str = "mlp") -> keras.Model:
-    """ "mlp": an L2 penalty on the first layer; "bn": batch normalization on the first stage; "masked": a
-    tagger whose per-step output carries the padding mask (its loss is the mean over valid steps)."""
+    """ "mlp": an L2 penalty on the first layer; "penalty": the MLP with a loss added by a layer (a mean over the
+    rows); "bn": batch normalization on the first stage; "masked": a tagger whose per-step output carries the
+    padding mask (its loss is the mean over valid steps)."""
     if kind == "masked":
         tokens = keras.Input((STEPS,), dtype="int32", name="tokens")
         x = keras.layers.Embedding(VOCABULARY, 8, mask_zero=True, name="hidden")(tokens)
@@ -24,6 +33,8 @@ def build(kind: str = "mlp") -> keras.Model:
     x = keras.layers.Dense(12, activation="tanh", name="hidden", kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
     if kind == "bn":
         x = keras.layers.BatchNormalization(name="norm")(x)
+    if kind == "penalty":
+        x = MeanPenalty(name="penalty")(x)
     x = keras.layers.Dense(12, activation="relu", name="middle")(x)
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
 

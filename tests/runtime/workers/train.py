@@ -25,8 +25,9 @@ from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
 
 out, schedule, num_microbatches, recompute = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 disagree = "--disagree" in sys.argv  # the last worker plans another split: every worker must refuse to start
-# "--bn": batch normalization, contiguous even shards; "--masked": a masked tagger, trained with SGD momentum
-kind = "bn" if "--bn" in sys.argv else "masked" if "--masked" in sys.argv else "mlp"
+# "--bn": batch normalization, contiguous even shards; "--masked": a masked tagger, trained with SGD momentum;
+# "--penalty": the MLP with a layer's add_loss
+kind = next((k for k in ("bn", "masked", "penalty") if f"--{k}" in sys.argv), "mlp")
 keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
 model = build(kind)
 devices = worker.devices
