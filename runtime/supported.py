@@ -202,6 +202,7 @@ def check_rows(
     """
     functional = functional_graph(model)
     _check_stateless(functional)
+    _check_overwritten(functional, num_replicas)
     calls, sources = flatten_calls(functional)
     _check_untied(functional, calls)
     if input_shapes is None and sequence_length is None:
@@ -257,6 +258,22 @@ def _check_stateless(model: Any) -> None:
                 "keeps each row's last state for the same row of the next batch, across steps, which the pipeline "
                 "does not carry (its stages run each micro-batch's forward on its own). Expected stateful=False: "
                 "feed longer sequences instead, or train this model without the pipeline."
+            )
+
+
+def _check_overwritten(model: Any, num_replicas: int) -> None:
+    """Raises InputError, with replicas, for a variable Keras' optimizer overwrites with its gradient
+    (``overwrite_with_gradient``: float8 layers' scales and amax histories): the micro-batches of one replica take
+    their values' maximum, as Keras' gradient accumulation does, but the replicas' all-reduce sums."""
+    if num_replicas == 1:
+        return
+    for variable in model.trainable_variables:
+        if getattr(variable, "overwrite_with_gradient", False):
+            raise InputError(
+                f"'{variable.path}' of model '{model.name}' is overwritten with its gradient by the optimizer "
+                f"(overwrite_with_gradient: a float8 layer's scale or amax history): the {num_replicas} workers' "
+                "all-reduce sums gradients, which would sum those values. Expected one worker (micro-batches take "
+                "their maximum, as Keras' gradient accumulation does), or a model without such variables."
             )
 
 

@@ -312,6 +312,11 @@ class TrainStep:
                         "(SGD, with momentum, without clipping)."
                     )
             new[i] = tf.convert_to_tensor(g)  # an embedding's IndexedSlices are made dense to be summed
+        # a variable the optimizer overwrites with its "gradient" (Keras' float8 scales and amax histories): the
+        # micro-batches' values are taken by their maximum, as Keras' gradient accumulation takes them
+        overwritten = [i for i in new if totals[i] is not None and overwrites(stage.trainable_variables[i])]
+        for i in overwritten:
+            totals[i] = tf.maximum(totals[i], new.pop(i))
         summed = [i for i in new if totals[i] is not None]
         if summed:
             sums = self.executor.programs[s].accumulate()([totals[i] for i in summed], [new[i] for i in summed])
@@ -354,7 +359,10 @@ class TrainStep:
                 loss, count = loss * correction, valid
             for stage, grads in zip(executor.stages, sums):
                 with tf.device(stage.device):
-                    grads[:] = [None if g is None else _scaled(g, correction) for g in grads]
+                    grads[:] = [
+                        None if g is None else g if overwrites(v) else _scaled(g, correction)
+                        for g, v in zip(grads, stage.trainable_variables, strict=True)
+                    ]
         statistics = []  # per stage: [(layer, [[mean, variance, count] per part])], one entry per layer
         for program, collected in zip(executor.programs, carry["statistics"]):
             moments: dict[int, tuple[Any, list[Any]]] = {}
@@ -485,6 +493,12 @@ def _row_arrays(variable: Any, num: int) -> tuple[tf.TensorArray, tf.TensorArray
     """Where the loop leaves each micro-batch's sparse rows of ``variable``: values and row indices."""
     values = tf.TensorArray(variable.dtype, size=num, infer_shape=False, element_shape=[None, *variable.shape[1:]])
     return values, tf.TensorArray(tf.int32, size=num, infer_shape=False, element_shape=[None])
+
+
+def overwrites(variable: Any) -> bool:
+    """True iff Keras' optimizer assigns ``variable`` its gradient instead of applying an update
+    (``overwrite_with_gradient``: float8 layers' scales and amax histories)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _scaled(gradient: Any, factor: tf.Tensor) -> Any:
