@@ -58,6 +58,9 @@ PRIVATE_NAMES = frozenset(
         "_metrics",
         # keras Optimizer and Variable
         "_apply_weight_decay",
+        "_exclude_from_weight_decay",
+        "_exclude_from_weight_decay_pattern",
+        "_exclude_from_weight_decay_cache",
         "_value",
         # tensorflow FuncGraph
         "_add_control_dependencies",
@@ -498,6 +501,31 @@ def scaled_loss_weights(compile_loss: Any, factors: Sequence[Any]) -> Iterator[N
         compile_loss._flat_losses, compile_loss._metrics = entries, metrics
 
 
+class _WeightedUpdates:
+    """A metric whose ``update_state`` takes its own sample weight (``weighted_output_losses``)."""
+
+    def __init__(self, metric: Any, weight: Any) -> None:
+        self.metric, self.weight = metric, weight
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> Any:
+        return self.metric.update_state(values, sample_weight=self.weight)
+
+
+@contextlib.contextmanager
+def weighted_output_losses(compile_loss: Any, weights: Sequence[Any]) -> Iterator[None]:
+    """While the block runs, the per-output loss metrics (one per ``_flat_losses`` entry, when there are several)
+    take each entry's value with ``weights[i]`` as its sample weight, where ``CompileLoss.call`` passes the output's
+    static batch size (None, so a weight of 1, where the traced batch size is unknown). Reaches
+    ``CompileLoss._metrics``; checked on 3.15."""
+    metrics = compile_loss._metrics
+    if metrics:
+        compile_loss._metrics = [_WeightedUpdates(m, w) for m, w in zip(metrics, weights, strict=True)]
+    try:
+        yield
+    finally:
+        compile_loss._metrics = metrics
+
+
 def compute_output_spec(function: Any, *args: Any) -> Any:
     """Calls ``function`` on symbolic ``args`` (``keras.src.backend.compute_output_spec``), as Keras'
     trainer builds its ``CompileLoss``: leaving no ops behind. Not in ``keras.backend``'s public names.
@@ -523,6 +551,22 @@ def weight_decay_function(optimizer: Any) -> Callable[[Any], None]:
 def set_weight_decay_function(optimizer: Any, function: Callable[[Any], None]) -> None:
     """Replaces the optimizer's ``_apply_weight_decay`` (see ``weight_decay_function``)."""
     optimizer._apply_weight_decay = function
+
+
+def weight_decay_exclusions(optimizer: Any) -> tuple[set[int], Any]:
+    """What ``optimizer.exclude_from_weight_decay`` set: the excluded variables' keys (``id`` of each variable,
+    Keras' ``_var_key``) and the compiled pattern of excluded names (or None). Neither is in the optimizer's
+    config. Reaches ``_exclude_from_weight_decay`` and ``_exclude_from_weight_decay_pattern``; checked on 3.15."""
+    return set(getattr(optimizer, "_exclude_from_weight_decay", set())), getattr(
+        optimizer, "_exclude_from_weight_decay_pattern", None
+    )
+
+
+def set_weight_decay_exclusions(optimizer: Any, keys: set[int], pattern: Any) -> None:
+    """Sets what ``weight_decay_exclusions`` reads (and empties Keras' cache of the decisions)."""
+    optimizer._exclude_from_weight_decay = set(keys)
+    optimizer._exclude_from_weight_decay_pattern = pattern
+    optimizer._exclude_from_weight_decay_cache = {}
 
 
 def backing_value(variable: Any) -> Any | None:

@@ -61,3 +61,24 @@ def shard(
         size = GLOBAL_BATCH // num_workers
         return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
     return x[rank::num_workers], y[rank::num_workers]
+
+
+OUTPUT_SHARDS = (slice(0, 10), slice(10, 16))  # the two-output test's shards, uneven: 10 and 6 rows of 16
+
+
+def two_outputs() -> keras.Model:
+    """The per-output losses test's model (workers/outputs.py)."""
+    inputs = keras.Input((6,), name="features")
+    x = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    x = keras.layers.Dense(8, activation="relu", name="second")(x)
+    return keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(x), "b": keras.layers.Dense(1, name="b")(x)})
+
+
+def output_data() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    return x, {key: rng.normal(size=(16, 1)).astype("float32") for key in ("a", "b")}
+
+
+def output_compile_arguments() -> dict:
+    return {"optimizer": keras.optimizers.SGD(0.1), "loss": {"a": "mse", "b": "mse"}}
