@@ -61,6 +61,7 @@ PRIVATE_NAMES = frozenset(
         "_exclude_from_weight_decay",
         "_exclude_from_weight_decay_pattern",
         "_exclude_from_weight_decay_cache",
+        "_var_key",
         "_value",
         # tensorflow FuncGraph
         "_add_control_dependencies",
@@ -553,16 +554,22 @@ def set_weight_decay_function(optimizer: Any, function: Callable[[Any], None]) -
     optimizer._apply_weight_decay = function
 
 
-def weight_decay_exclusions(optimizer: Any) -> tuple[set[int], Any]:
-    """What ``optimizer.exclude_from_weight_decay`` set: the excluded variables' keys (``id`` of each variable,
-    Keras' ``_var_key``) and the compiled pattern of excluded names (or None). Neither is in the optimizer's
-    config. Reaches ``_exclude_from_weight_decay`` and ``_exclude_from_weight_decay_pattern``; checked on 3.15."""
+def variable_key(optimizer: Any, variable: Any) -> Any:
+    """How ``optimizer`` keys ``variable`` (``Optimizer._var_key``: its ``id``, or on TensorFlow its path and a
+    number of its own). Checked on 3.15."""
+    return optimizer._var_key(variable)
+
+
+def weight_decay_exclusions(optimizer: Any) -> tuple[set[Any], Any]:
+    """What ``optimizer.exclude_from_weight_decay`` set: the excluded variables' keys (``variable_key``) and the
+    compiled pattern of excluded names (or None). Neither is in the optimizer's config. Reaches
+    ``_exclude_from_weight_decay`` and ``_exclude_from_weight_decay_pattern``; checked on 3.15."""
     return set(getattr(optimizer, "_exclude_from_weight_decay", set())), getattr(
         optimizer, "_exclude_from_weight_decay_pattern", None
     )
 
 
-def set_weight_decay_exclusions(optimizer: Any, keys: set[int], pattern: Any) -> None:
+def set_weight_decay_exclusions(optimizer: Any, keys: set[Any], pattern: Any) -> None:
     """Sets what ``weight_decay_exclusions`` reads (and empties Keras' cache of the decisions)."""
     optimizer._exclude_from_weight_decay = set(keys)
     optimizer._exclude_from_weight_decay_pattern = pattern

@@ -201,6 +201,14 @@ def rebuild(model: Any, assignment: Mapping[str, str], last_device: str | None =
     outputs = keras.tree.map_structure(masks.output, outputs)
     flat = keras.Model(inputs, outputs, name=f"{model.name}_staged")
     copy_weights(origin)
+    # a weight the original does not train though its layer is trainable (a nested model or the model frozen
+    # around a layer set trainable again: Keras trains nothing there) is not trained by its clone either; the
+    # flat model has no enclosing model to freeze it (found by probing, stop 38: the clone trained, 0.14 off)
+    trained = {id(v) for v in model.trainable_weights}
+    for original, clone in origin:
+        for a, b in zip(original.weights, clone.weights, strict=True):
+            if b.trainable and id(a) not in trained:
+                b.trainable = False
     return Rebuilt(flat, device_of, origin, node_of, tuple(masks.device[id(t)] for t in flat.inputs), clones)
 
 
@@ -464,7 +472,8 @@ def _keeps_state(operation: Any) -> bool:
 
 
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
-    """Sets each destination's weights, kept state and random-seed states to its source's: [(source, destination), ...].
+    """Sets each destination's weights, kept state and random-seed states to its source's: [(source, destination), ...];
+    each variable also takes its source's ``trainable``, ``constraint`` and ``regularizer``.
 
     The seed states go along so that a copy draws the dropout masks its source would draw next.
     Layers that adapt to data (``finalize_state``) or save assets keep state that ``set_weights``
@@ -479,6 +488,13 @@ def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
     """
     for source, destination in pairs:
         destination.set_weights(source.get_weights())
+        for a, b in zip(source.weights, destination.weights, strict=True):
+            # what a variable carries beside its value, set on it rather than in its layer's config (found by
+            # probing, stop 38: a kernel frozen by `kernel.trainable = False` trained, 0.14 off; a constraint
+            # and a regularizer set on a variable were dropped)
+            if b.trainable != a.trainable:
+                b.trainable = a.trainable
+            b.constraint, b.regularizer = a.constraint, a.regularizer
         sources, destinations = flatten_layers(source), flatten_layers(destination)
         if len(sources) != len(destinations):
             raise ProfileError(
