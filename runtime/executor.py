@@ -45,7 +45,7 @@ from profiles.internals import (
     set_keras_logits,
     set_keras_mask,
 )
-from runtime.batchnorm import BATCH_NORM, check_deferrable
+from runtime.batchnorm import BATCH_NORM, check_deferrable, check_per_microbatch
 from runtime.losses import weight_penalty
 from runtime.microbatches import Microbatches, collect, collector, take, take_rows, whole
 from runtime.program import Boundary, StageProgram, check_logits_reach_the_loss, check_splittable
@@ -117,8 +117,11 @@ class Executor:
             )
         self.schedule = schedule_for(options.schedule, len(self.stages), options.num_microbatches)
         self.schedule_windows = self.schedule.windows()  # per stage; InputError for rows the loop cannot follow
+        nodes = [node for stage in self.stages for node in stage.nodes]
         if options.batch_norm == "deferred":
-            check_deferrable([node for stage in self.stages for node in stage.nodes], options.num_microbatches)
+            check_deferrable(nodes, options.num_microbatches, options.num_replicas)
+        else:
+            check_per_microbatch(nodes, options.num_replicas)
         # the one Keras mask every model output carries (runtime.rebuild refuses others), or None
         self.mask = next(iter(output_masks(model)), None)
         # what the last stage returns for the loss: the model's outputs, and their mask

@@ -398,6 +398,21 @@ def test_batch_norm_that_cannot_be_deferred_is_refused(case: str, message: str, 
     wrap(model, _plan(model, virtual_devices, 2, 1), validate=False)  # one micro-batch: Keras' own update
 
 
+def test_batch_norm_left_to_keras_is_refused_with_workers() -> None:
+    """Each worker's layer would move its statistics towards its own shard's (found by probing, stop 38: the two
+    workers' moving statistics 0.014 to 0.018 apart after 3 steps, renorm at M = 1 or batch_norm='per_microbatch')."""
+    from runtime.batchnorm import check_deferrable, check_per_microbatch
+
+    model = _undeferrable("renorm")
+    nodes = [node for layer in model.layers for node in layer._inbound_nodes]
+    check_deferrable(nodes, 1)  # one worker, one micro-batch: Keras' own update is the original's
+    with pytest.raises(pt.InputError, match=r"renorm=True.* moves them each step, on each of 2 workers apart"):
+        check_deferrable(nodes, 1, num_replicas=2)
+    check_per_microbatch(nodes, 1)
+    with pytest.raises(pt.InputError, match=r"'bn' with batch_norm='per_microbatch' on 2 workers: .* drift apart"):
+        check_per_microbatch(nodes, 2)
+
+
 def _dropout_model() -> keras.Model:
     """Dropout on both sides of a 2-stage split: [input, d0, drop0 | d1, drop1, head]."""
     inputs = keras.Input((6,))
