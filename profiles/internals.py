@@ -26,6 +26,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 # The private attribute names of Keras and TensorFlow objects read only here (the fence test holds this).
 PRIVATE_NAMES = frozenset(
     {
@@ -304,6 +306,16 @@ def regularization_losses(operation: Any) -> list[Any]:
     Checked on 3.15, present in 3.3.
     """
     return list(getattr(operation, "_get_regularization_losses", list)())
+
+
+def global_seed_state() -> Any:
+    """A copy of the state of Keras' global seed generator, which ``keras.random.*`` draws from without a
+    ``seed`` (None where none was made yet: reading does not make one). Reaches ``global_state``'s
+    ``global_seed_generator`` attribute (keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR); checked on 3.15."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return None if generator is None else np.asarray(generator.state.numpy()).copy()
 
 
 def lambda_output_shape(layer: Any) -> Any:

@@ -87,6 +87,8 @@ from profiles.internals import (
     clear_losses,
     flatten_layers,
     get_keras_mask,
+    global_seed_state,
+    input_structure,
     own_losses,
     own_variables,
     seed_generators,
@@ -171,9 +173,9 @@ def check_rows(
     input_shapes: InputShapes | None = None,
     sequence_length: int | None = None,
     added_losses: str = "exact",
-) -> dict[int, str]:
+) -> RowCheck:
     """Raises InputError when an op of ``model`` mixes the rows of a batch where M micro-batches cannot;
-    returns what each layer that adds a loss adds, for the stages to split it.
+    returns what each layer that adds a loss adds, for the stages to split it, and the probe batch.
 
     Args:
         model: a built Functional or Sequential keras.Model.
@@ -187,11 +189,12 @@ def check_rows(
             rows nor the same on any rows); "per_microbatch" accepts it (``ADDED_LOSSES``).
 
     Returns:
-        {id(layer): its kind in ``LOSS_KINDS``} for every layer the probe saw add a loss (``add_loss``, in
-        inference or, for a layer of the user's that takes ``training``, in training; an activity
+        A ``RowCheck``: {id(layer): its kind in ``LOSS_KINDS``} for every layer the probe saw add a loss
+        (``add_loss``, in inference or, for a layer of the user's that takes ``training``, in training; an activity
         regularizer of the layer itself is checked apart), empty with M = 1 on one replica (the one part
         is the batch). The stages take each part's added loss times the part's share of the batch's rows:
-        exact for a mean over the rows (where M divides the batch) and for a constant.
+        exact for a mean over the rows (where M divides the batch) and for a constant. And the probe batch,
+        for ``check_rebuilt``.
 
     Raises:
         InputError: naming the first op (in the model's order) that mixes rows, or that fails on the
@@ -216,13 +219,68 @@ def check_rows(
             probe.run(call, shapes)
         for tensor in functional.outputs:
             probe.check_output(calls, sources[id(tensor)])
+        batch = [probe.produced[sources[id(t)].call][sources[id(t)].output].whole for t in functional.inputs]
         if probe.mixing_allowed:
-            return {}
+            return RowCheck({}, batch, probe.global_draws)
         for sign in _CONTRASTS:  # halves apart in sign and scale: a branch or a clip on a batch-wide statistic
             contrasting = _Probe(model.name, num_microbatches, contrast=sign, num_replicas=num_replicas)
             for call in calls:
                 contrasting.run(call, shapes)
-    return probe.loss_kinds
+    return RowCheck(probe.loss_kinds, batch, probe.global_draws)
+
+
+class RowCheck(NamedTuple):
+    """What ``check_rows`` found: what each layer's added loss is, the probe batch it ran the model on, and the
+    layers that draw from Keras' global seed generator."""
+
+    loss_kinds: dict[int, str]  # id(layer) -> its kind in LOSS_KINDS, for the layers that add a loss
+    batch: list[Any]  # one tensor of PROBE_ROWS rows per model input, in the order of ``model.inputs``
+    global_draws: set[int]  # id(op) of the ops whose call (in training, for a layer of the user's) drew from it
+
+
+def check_recomputable(names: dict[str, int], recomputes: Callable[[int], bool]) -> None:
+    """Raises InputError where a stage that recomputes its forward holds a layer that draws random values from
+    Keras' global seed generator (``keras.random.normal(...)`` without a seed): the recompute would draw other
+    values than the forward did, so the gradients would be of another forward than the loss (found by probing,
+    stop 38: weights 0.17 off after one step). ``names``: {such a layer's name: its stage}."""
+    for name, stage in names.items():
+        if recomputes(stage):
+            raise InputError(
+                f"'{name}' draws random values from Keras' global seed generator (keras.random.* without a seed), "
+                f"and stage {stage}, which holds it, recomputes its forward in its backward: the recompute would "
+                "draw other values than the forward did. Expected a seed generator of the layer's own "
+                "(self.seed_generator = keras.random.SeedGenerator(seed) in __init__, then seed=self.seed_generator "
+                "in each draw), whose state the runtime replays; or recompute='never'."
+            )
+
+
+def check_rebuilt(original: Any, rebuilt: Any, batch: list[Any]) -> None:
+    """Raises InputError where the rebuilt model (each layer made anew from its config on its device, given the
+    original's weights) computes other outputs than the original on the probe batch ``batch`` (``RowCheck``), in
+    inference: a layer whose state is neither in its config nor in its weights (an ``__init__`` argument its
+    ``get_config`` leaves out, a tensor drawn in ``build``, sublayers Keras does not track) would train other
+    numbers from the first step (found by probing, stop 38: predict 5.09 off at M = 1). A model whose inference
+    draws random values (two runs of the original differ) is left alone. The models' non-trainable variables are
+    put back after (seed states, a layer's own counts); state a layer keeps outside its variables is not."""
+    functional = functional_graph(original)
+    inputs = keras.tree.pack_sequence_as(input_structure(functional), batch)
+    with variables_kept([*functional.non_trainable_variables, *rebuilt.non_trainable_variables]):  # seeds, counts
+        first, again = (keras.tree.flatten(functional(inputs, training=False)) for _ in range(2))
+        if any(_difference(a, _numpy(b)) is not None for a, b in zip(first, again, strict=True)):
+            return
+        ours = keras.tree.flatten(rebuilt(keras.tree.pack_sequence_as(input_structure(rebuilt), batch), training=False))
+    for position, (want, got) in enumerate(zip(first, ours, strict=True)):
+        worst = _difference(got, _numpy(want))
+        if worst is not None:
+            raise InputError(
+                f"Model '{original.name}' rebuilt for its devices computes other values than the original on a probe "
+                f"batch of {PROBE_ROWS} rows: its output {position} differs by {worst:.3g} in inference. The runtime "
+                "makes each layer anew from its config (Keras' get_config / from_config) and gives it the original's "
+                "weights, so a layer whose state is in neither (an __init__ argument get_config leaves out, a tensor "
+                "drawn in build, layers Keras does not track) comes out otherwise; keras.models.clone_model shows "
+                "the same. Expected every layer's get_config to return all its __init__ arguments, and its state "
+                "in weights (add_weight)."
+            )
 
 
 def _keras_own(operation: Any) -> bool:
@@ -352,6 +410,7 @@ class _Probe:
         self.added_losses = added_losses
         self.loss_kinds: dict[int, str] = {}  # id(layer) -> what its added loss is (``LOSS_KINDS``)
         self.added: float | None = None  # the loss the last call added (its own activity regularizer's aside)
+        self.global_draws: set[int] = set()  # id(op) of the ops that drew from Keras' global seed generator
         self.num_microbatches = num_microbatches
         self.mixing_allowed = num_microbatches == 1 and num_replicas == 1  # the one micro-batch is the batch
         # how the batch is split, for the messages: micro-batches, of each worker's shard with replicas
@@ -401,9 +460,11 @@ class _Probe:
             if any(_difference(a, _numpy(b)) is not None for a, b in pairs):
                 self._draws(call)
             raise
+        if self.contrast is None:
+            trained = self._in_training(call, inputs, batch)
         if not self.mixing_allowed and self.contrast is None:
             self._check_regularizer(call, outputs)
-            self._classify_losses(call, inputs, batch, added)
+            self._classify_losses(call, added, trained)
             if _checked_in_training(call.operation):
                 self._check_training_rows(call, inputs, batch, outputs)
         self.produced.append(outputs)
@@ -462,28 +523,38 @@ class _Probe:
                     f"or {self.alone}; a penalty on a batch-wide value (a mean activation) belongs in the loss."
                 )
 
-    def _classify_losses(
-        self, call: LayerCall, inputs: list[_Value], batch: Callable[[], dict[int, Any]], added: list[float | None]
-    ) -> None:
+    def _in_training(
+        self, call: LayerCall, inputs: list[_Value], batch: Callable[[], dict[int, Any]]
+    ) -> list[float | None] | None:
+        """Runs a layer of the user's that takes ``training`` as in a training step (its weights put back after):
+        whether it draws from Keras' global seed generator there (``global_draws``), and the loss it adds on the
+        probe batch and, where it adds one and M x D > 1, on each half (a mixture of experts adds its router loss
+        only in training); None where it is not run so or adds no loss."""
+        operation = call.operation
+        if not takes_training(operation) or _keras_own(operation):
+            return None
+        try:
+            with _weights_kept(operation):
+                self._call(call, batch(), training=True)
+                trained = [self.added]
+                if trained[0] is None or self.mixing_allowed:
+                    return None
+                for h in range(len(_HALVES)):
+                    part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
+                    self._call(call, part, h, training=True)
+                    trained.append(self.added)
+                return trained
+        except InputError:  # it fails in training on probe data: the step will say why, as Keras would
+            return None
+
+    def _classify_losses(self, call: LayerCall, added: list[float | None], trained: list[float | None] | None) -> None:
         """Records what the loss the call adds is (``LOSS_KINDS``), from its values on the probe batch and on
-        its halves (``added``: whole, then each half; None where it adds none), in inference and, for a layer
-        of the user's that takes ``training``, as in a training step (a mixture of experts adds its router
-        loss only there). Raises InputError for a batch-wide one under ``added_losses="exact"``."""
+        its halves (whole, then each half; None where it adds none), in inference (``added``) and in training
+        (``trained``, ``_in_training``). Raises InputError for a batch-wide one under ``added_losses="exact"``."""
         operation = call.operation
         found = [(added, "")] if added[0] is not None else []
-        if takes_training(operation) and not _keras_own(operation):
-            try:
-                with _weights_kept(operation):
-                    self._call(call, batch(), training=True)
-                    trained = [self.added]
-                    if trained[0] is not None:
-                        for h in range(len(_HALVES)):
-                            part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
-                            self._call(call, part, h, training=True)
-                            trained.append(self.added)
-                        found.append((trained, " in a training step"))
-            except InputError:  # it fails in training on probe data: the step will say why, as Keras would
-                pass
+        if trained is not None:
+            found.append((trained, " in a training step"))
         if not found:
             return
         ranks = [self.loss_kinds.get(id(operation), LOSS_KINDS[0])]
@@ -604,6 +675,7 @@ class _Probe:
             kwargs["training"] = training
         regularizer = getattr(operation, "activity_regularizer", None)  # checked apart (_check_regularizer)
         self.added = None
+        before = global_seed_state()
         try:
             if regularizer is not None:
                 operation.activity_regularizer = None
@@ -620,6 +692,9 @@ class _Probe:
         finally:
             if regularizer is not None:
                 operation.activity_regularizer = regularizer
+            after = global_seed_state()
+            if after is not None and (before is None or not np.array_equal(before, after)):
+                self.global_draws.add(id(operation))  # drew from Keras' global seed generator
             if isinstance(operation, keras.layers.Layer):
                 losses = [_numpy(x) for layer in flatten_layers(operation) for x in own_losses(layer)]
                 self.added = float(np.sum([x.astype(np.float64) for x in losses])) if losses else None

@@ -26,7 +26,7 @@ from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
 from runtime.replicas import Replicas, measure_reductions
-from runtime.supported import check_rows, check_steps
+from runtime.supported import RowCheck, check_rebuilt, check_recomputable, check_rows, check_steps
 from runtime.workers import current_worker, join_replicas
 
 
@@ -153,7 +153,7 @@ def plan_and_wrap(
     candidate_schedules(schedule)  # bad options fail before profiling
     num_replicas = _num_replicas(replicas)
     check_steps(model)
-    loss_kinds = check_rows(
+    checked = check_rows(
         model,
         num_microbatches,
         num_replicas=num_replicas,
@@ -239,7 +239,7 @@ def plan_and_wrap(
         batch_norm=batch_norm,
         num_replicas=num_replicas,
     )
-    wrapped = _wrap(model, plan, options, loss_kinds)
+    wrapped = _wrap(model, plan, options, checked)
     if num_replicas > 1:  # each stage's all-reduce with the other workers, timed here, in the predicted step
         executor = wrapped.executor
         times = measure_reductions(executor.collectives, [stage.trainable_variables for stage in executor.stages])
@@ -307,7 +307,7 @@ def wrap(
     schedule_for(schedule, plan.num_stages, num_microbatches)  # a Schedule for other K or M fails before rebuilding
     require_devices(plan.devices)  # raises, listing the devices that exist, if one is missing
     check_steps(model)
-    loss_kinds = check_rows(
+    checked = check_rows(
         model,
         num_microbatches,
         num_replicas=options.num_replicas,
@@ -333,7 +333,7 @@ def wrap(
     note = unpriced_replicas_note(plan, num_microbatches, options.num_replicas)
     if note:  # after the checks: a plan that cannot run says so first
         warnings.warn(note, stacklevel=2)
-    return _wrap(model, plan, options, loss_kinds)
+    return _wrap(model, plan, options, checked)
 
 
 def _same_names(model: Any, plan: Plan) -> bool:
@@ -385,13 +385,21 @@ def _num_replicas(replicas: int | None) -> int:
     return replicas
 
 
-def _wrap(model: Any, plan: Plan, options: ExecutionOptions, loss_kinds: Mapping[int, str]) -> PipelinedModel:
-    """Rebuilds ``model``; a compiled model's compile settings and optimizer state come along. With
-    replicas, every worker checks it runs the same plan and takes worker 0's initial weights. ``loss_kinds``:
-    what each layer's added loss is, by id of the original layer (``check_rows``)."""
+def _wrap(model: Any, plan: Plan, options: ExecutionOptions, checked: RowCheck) -> PipelinedModel:
+    """Rebuilds ``model`` and checks it computes the original's outputs on the probe batch (``check_rebuilt``); a
+    compiled model's compile settings and optimizer state come along. With replicas, every worker checks it runs
+    the same plan and takes worker 0's initial weights. ``checked``: what ``check_rows`` found (what each layer's
+    added loss is, by id of the original layer; the probe batch)."""
     assignment = {node: canonical(device) for node, device in plan.assignment.items()}
     rebuilt = rebuild(model, assignment, canonical(plan.stages[-1]))
-    kinds = {rebuilt.clone_of[key].name: kind for key, kind in loss_kinds.items() if key in rebuilt.clone_of}
+    check_rebuilt(model, rebuilt.model, checked.batch)
+    stages = {canonical(device): s for s, device in enumerate(plan.stages)}
+    drawing = {rebuilt.clone_of[key].name: key for key in checked.global_draws if key in rebuilt.clone_of}
+    check_recomputable(
+        {name: stages[rebuilt.device_of[id(rebuilt.clone_of[key])]] for name, key in drawing.items()},
+        options.recomputes,
+    )
+    kinds = {rebuilt.clone_of[key].name: kind for key, kind in checked.loss_kinds.items() if key in rebuilt.clone_of}
     wrapped = PipelinedModel(rebuilt, plan, model, replace(options, loss_kinds=kinds))
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)

@@ -128,3 +128,32 @@ def test_a_restart_resumes_from_the_last_backup_as_if_never_killed(fault, resume
     for key in workers[0].files:
         if key != "losses":
             np.testing.assert_array_equal(workers[0][key], workers[1][key])
+
+
+def test_sigterm_ends_a_worker_that_joined_its_cluster(tmp_path) -> None:
+    """TensorFlow's preemption notifier (installed by the cluster's strategy) caught SIGTERM and the worker went
+    on, so ``timeout``, ``kill`` or a scheduler's first signal did not end a hung worker (found by probing, stop
+    38: one waited 600 s in a collective after it)."""
+    options = LaunchOptions(2, devices_per_worker=2)
+    ports = free_ports(2)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "sleeper.py"), str(tmp_path)],
+            env={**ENV, **worker_environment(rank, ports, options)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.time() + TIMEOUT_S
+        while not all((tmp_path / f"joined-{rank}").exists() for rank in range(2)) and time.time() < deadline:
+            time.sleep(0.5)
+        workers[0].send_signal(signal.SIGTERM)
+        assert workers[0].wait(timeout=20) == -signal.SIGTERM
+    finally:
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()

@@ -18,7 +18,7 @@ def _wrapped(model, devices, num_microbatches: int, schedule: str, batch: int = 
     graph = profile_model(model, batch_size=batch, num_microbatches=num_microbatches, measure_time=False)
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in devices])
     plan = pt.baselines.uniform(graph, cluster, num_microbatches=num_microbatches)
-    return wrap(model, plan, validate=False, schedule=schedule)
+    return _reset(wrap(model, plan, validate=False, schedule=schedule))
 
 
 def _step_graph_size(wrapped, x, y) -> int:
@@ -89,6 +89,16 @@ class InFlight(keras.layers.Layer):
 def _counters(wrapped) -> dict[str, InFlight]:
     """The InFlight layers of the wrapped model (its clones on their devices), by name."""
     return {layer.name: layer for layer in wrapped._state.rebuilt.model.layers if isinstance(layer, InFlight)}
+
+
+def _reset(wrapped):
+    """Zeroes the counters of the wrapped model's InFlight layers: the wrap ran the rebuilt model once in inference
+    (``runtime.supported.check_rebuilt``), a forward without a backward, on TensorFlow variables it does not put
+    back (not the layer's weights, on purpose)."""
+    for layer in _counters(wrapped).values():
+        for counter in (layer.held, layer.most, layer.alive, layer.most_alive):
+            counter.assign(0.0)
+    return wrapped
 
 
 def _counts(wrapped) -> dict[str, dict[str, float]]:
@@ -166,7 +176,7 @@ def test_one_stage_sums_its_gradients_beside_the_next_forward(virtual_devices) -
     model = _slow_second_stage()
     graph = profile_model(model, batch_size=32, num_microbatches=4, measure_time=False)
     plan = pt.baselines.uniform(graph, pt.Cluster([pt.Device(virtual_devices[0], memory="4GiB")]), num_microbatches=4)
-    wrapped = wrap(model, plan, validate=False)
+    wrapped = _reset(wrap(model, plan, validate=False))
     assert plan.num_stages == 1 and wrapped.executor.windows() == [1]
     x, y = _one_step_as_the_original(wrapped, model, rows=32)
     assert {name: float(c.most.numpy()) for name, c in _counters(wrapped).items()} == {"first": 1.0, "second": 1.0}
@@ -187,7 +197,7 @@ def test_custom_schedule_runs_with_its_own_windows(virtual_devices) -> None:
     cluster = pt.Cluster([pt.Device(d, memory="4GiB") for d in virtual_devices[:2]])
     plan = pt.baselines.uniform(graph, cluster, num_microbatches=8)
     assert plan.num_stages == 2
-    wrapped = wrap(model, plan, validate=False, schedule=schedule)
+    wrapped = _reset(wrap(model, plan, validate=False, schedule=schedule))
     assert wrapped.executor.schedule is schedule and wrapped.executor.windows() == [3, 1]
     _one_step_as_the_original(wrapped, model, rows=32)
     assert len(model.trainable_weights) == 8  # the counters aside
@@ -217,7 +227,7 @@ def test_recomputing_stage_holds_its_window_and_one_microbatchs_activations(sche
     assert plan.num_stages == 2
     assert [plan.assignment[n] for n in ("first", "second")] == list(virtual_devices[:2])
     order = _custom_schedule() if schedule == "custom" else schedule
-    wrapped = wrap(model, plan, validate=False, schedule=order, recompute="always")
+    wrapped = _reset(wrap(model, plan, validate=False, schedule=order, recompute="always"))
     assert wrapped.executor.options.recomputes(0) and not wrapped.executor.options.recomputes(1)
     window = {"gpipe": 8, "1f1b": 2, "custom": 3}[schedule]
     assert wrapped.executor.windows() == [window, 1]

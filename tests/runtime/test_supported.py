@@ -529,3 +529,45 @@ def test_a_layer_whose_graph_shape_has_another_rank_is_refused_without_asking_fo
     expected = r"^'pairs' \(_WrongRank\) of model '\w+' returns values of shape \(4, 5, 5\) where the model's graph"
     with pytest.raises(InputError, match=expected):
         check_rows(model, 2)
+
+
+class _ScaledWithoutConfig(keras.layers.Layer):  # type: ignore[misc]  # keras ships no type hints
+    """Multiplies by ``factor``, which its get_config leaves out: made anew from its config, it multiplies by 1."""
+
+    def __init__(self, factor: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+    def get_config(self) -> dict:
+        return super().get_config()  # without factor (Keras' own would have recorded it)
+
+
+def test_a_layer_its_config_does_not_rebuild_is_refused_at_wrap(virtual_devices) -> None:
+    """Found by probing (stop 38): trained from the first step with its argument lost, predict 5.09 off, at M = 1."""
+    inputs = keras.Input((4,))
+    h = _ScaledWithoutConfig(factor=5.0, name="scaled")(keras.layers.Dense(4, name="first")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+    with pytest.raises(InputError, match=r"rebuilt for its devices computes other values .* output 0 differs by"):
+        plan_and_wrap(model, devices=virtual_devices[:2], batch_size=4, num_microbatches=1)
+
+
+class _UnseededNoise(keras.layers.Layer):  # type: ignore[misc]  # keras ships no type hints
+    """Multiplicative noise in training drawn from Keras' global seed generator (no seed generator of its own)."""
+
+    def call(self, x, training=None):
+        return x * (1.0 + 0.5 * keras.random.normal(keras.ops.shape(x))) if training else x
+
+
+def test_a_stage_that_recomputes_a_draw_from_the_global_seed_generator_is_refused(virtual_devices) -> None:
+    """Found by probing (stop 38): the recompute drew other noise than the forward, weights 0.17 off after a step."""
+    inputs = keras.Input((6,))
+    h = _UnseededNoise(name="noise")(keras.layers.Dense(6, name="first")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dense(6, name="mid")(h)))
+    pins = {"first": virtual_devices[0], "noise": virtual_devices[0], "head": virtual_devices[1]}
+    options = {"devices": virtual_devices[:2], "batch_size": 8, "num_microbatches": 1, "pins": pins}
+    with pytest.raises(InputError, match=r"'noise' draws random values from Keras' global seed generator .* stage 0"):
+        plan_and_wrap(model, recompute="always", **options)
+    assert plan_and_wrap(model, recompute="never", **options).plan.num_stages == 2
