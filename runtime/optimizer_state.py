@@ -90,6 +90,7 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
     kept = compile_config(source_model) if getattr(source_model, "compiled", False) else None
     if kept is None or source_model.optimizer is None:
         return
+    pairs = list(pairs)  # read twice: the exclusions from weight decay, the state
     destination_model.compile(**compile_arguments(kept))
     optimizer = destination_model.optimizer
     _copy_weight_decay_exclusions(source_model.optimizer, optimizer, pairs)
