@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
@@ -211,11 +212,14 @@ def join_replicas(wrapped: Any, num_replicas: int) -> None:
     rank = 0 if worker is None else worker.rank
     executor = wrapped.executor
     plan = wrapped.plan
-    # what decides the collectives every replica issues: the placement, the schedule, the variables
+    # what decides the collectives every replica issues: the placement, the schedule, the variables; and what
+    # the layers compute (two workers whose models differed in an activation trained a silent mix of the two:
+    # found by probing, stop 38)
     decisions = (sorted(plan.assignment.items()), plan.stages, executor.options)
     shapes = [[(v.path, tuple(v.shape), str(v.dtype)) for v in _stage_weights(stage)] for stage in executor.stages]
-    fingerprint = hashlib.sha256(repr((decisions, shapes)).encode()).hexdigest()
-    agree(executor.collectives, fingerprint, "the plan and its stages' variables")
+    layers = [[_config_text(operation) for operation in stage.operations] for stage in executor.stages]
+    fingerprint = hashlib.sha256(repr((decisions, shapes, layers)).encode()).hexdigest()
+    agree(executor.collectives, fingerprint, "the plan, its stages' variables and their layers' configs")
     broadcast_variables(
         executor.collectives, [[v.value for v in _stage_weights(stage)] for stage in executor.stages], rank
     )
@@ -267,6 +271,17 @@ def start_together(wrapped: Any, first_epoch: int | None) -> int | None:
 
     first = int(run())
     return None if first < 0 else first
+
+
+def _config_text(operation: Any) -> str:
+    """A layer's config as text that is the same in every process for the same layer: JSON with sorted keys, each
+    object Keras cannot serialize by its type's name, any memory address left out ("0x7f..."); the type's name
+    alone where there is no config."""
+    try:
+        text = json.dumps(operation.get_config(), sort_keys=True, default=lambda x: type(x).__name__)
+    except Exception:  # a layer without get_config: its type is what can be compared
+        text = ""
+    return type(operation).__name__ + re.sub(r"0x[0-9a-fA-F]+", "0x", text)
 
 
 def _stage_weights(stage: Any) -> list[Any]:

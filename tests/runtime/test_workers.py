@@ -182,8 +182,12 @@ def test_two_workers_log_each_outputs_loss_of_the_global_batch(tmp_path) -> None
         assert logs == pytest.approx(expected, rel=1e-5)
 
 
-def test_workers_with_different_plans_refuse_to_start(tmp_path) -> None:
-    result = _launch(tmp_path, "gpipe", "2", "never", "--disagree")
+@pytest.mark.parametrize("flag", ["--disagree", "--other-activation"])
+def test_workers_with_different_plans_or_layers_refuse_to_start(flag: str, tmp_path) -> None:
+    """Another placement on worker 1, or another activation in one of its layers (the same shapes: two workers
+    trained a silent mix of the two models, found by probing, stop 38)."""
+    result = _launch(tmp_path, "gpipe", "2", "never", flag)
     assert result.returncode != 0
-    assert "The 2 replicas do not agree on the plan and its stages' variables" in result.stdout
+    message = "The 2 replicas do not agree on the plan, its stages' variables and their layers' configs"
+    assert message in result.stdout
     assert not list(tmp_path.glob("worker-*.npz"))

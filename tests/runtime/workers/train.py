@@ -30,6 +30,8 @@ disagree = "--disagree" in sys.argv  # the last worker plans another split: ever
 kind = next((k for k in ("bn", "masked", "penalty") if f"--{k}" in sys.argv), "mlp")
 keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
 model = build(kind)
+if "--other-activation" in sys.argv and worker.rank == 1:  # the same shapes, another function
+    model.get_layer("middle").activation = keras.activations.get("tanh")
 devices = worker.devices
 wrapped = plan_and_wrap(
     model,
