@@ -93,34 +93,26 @@ def compile_like(source_model: Any, destination_model: Any, pairs: Iterable[tupl
     pairs = list(pairs)  # read twice: the exclusions from weight decay, the state
     destination_model.compile(**compile_arguments(kept))
     optimizer = destination_model.optimizer
-    _copy_weight_decay_exclusions(source_model.optimizer, optimizer, pairs)
+    carry_weight_decay_exclusions(source_model.optimizer, optimizer, pairs)
     if destination_model.built and not optimizer.built:  # as Keras' compile_from_config does
         optimizer.build(destination_model.trainable_variables)
     if source_model.optimizer.built:
         copy_optimizer_state(source_model.optimizer, optimizer, pairs)
 
 
-def _copy_weight_decay_exclusions(source: Any, destination: Any, pairs: Iterable[tuple[Any, Any]]) -> None:
-    """Gives ``destination`` the variables and names ``source.exclude_from_weight_decay`` excluded (each variable
-    as its pair), which no optimizer config holds (found by probing, stop 38: a wrapped AdamW decayed the
-    excluded kernels, 1.1e-2 off after 4 steps)."""
+def carry_weight_decay_exclusions(source: Any, destination: Any, pairs: Iterable[tuple[Any, Any]]) -> None:
+    """Gives ``destination`` (beside its own) what ``source.exclude_from_weight_decay`` excluded, which no optimizer
+    config holds: the names, and each excluded variable of ``pairs``' first side as its second side. ``source``
+    may be ``destination``: an optimizer whose ``var_list`` named the variables of the model that was wrapped
+    then excludes their copies too (found by probing, stop 38: a wrapped AdamW decayed the excluded kernels, 1.1e-2
+    off after 4 steps, and the copies of variables named that way, 0.033)."""
+    pairs = list(pairs)
     for a, b in zip(_optimizers(source), _optimizers(destination)):
         keys, pattern = weight_decay_exclusions(a)
-        if keys or pattern is not None:
-            mapped = {variable_key(b, dst) for src, dst in pairs if variable_key(a, src) in keys}
-            set_weight_decay_exclusions(b, mapped, pattern)
-
-
-def exclusions_onto_copies(optimizer: Any, pairs: Iterable[tuple[Any, Any]]) -> None:
-    """Where ``optimizer.exclude_from_weight_decay(var_list=...)`` named variables of the model that was wrapped,
-    excludes their copies in the wrapped model too: the original's are not the ones trained (found by probing,
-    stop 38: the wrapped model decayed them, 0.033 off)."""
-    pairs = list(pairs)
-    for inner in _optimizers(optimizer):
-        keys, pattern = weight_decay_exclusions(inner)
-        mapped = {variable_key(inner, copy) for original, copy in pairs if variable_key(inner, original) in keys}
-        if mapped - keys:
-            set_weight_decay_exclusions(inner, keys | mapped, pattern)
+        own, own_pattern = weight_decay_exclusions(b)
+        mapped = {variable_key(b, dst) for src, dst in pairs if variable_key(a, src) in keys}
+        if mapped - own or pattern is not own_pattern:
+            set_weight_decay_exclusions(b, own | mapped, own_pattern if pattern is None else pattern)
 
 
 def _optimizers(optimizer: Any) -> list[Any]:

@@ -61,9 +61,9 @@ from runtime.losses import (
 )
 from runtime.metrics import ByMicrobatch, sums_over_rows, warn_stacked
 from runtime.optimizer_state import (
+    carry_weight_decay_exclusions,
     compile_like,
     copy_optimizer_state,
-    exclusions_onto_copies,
     place_updates,
     updates_sparse_rows_linearly,
 )
@@ -391,8 +391,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         super().compile(*args, **kwargs)
         self._state = replace(self._state, executor=self._recut(jit_compile=jit))
         if self.optimizer is not None:
-            origin = self._state.rebuilt.origin
-            exclusions_onto_copies(self.optimizer, [(a, b) for o, c in origin for a, b in zip(o.weights, c.weights)])
+            carry_weight_decay_exclusions(self.optimizer, self.optimizer, _weight_pairs(self._state.rebuilt.origin))
             if not self.optimizer.built and self.trainable_variables:
                 self.optimizer.build(self.trainable_variables)
             place_updates(self.optimizer)

@@ -99,6 +99,7 @@ from profiles.shapes import InputShapes
 from profiles.shapes import input_shapes as resolve_input_shapes
 from profiles.timing import variables_kept
 from profiles.walk import LayerCall, flatten_calls, functional_graph, graph_operations, tied_layers
+from runtime.train_step import overwrites
 
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "call")
 # what a user's class may override around the steps, which the wrapped model (a PipelinedModel) never calls;
@@ -326,7 +327,7 @@ def _check_overwritten(model: Any, num_replicas: int) -> None:
     if num_replicas == 1:
         return
     for variable in model.trainable_variables:
-        if getattr(variable, "overwrite_with_gradient", False):
+        if overwrites(variable):
             raise InputError(
                 f"'{variable.path}' of model '{model.name}' is overwritten with its gradient by the optimizer "
                 f"(overwrite_with_gradient: a float8 layer's scale or amax history): the {num_replicas} workers' "
@@ -443,8 +444,7 @@ class _Probe:
             return
         parts = []
         for h in range(len(_HALVES)):
-            part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
-            parts.append(self._call(call, part, h))
+            parts.append(self._call_on_half(call, inputs, h))
             added.append(self.added)
         outputs = []
         try:
@@ -540,8 +540,7 @@ class _Probe:
                 if trained[0] is None or self.mixing_allowed:
                     return None
                 for h in range(len(_HALVES)):
-                    part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
-                    self._call(call, part, h, training=True)
+                    self._call_on_half(call, inputs, h, training=True)
                     trained.append(self.added)
                 return trained
         except InputError:  # it fails in training on probe data: the step will say why, as Keras would
@@ -603,10 +602,7 @@ class _Probe:
             again = self._call(call, batch(), training=True)
             if any(_difference(a, _numpy(b)) is not None for a, b in zip(whole, again, strict=True)):
                 return
-            parts = [
-                self._call(call, {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}, h, True)
-                for h in range(len(_HALVES))
-            ]
+            parts = [self._call_on_half(call, inputs, h, training=True) for h in range(len(_HALVES))]
         for position, (value, seen) in enumerate(zip(whole, outputs, strict=True)):
             if not seen.rows:
                 continue
@@ -700,6 +696,11 @@ class _Probe:
                 self.added = float(np.sum([x.astype(np.float64) for x in losses])) if losses else None
                 clear_losses(operation)  # the losses it added on probe data: leave none behind
         return list(keras.tree.flatten(outputs))
+
+    def _call_on_half(self, call: LayerCall, inputs: list[_Value], half: int, training: bool = False) -> list[Any]:
+        """The call on the rows ``half`` of the probe batch (``_part`` of each of its inputs)."""
+        part = {id(t): self._part(x, half) for t, x in zip(call.node.input_tensors, inputs)}
+        return self._call(call, part, half, training)
 
     def _part(self, value: _Value, half: int) -> Any:
         """What a micro-batch of the probe batch's rows ``half`` gives an op: those rows of a batched

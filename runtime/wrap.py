@@ -394,11 +394,8 @@ def _wrap(model: Any, plan: Plan, options: ExecutionOptions, checked: RowCheck) 
     rebuilt = rebuild(model, assignment, canonical(plan.stages[-1]))
     check_rebuilt(model, rebuilt.model, checked.batch)
     stages = {canonical(device): s for s, device in enumerate(plan.stages)}
-    drawing = {rebuilt.clone_of[key].name: key for key in checked.global_draws if key in rebuilt.clone_of}
-    check_recomputable(
-        {name: stages[rebuilt.device_of[id(rebuilt.clone_of[key])]] for name, key in drawing.items()},
-        options.recomputes,
-    )
+    drawing = [rebuilt.clone_of[key] for key in checked.global_draws if key in rebuilt.clone_of]
+    check_recomputable({clone.name: stages[rebuilt.device_of[id(clone)]] for clone in drawing}, options.recomputes)
     kinds = {rebuilt.clone_of[key].name: kind for key, kind in checked.loss_kinds.items() if key in rebuilt.clone_of}
     wrapped = PipelinedModel(rebuilt, plan, model, replace(options, loss_kinds=kinds))
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
