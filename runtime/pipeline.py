@@ -68,6 +68,7 @@ from runtime.optimizer_state import (
     updates_sparse_rows_linearly,
 )
 from runtime.rebuild import Rebuilt, clone_operation, copy_weights, user_code
+from runtime.replicas import check_in_step, in_step, out_of_step_raised
 from runtime.stages import cut_stages
 from runtime.workers import start_together
 
@@ -184,22 +185,45 @@ CANCELLED_NOTE = (
 )
 
 
-def _explaining(function: Any, num_stages: int) -> Any:
-    """``function`` (a Keras train, test or predict function), adding ``CANCELLED_NOTE`` to a CancelledError it
-    raises where the plan has several stages: an error inside the micro-batch loop on one device cancels the
-    other devices' receives, and TensorFlow raises one of those (a derived status) instead of the error."""
-    if function is None or num_stages < 2:
+LEFT_NOTE = (
+    "keras-partitioner: another worker left the cluster (it ended, failed or was killed) while this one waited "
+    "for it in a collective. Every worker must run the same number of steps and call fit and evaluate alike "
+    "(evaluate on every worker, not only on worker 0); the other worker's log says whether it failed."
+)
+
+
+def _explaining(function: Any, num_stages: int, num_replicas: int) -> Any:
+    """``function`` (a Keras train, test or predict function), explaining what TensorFlow raises for a pipeline or
+    its replicas: ``CANCELLED_NOTE`` added to a CancelledError where the plan has several stages (an error inside
+    the micro-batch loop on one device cancels the other devices' receives, and TensorFlow raises one of those
+    instead of the error); with replicas, a replica out of step with another (``replicas.in_step``'s assertion)
+    as one InputError, and ``LEFT_NOTE`` added where another worker left the cluster."""
+    if function is None or (num_stages < 2 and num_replicas < 2):
         return function
 
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except tf.errors.CancelledError as error:
-            if hasattr(error, "add_note") and CANCELLED_NOTE not in getattr(error, "__notes__", ()):
-                error.add_note(CANCELLED_NOTE)  # Python 3.11+; on 3.10 the error goes unexplained
+            _note(error, CANCELLED_NOTE)
+            raise
+        except tf.errors.InvalidArgumentError as error:
+            line = out_of_step_raised(str(error.message)) if num_replicas > 1 else None
+            if line is not None:
+                raise InputError(line) from None
+            raise
+        except tf.errors.UnavailableError as error:
+            if num_replicas > 1:
+                _note(error, LEFT_NOTE)
             raise
 
     return run
+
+
+def _note(error: BaseException, note: str) -> None:
+    """Adds ``note`` to ``error`` once (Python 3.11+; on 3.10 the error goes unexplained)."""
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
 
 
 class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type hints
@@ -224,6 +248,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         stages = tuple(canonical(d) for d in plan.stages)  # the spelling the rebuilt layers' devices use
         executor = Executor(rebuilt.model, cut_stages(rebuilt.model, rebuilt.device_of, stages), options)
         self._state = _State(rebuilt=rebuilt, plan=plan, original=original, executor=executor, stages=stages)
+        self._evaluating = 0  # evaluate calls under way (validation runs inside fit)
         self.built = True  # its variables exist (the staged model is built): BackupAndRestore checks it
 
     # ----- what it is ------------------------------------------------------------------------------
@@ -444,7 +469,8 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         made = getattr(self, attribute) is None or force
         make(force)
         if made:
-            setattr(self, attribute, _explaining(getattr(self, attribute), self.plan.num_stages))
+            explained = _explaining(getattr(self, attribute), self.plan.num_stages, self.options.num_replicas)
+            setattr(self, attribute, explained)
         return getattr(self, attribute)
 
     def compile_from_config(self, config: Any) -> None:
@@ -467,6 +493,15 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
             arguments["callbacks"] = [*(callbacks or []), _StartTogether()]
         return super().fit(**arguments)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """keras.Model.evaluate. With replicas every worker must call it (its steps sum the replicas' losses and
+        metrics), with the same number of steps (``_get_metrics_result_or_logs`` checks)."""
+        self._evaluating += 1
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evaluating -= 1
+
     def train_step(self, data: Any) -> Any:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         inputs = self._flat_inputs(x)
@@ -477,6 +512,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         problem = self._loss_split_problem(y, sample_weight)
         if problem is not None:
             raise InputError(problem)
+        in_step(executor.collectives, "a training step")  # the replicas are all at a training step
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
             loss, collected, gradients, rows = executor.train(
                 inputs, y, sample_weight, self._micro_loss, scale, summable
@@ -550,9 +586,15 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         """With replicas, the last step's logs (global, ``_metrics_result``) are the epoch's and evaluate's, not
         Keras' ``get_metrics_result()`` read again outside the step, which would give this worker's own metrics
         (Keras reads them again for asynchronous steps, which these are not). Overrides a method of Keras'
-        Trainer (``fit`` and ``evaluate`` call it at their end; checked on 3.15)."""
+        Trainer (``fit`` calls it at the end of an epoch's training steps, ``evaluate`` at its end; checked on 3.15).
+
+        There the replicas check they all are (``replicas.check_in_step``): a worker with a step more in an epoch
+        (a larger shard) would have summed its gradients with the next epoch's first step of the others, and a
+        worker's extra evaluate step waited forever; now both fail with one clear error."""
         if self.options.num_replicas == 1:
             return super()._get_metrics_result_or_logs(logs)
+        at = "the end of evaluate" if self._evaluating else "the end of an epoch"
+        check_in_step(self._state.executor.collectives, at)
         return logs
 
     def _by_microbatch(self, y: Any, collected: list[Any], batch: tf.Tensor, sample_weight: Any) -> ByMicrobatch | None:
@@ -636,6 +678,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         problem = self._loss_split_problem(y, sample_weight)
         if problem is not None and self.options.num_replicas > 1:
             raise InputError(problem)  # each replica's loss is averaged by rows
+        in_step(executor.collectives, "an evaluate (or validation) step")
         with self._first_stage():
             collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]

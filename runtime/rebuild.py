@@ -471,6 +471,38 @@ def _keeps_state(operation: Any) -> bool:
     return any(hasattr(layer, "finalize_state") or hasattr(layer, "save_assets") for layer in flatten_layers(operation))
 
 
+def _variable_pairs(source: Any, destination: Any) -> list[tuple[Any, Any]]:
+    """(a variable of ``source``, the same of its copy ``destination``) for every weight: in order, or by name where
+    each name is the layer's once and the copy made them in another order (a Dense quantized to float8 after it
+    was built holds its scales before its kernel; its copy from the config after: found by probing, stop 38).
+
+    Raises:
+        ProfileError: when the copy holds other weights than the layer (Keras cannot rebuild it from its config).
+    """
+    names, copied = [v.name for v in source.weights], [v.name for v in destination.weights]
+    if len(names) == len(copied) and (names == copied or len(set(names)) < len(names)):
+        pairs = list(zip(source.weights, destination.weights))
+    elif sorted(names) == sorted(copied):
+        by_name = {v.name: v for v in destination.weights}
+        pairs = [(v, by_name[v.name]) for v in source.weights]
+    else:
+        raise ProfileError(
+            f"Cannot copy layer '{source.name}' ({type(source).__name__}): it holds {len(names)} weights, its copy "
+            f"made from its config {len(copied)}, so Keras cannot rebuild it from its config (keras.models."
+            "clone_model(model) fails the same way; a MultiHeadAttention quantized to int8 does). Expected a layer "
+            "whose config and build make the same weights: leave this layer unquantized (model.quantize(mode, "
+            "filters=...) chooses the layers), or train the model before quantizing it."
+        )
+    for a, b in pairs:
+        if tuple(a.shape) != tuple(b.shape):
+            raise ProfileError(
+                f"Cannot copy layer '{source.name}' ({type(source).__name__}): its weight '{a.name}' has shape "
+                f"{tuple(a.shape)}, its copy's made from its config {tuple(b.shape)}. Expected a layer whose config "
+                "and build make the same weights (keras.models.clone_model(model) fails the same way)."
+            )
+    return pairs
+
+
 def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
     """Sets each destination's weights, kept state and random-seed states to its source's: [(source, destination), ...];
     each variable also takes its source's ``trainable``, ``constraint`` and ``regularizer``.
@@ -487,8 +519,8 @@ def copy_weights(pairs: list[tuple[Any, Any]]) -> None:
     (Keras' ``save_own_variables`` of a Dense with LoRA would merge the adapters into the kernel).
     """
     for source, destination in pairs:
-        destination.set_weights(source.get_weights())
-        for a, b in zip(source.weights, destination.weights, strict=True):
+        for a, b in _variable_pairs(source, destination):
+            b.assign(a.value)
             # what a variable carries beside its value, set on it rather than in its layer's config (found by
             # probing, stop 38: a kernel frozen by `kernel.trainable = False` trained, 0.14 off; a constraint
             # and a regularizer set on a variable were dropped)

@@ -16,7 +16,14 @@ one process and between processes, with an NCCL path on GPUs:
   gradient: 68 ms against 117 ms for 2 x 64 MB, ``../shared/HYBRID-NOTES.md``);
 - an ordering token (the handle of a variable on the stage's device) on every collective: without it
   TensorFlow's automatic control dependencies chain the collectives of different devices in program
-  order, and two devices that wait for each other's peers deadlock.
+  order, and two devices that wait for each other's peers deadlock;
+- the replicas stay in step: every action that issues collectives (a training step, an evaluate step, the
+  start of ``fit``, the end of an epoch's training steps and of ``evaluate``) first sums what it is
+  (``ACTIONS``, one-hot) over the replicas in one small collective of a fixed key and shape on the first
+  stage's device, and a step asserts that every replica is at the same action (``in_step``,
+  ``check_in_step``). Collectives pair up by key in the order they are issued, so a worker with one more
+  step in an epoch meets another's end of the epoch there, and both raise one clear error where they
+  waited before, each for a collective the other never issues.
 
 What is summed is each replica's local mean times its count (rows, or valid steps with an output
 mask), with the count itself, so the sum divided by the summed count is the mean over the global
@@ -26,6 +33,7 @@ batch, exact for uneven shards (``TrainStep.finish`` in ``runtime.train_step``).
 from __future__ import annotations
 
 import hashlib
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,6 +48,7 @@ GROUP_KEY_BASE = 1000  # stage s's collective group is GROUP_KEY_BASE + s (below
 INSTANCE_KEY_BASE = 1_000_000  # the first instance key; TensorFlow's strategies count theirs from 1
 # metrics: a training step's metric states (PipelinedModel._metrics_result), evaluate_metrics: evaluate's
 _PURPOSES = (
+    "actions",  # what each replica is doing (ACTIONS), before any other collective of the action
     "gradients",
     "broadcast",
     "agree",
@@ -54,6 +63,15 @@ _MAX_STAGES = 1024
 # made for a stage on a device takes keys of its own, the same on every replica that runs the same program
 # (one per process, or one per device when the replicas of a test share a process)
 _made: dict[tuple[int, str], int] = {}
+# what a replica does when it issues collectives; the order is the one-hot's (every replica runs the same code)
+ACTIONS = (
+    "a training step",
+    "an evaluate (or validation) step",
+    "the start of fit",
+    "the end of an epoch",  # its training steps, before its validation
+    "the end of evaluate",
+)
+OUT_OF_STEP = "The replicas are out of step"  # starts the error of a replica whose action differs from another's
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,7 @@ class StageCollectives:
             raise InputError(f"A pipeline has at most {_MAX_STAGES} stages. Received: stage {stage}.")
         nth = _made[(stage, device)] = _made.get((stage, device), -1) + 1
         self._first_key = INSTANCE_KEY_BASE + (nth * _MAX_STAGES + stage) * len(_PURPOSES) * _DTYPES_PER_PURPOSE
+        self.counting: dict[str, Any] = {}  # check_in_step's function per action
         with tf.device(device):
             # its handle orders this device's collectives (and only them) in program order
             self._token = tf.Variable(0, dtype=tf.int32, trainable=False, name=f"stage{stage}_collective_order")
@@ -135,6 +154,83 @@ class StageCollectives:
             return values
         sent = values if rank == 0 else [tf.zeros_like(v) for v in values]
         return self.sum(sent, "broadcast")
+
+
+def _action_counts(group: StageCollectives, action: str) -> tf.Tensor:
+    """How many replicas are at each of ``ACTIONS`` (float64: exact), summed on ``group``'s device."""
+    mine = tf.one_hot(ACTIONS.index(action), len(ACTIONS), dtype=tf.float64)
+    return group.sum([mine], "actions")[0]
+
+
+def out_of_step(action: str, counts: Sequence[float] | None = None) -> str:
+    """The one-line error of a replica at ``action`` when another is not: ``counts`` per ``ACTIONS`` where known."""
+    where = ""
+    if counts is not None:
+        where = " (" + ", ".join(f"{int(n)} at {a}" for a, n in zip(ACTIONS, counts) if n) + ")"
+    return (
+        f"{OUT_OF_STEP}: this worker is at {action} and another is not{where}. Expected every worker to run the "
+        "same number of training and validation steps and to call fit and evaluate alike (evaluate on every "
+        "worker, not only on worker 0); give each worker shards of equal size, or steps_per_epoch and "
+        "validation_steps (and steps for evaluate) that the data of every worker can fill."
+    )
+
+
+def in_step(collectives: Sequence[StageCollectives], action: str) -> None:
+    """While a step that issues collectives is traced, before its other collectives: the replicas sum which of
+    ``ACTIONS`` each is at, on the first stage's device, and an assertion that all are at ``action`` fails the
+    step where one is not (``OUT_OF_STEP``'s message and the counts, tf.errors.InvalidArgumentError; the step's
+    collectives waiting for the other replica are cancelled with it). Nothing with one replica.
+
+    The step's other collectives do not wait for the assertion: a worker killed just before a step was found
+    in 0.05 s by a step's gradient sum waiting on its connection, and in 7.5 s (the coordination service's
+    heartbeat) when every collective of the step waited for this small one first (measured with 2 workers,
+    tests/runtime/test_faults.py)."""
+    if not collectives or collectives[0].num_replicas == 1:
+        return
+    group = collectives[0]
+    with tf.device(group.device):
+        counts = _action_counts(group, action)
+        tf.debugging.Assert(  # TensorFlow's message: "[out_of_step(action)] [the counts]"
+            tf.equal(counts[ACTIONS.index(action)], group.num_replicas),
+            [out_of_step(action), counts],
+            summarize=len(ACTIONS),
+        )
+
+
+def out_of_step_raised(message: str) -> str | None:
+    """``out_of_step``'s line, with the counts, from the message of the error ``in_step``'s assertion raised
+    (None for another error's)."""
+    for action in ACTIONS:
+        found = re.search(re.escape(out_of_step(action)) + r"\] \[([^\]]*)\]", message)
+        if found:
+            counts = found.group(1).split()
+            known = len(counts) == len(ACTIONS) and all(re.fullmatch(r"[\d.]+", n) for n in counts)
+            return out_of_step(action, [float(n) for n in counts] if known else None)
+    return None
+
+
+def check_in_step(collectives: Sequence[StageCollectives], action: str) -> None:
+    """Out of a step (the start of ``fit``, the end of an epoch's training steps and of ``evaluate``): the
+    replicas sum which of ``ACTIONS`` each is at, as ``in_step`` does, and this one raises where another is
+    elsewhere.
+
+    Raises:
+        InputError: ``OUT_OF_STEP``'s message, with how many replicas are at which action.
+    """
+    if not collectives or collectives[0].num_replicas == 1:
+        return
+    group = collectives[0]
+    if action not in group.counting:  # traced once per action (the end of every epoch runs it)
+
+        @tf.function(autograph=False)  # type: ignore[untyped-decorator]  # TensorFlow ships no type hints
+        def run() -> tf.Tensor:
+            with tf.device(group.device):
+                return _action_counts(group, action)
+
+        group.counting[action] = run
+    counts = group.counting[action]().numpy()
+    if counts[ACTIONS.index(action)] != group.num_replicas:
+        raise InputError(out_of_step(action, counts.tolist()))
 
 
 def broadcast_variables(collectives: Sequence[StageCollectives], variables: Sequence[Sequence[Any]], rank: int) -> None:

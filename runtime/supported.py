@@ -467,6 +467,8 @@ class _Probe:
             self._classify_losses(call, added, trained)
             if _checked_in_training(call.operation):
                 self._check_training_rows(call, inputs, batch, outputs)
+            if not _keras_own(call.operation):
+                self._check_backward_rows(call, inputs, batch, outputs)
         self.produced.append(outputs)
 
     def _check_shapes(self, call: LayerCall, whole: list[Any]) -> None:
@@ -615,6 +617,74 @@ class _Probe:
                     call,
                     f"in a training step (training=True) its rows computed on half the batch differ by {worst:.3g}",
                 )
+
+    def _check_backward_rows(
+        self, call: LayerCall, inputs: list[_Value], batch: Callable[[], dict[int, Any]], outputs: list[_Value]
+    ) -> None:
+        """Raises InputError where the call's backward mixes the rows its forward keeps apart: an
+        ``ops.custom_gradient`` that scales the gradient by a batch-wide value (its norm), which the forward
+        probe cannot see (found by probing, stop 38). For a random cotangent on its outputs' rows, each input
+        row's gradient on half the batch against the whole batch's, and its weights' gradients summed over the
+        halves against the whole's. Layers of the user's and Lambdas only (Keras' own differentiate row by
+        row); run as in a training step where ``_checked_in_training`` says so."""
+        operation = call.operation
+        training = _checked_in_training(operation)
+        cotangents = [
+            self.rng.normal(size=tuple(v.whole.shape)) if v.rows and _numpy(v.whole).dtype.kind == "f" else None
+            for v in outputs
+        ]
+        if not any(c is not None for c in cotangents):
+            return
+        weights = list(getattr(operation, "trainable_weights", []))
+
+        floating = [
+            id(t) for t, x in zip(call.node.input_tensors, inputs) if x.rows and _numpy(x.whole).dtype.kind == "f"
+        ]
+
+        def gradients(values: dict[int, Any], rows: slice) -> tuple[list[Any], list[Any]]:
+            watched = {key: values[key] for key in floating}
+            with tf.GradientTape() as tape:
+                tape.watch(list(watched.values()))
+                found = self._call(call, values, training=training)
+                total = tf.add_n(
+                    [
+                        tf.reduce_sum(tf.cast(o, tf.float64) * c[rows])
+                        for o, c in zip(found, cotangents, strict=True)
+                        if c is not None and o is not None
+                    ]
+                )
+            grads = [
+                None if g is None else tf.convert_to_tensor(g)  # an embedding's are IndexedSlices
+                for g in tape.gradient(total, list(watched.values()) + weights)
+            ]
+            return grads[: len(watched)], grads[len(watched) :]
+
+        try:
+            with _weights_kept(operation):
+                whole = gradients(batch(), slice(None))
+                parts = []
+                for h, (start, stop) in enumerate(_HALVES):
+                    part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
+                    parts.append(gradients(part, slice(start, stop)))
+        except (InputError, LookupError, TypeError, ValueError, tf.errors.OpError):
+            return  # no gradient to compare (an op without one): the step says why, as Keras would
+        for position, grad in enumerate(whole[0]):
+            halves = [part[0][position] for part in parts]
+            if grad is not None and all(h is not None for h in halves):
+                worst = _difference(grad, np.concatenate([_numpy(h) for h in halves]))
+                if worst is not None:
+                    self._mixes(
+                        call, f"in its backward, its inputs' gradients computed on half the batch differ by {worst:.3g}"
+                    )
+        for position, grad in enumerate(whole[1]):
+            halves = [part[1][position] for part in parts]
+            if grad is not None and all(h is not None for h in halves):
+                worst = _difference(grad, sum(_numpy(h).astype(np.float64) for h in halves))
+                if worst is not None:
+                    name = weights[position].path
+                    self._mixes(
+                        call, f"in its backward, the gradient of '{name}' summed over the halves differs by {worst:.3g}"
+                    )
 
     def _check_training_state(self, call: LayerCall, values: dict[int, Any]) -> None:
         """Raises InputError where the call, run in training, changes a non-trainable variable the runtime does

@@ -22,8 +22,9 @@ does too; by hand on several machines): ``{"cluster": {"worker": ["host0:port", 
 heartbeat) and never enters its scope: Keras 3's ``fit`` under that scope fails
 (keras-team/keras#20585). It must run before TensorFlow initialises its context.
 
-Every worker must run the same number of steps (an extra step is a collective nobody answers: the
-others wait, and the heartbeat ends them): give each worker shards of equal size or ``steps_per_epoch``.
+Every worker must run the same number of steps in training and in validation, and call ``evaluate`` too:
+give each worker shards of equal size, or ``steps_per_epoch`` and ``validation_steps``. A worker with a step
+more fails with one clear error on every worker (``replicas.in_step``).
 
 On a fault the others fail, they do not hang (measured with 2 workers on 2 CPU cores,
 tests/runtime/test_faults.py): a killed worker's connections close and the others' collective aborts
@@ -242,12 +243,13 @@ def start_together(wrapped: Any, first_epoch: int | None) -> int | None:
     """
     import tensorflow as tf
 
-    from runtime.replicas import StageCollectives
+    from runtime.replicas import StageCollectives, check_in_step
 
     executor = wrapped.executor
     num_replicas = executor.options.num_replicas
     if num_replicas == 1:
         return first_epoch
+    check_in_step(executor.collectives, "the start of fit")  # not a worker still in another's evaluate
     worker = _state["worker"]
     rank = 0 if worker is None else worker.rank
     variables = [v for stage in executor.stages for v in _stage_weights(stage)]

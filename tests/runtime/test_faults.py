@@ -157,3 +157,39 @@ def test_sigterm_ends_a_worker_that_joined_its_cluster(tmp_path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
+
+
+@pytest.mark.parametrize("case", ["training", "validation"])
+def test_workers_with_a_step_more_fail_with_one_clear_error(case, tmp_path) -> None:
+    """Worker 1 has a training (or validation) batch more in every epoch. Each waited until the launcher's
+    timeout before, for a collective the other never issued, both alive (found by probing, stop 38); a step more
+    in training summed worker 1's last step with worker 0's first of the next epoch. Now every action that issues
+    collectives first sums which action each worker is at, and both fail there."""
+    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
+    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--"]
+    command += [sys.executable, str(HERE / "uneven.py"), str(tmp_path), case]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
+    assert result.returncode not in (0, 124), result.stdout[-3000:]
+    here, there = (
+        ("the end of an epoch", "a training step")
+        if case == "training"
+        else ("the end of evaluate", "an evaluate (or validation) step")
+    )
+    for rank, at in enumerate((here, there)):
+        log = (tmp_path / "logs" / f"worker-{rank}.log").read_text()
+        expected = f"InputError: The replicas are out of step: this worker is at {at} and another is not (1 at "
+        assert expected in log, log[-3000:]
+    assert not list(tmp_path.glob("done-*"))
+
+
+def test_evaluate_on_one_worker_fails_when_the_other_ends(tmp_path) -> None:
+    """Worker 0 alone calls evaluate after fit; worker 1 ends: worker 0's evaluate step, waiting for worker 1 in
+    a collective, fails when worker 1's connection closes, with a note that says why."""
+    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
+    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--"]
+    command += [sys.executable, str(HERE / "uneven.py"), str(tmp_path), "evaluate"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
+    assert result.returncode not in (0, 124), result.stdout[-3000:]
+    log = (tmp_path / "logs" / "worker-0.log").read_text()
+    assert "another worker left the cluster (it ended, failed or was killed)" in log, log[-3000:]
+    assert (tmp_path / "done-1").exists() and not (tmp_path / "done-0").exists()

@@ -9,7 +9,7 @@ import tensorflow as tf
 from partitioner.errors import InputError
 from runtime import executed
 from runtime.devices import canonical
-from runtime.replicas import Replicas, StageCollectives, agree
+from runtime.replicas import Replicas, StageCollectives, _action_counts, agree, in_step, out_of_step_raised
 
 NUM = 4
 
@@ -75,6 +75,42 @@ def test_replicas_agree_or_say_what_differs(virtual_devices) -> None:
     assert all(np.array_equal(s[0].numpy(), 2 * np.ones(4)) for s in same)
     one = [StageCollectives(3, virtual_devices[0], 1)]
     agree(one, "anything", "the plan")  # one replica agrees with itself
+
+
+def test_a_replica_out_of_step_raises_and_the_replicas_go_on_in_step(virtual_devices) -> None:
+    """Replica 0 is at a training step, replica 1 at the end of an epoch: replica 0's step raises the out-of-step
+    error with the replicas' counts (its gradient sum, left waiting for a partner that never comes, is cancelled
+    with the step). Then both sum again, in step."""
+    groups = [StageCollectives(7, device, 2) for device in virtual_devices[:2]]
+
+    @tf.function(autograph=False)
+    def out_of_step() -> list:
+        in_step(groups[:1], "a training step")
+        summed = groups[0].sum([tf.ones([3])])
+        with tf.device(groups[1].device):
+            return [summed, _action_counts(groups[1], "the end of an epoch")]
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        out_of_step()
+    assert out_of_step_raised(str(raised.value.message)) == (
+        "The replicas are out of step: this worker is at a training step and another is not (1 at a training "
+        "step, 1 at the end of an epoch). Expected every worker to run the same number of training and validation "
+        "steps and to call fit and evaluate alike (evaluate on every worker, not only on worker 0); give each "
+        "worker shards of equal size, or steps_per_epoch and validation_steps (and steps for evaluate) that the "
+        "data of every worker can fill."
+    )
+    assert out_of_step_raised("assertion failed: [another assertion]") is None
+
+    @tf.function(autograph=False)
+    def in_step_together() -> list:
+        results = []
+        for group in groups:
+            in_step([group], "a training step")
+            results.append(group.sum([tf.ones([3])])[0])
+        return results
+
+    for result in in_step_together():
+        np.testing.assert_array_equal(result.numpy(), [2.0, 2.0, 2.0])
 
 
 def test_replicas_are_checked() -> None:
