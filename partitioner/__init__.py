@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, Reductions
 from partitioner.errors import (
     ClusterError,
     GraphError,
@@ -58,6 +58,7 @@ __all__ = [
     "PlanError",
     "Problem",
     "ProfileError",
+    "Reductions",
     "Schedule",
     "ScheduleError",
     "ScheduleFamily",

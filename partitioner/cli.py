@@ -38,6 +38,7 @@ from partitioner.cluster import (
     bundled_clusters,
     subset,
 )
+from partitioner.cost import Reductions
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import load_graph, micro_batch_size, rescale_graph, save_graph
 from partitioner.plan import Plan
@@ -47,7 +48,7 @@ from partitioner.search import baselines as baseline_methods
 from partitioner.search.choose import AUTO, Choice, choose, timed_sizes
 from partitioner.search.options import SolverOptions
 from partitioner.search.order import DEVICE_ORDERS
-from partitioner.search.replicas import plan_replicas, with_worker_reductions
+from partitioner.search.replicas import plan_replicas
 from partitioner.search.solve import solve
 from partitioner.show.report import render, replica_note, replica_table
 from partitioner.show.timeline import save_timeline, text_timeline
@@ -537,6 +538,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         return _plan_replicas(args, err, cluster, graph, options)
     if args.workers is not None:
         options["num_replicas"] = args.workers
+        if link is not None:  # each stage's all-reduce over the workers' link: the search weighs it
+            options["reductions"] = Reductions.between_workers(cluster, args.workers, link)
     with err.status(f"planning {graph.number_of_nodes()} layers on {cluster.num_devices} devices ..."):
         search = SolverOptions(device_order=args.device_order)
         try:
@@ -559,8 +562,6 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
                 plan = solve(graph, cluster, time_limit_s=args.time_limit, options=search, **options)
         except InfeasiblePlanError as error:
             raise cluster.headroom_note(error) from None
-    if link is not None:
-        plan = with_worker_reductions(plan, graph, cluster, link)
     options.update(num_microbatches=plan.num_microbatches, schedule=plan.schedule)
     validate_plan(plan, graph, cluster)
     if args.out:
@@ -573,9 +574,8 @@ def _plan(args: argparse.Namespace, err: Console) -> int:
         return 0
     others: list[Plan] = []
     if not args.no_compare and cluster.num_devices <= graph.number_of_nodes():
+        # compared on the same step: each with the workers' all-reduce, where their link is given
         others = [method(graph, cluster, **options) for method in baseline_methods.BASELINES.values()]
-        if link is not None:  # compared on the same step: each with the workers' all-reduce
-            others = [with_worker_reductions(other, graph, cluster, link) for other in others]
     out = _stdout()
     name = graph.graph.get("model_name", args.model)
     out.print(

@@ -16,6 +16,7 @@ schedule), and a cost model prices one replica's pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -23,6 +24,9 @@ from partitioner.cluster import Cluster
 from partitioner.errors import InputError
 from partitioner.graph import validate_graph
 from partitioner.schedule import check_schedule_name
+
+if TYPE_CHECKING:
+    from partitioner.cost import Reductions
 
 COST_SOURCES = ("flops", "time")
 RECOMPUTE = ("never", "always", "auto")
@@ -56,6 +60,7 @@ class Problem:
     schedule: str = "gpipe"  # "gpipe" or "1f1b": how many micro-batches a stage holds, and the step's order
     recompute: str = "never"  # "never", "always" or "auto": which stages recompute their forward
     num_replicas: int = 1  # D, the data-parallel copies of the pipeline whose gradients each stage all-reduces
+    reductions: Reductions | None = None  # how each stage's R with the other replicas is priced; None: not priced
 
     def __post_init__(self) -> None:
         validate_graph(self.graph)
@@ -68,6 +73,11 @@ class Problem:
         d = self.num_replicas
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
             raise InputError(f"num_replicas must be an integer >= 1. Received: {d!r}.")
+        if self.reductions is not None and self.reductions.num_replicas != d:
+            raise InputError(
+                f"reductions price a ring of {self.reductions.num_replicas} replicas, but num_replicas is {d}. "
+                "Expected the two to count the same replicas."
+            )
         if self.cost not in COST_SOURCES:
             raise InputError(f"cost must be one of {COST_SOURCES}. Received: {self.cost!r}.")
         check_schedule_name(self.schedule)

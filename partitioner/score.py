@@ -84,6 +84,7 @@ def score_assignment(
         structure=structure(costs.graph),
         step_overhead_s=step_overhead_s(costs),
         priced_replicas=costs.num_replicas,
+        reduce_times=costs.reduce_times(assignment),  # in the step already, where the cost model prices them
     )
 
 

@@ -200,7 +200,8 @@ def simulate_assignment(
     if isinstance(schedule, str):
         check_schedule_name(schedule)  # before the placement's own checks
     stages = _Stages(costs, assignment, recompute)
-    return _run(stages, schedule_for(schedule, len(stages.names), costs.num_microbatches))
+    simulation = _run(stages, schedule_for(schedule, len(stages.names), costs.num_microbatches))
+    return _with_reductions(simulation, costs.reduce_times(assignment))  # each stage's R, where priced
 
 
 class _Stages:

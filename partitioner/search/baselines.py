@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, Reductions
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups
 from partitioner.plan import Plan
@@ -158,6 +158,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
         schedule: str = "gpipe",
         recompute: str = "never",
         num_replicas: int = 1,
+        reductions: Reductions | None = None,
     ) -> Plan:
         started = time.perf_counter()
         costs = CostModel(
@@ -169,6 +170,7 @@ def _baseline(method: str) -> Callable[..., Plan]:
             schedule=schedule,
             recompute=recompute,
             num_replicas=num_replicas,
+            reductions=reductions,
         )
         return split_with(costs, method, started=started)
 

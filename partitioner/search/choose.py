@@ -321,6 +321,7 @@ def _costs(
         schedule=schedule,
         recompute=recompute,
         num_replicas=solve_options.get("num_replicas", 1),
+        reductions=solve_options.get("reductions"),
     )
 
 

@@ -49,8 +49,9 @@ Example:
     >>> choice = plan_replicas(heavy, cluster, batch_size=64, time_limit_s=5)
     >>> choice.plan.num_replicas, choice.plan.num_stages   # 32 GiB of weights: a pipeline
     (1, 4)
+    >>> # D = 2: each stage's R (172 ms) puts every M within choose's margin of the shortest step: M = 1 wins
     >>> [(c.num_replicas, c.step_time_s and round(c.step_time_s * 1e3, 1)) for c in choice.candidates]
-    [(1, 4.4), (2, 176.0), (2, 176.0), (4, None)]
+    [(1, 4.4), (2, 179.8), (2, 179.8), (4, None)]
     >>> choice.best(devices_per_replica=1) is None        # data parallel does not fit: the reason says why
     True
 """
@@ -66,7 +67,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner.cluster import Cluster, subset
-from partitioner.cost import allreduce_s, ring_allreduce_s
+from partitioner.cost import Reductions
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
 from partitioner.graph import trainable_param_bytes
 from partitioner.plan import Plan
@@ -175,6 +176,7 @@ def plan_replicas(
                 recompute=recompute,
                 time_limit_s=share_s,
                 num_replicas=d,  # each stage's all-reduce holds a packed copy of its gradients
+                reductions=Reductions.over_groups(cluster, groups),  # and takes this long: the search weighs it
                 **solve_options,
             )
         except InfeasiblePlanError as error:  # SolverTimeoutError included: no bound from it
@@ -243,10 +245,10 @@ def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequ
     """``plan`` (replica 0's) with the replicas' devices, each stage's R after its last action, and the step."""
     position = {name: k for k, name in enumerate(groups[0])}
     replica_devices = tuple(tuple(group[position[d]] for d in plan.devices) for group in groups)
+    reductions = Reductions.over_groups(cluster, groups)
     reduce_times = {}
     for d in plan.devices:
-        gradient_bytes = sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d))
-        reduce_times[d] = allreduce_s(gradient_bytes, cluster, [group[position[d]] for group in groups])
+        reduce_times[d] = reductions.seconds(d, sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d)))
     if len(groups) == 1:
         return dataclasses.replace(plan, reduce_times=reduce_times)
     replicated = dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=reduce_times)
@@ -261,7 +263,8 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
     over a link of ``bandwidth_bytes_per_s`` between the workers (``cost.ring_allreduce_s``, the stage's device's
     fixed cost of an action), after the stage's last action; its step simulated with them and judged against its
     pipeline's bound on the step (``R`` only lengthens a step). The workers' link is not in a worker's cluster
-    file, so it is given here; the search does not weigh it (each stage's ``R`` is priced on the plan it made).
+    file, so it is given here. This prices a plan made without them (a baseline compared on the same step);
+    ``solve(..., reductions=Reductions.between_workers(cluster, D, BW))`` weighs them in the search itself.
 
     Example:
         >>> import partitioner as pt
@@ -275,17 +278,10 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
         True
     """
     _check_worker_plan(plan)
-    if not bandwidth_bytes_per_s > 0:
-        raise InputError(
-            f"The workers' link needs a bandwidth > 0 in bytes per second. Received: {bandwidth_bytes_per_s!r}."
-        )
+    reductions = Reductions.between_workers(cluster, plan.priced_replicas, bandwidth_bytes_per_s)
     reduce_times = {}
     for d in plan.devices:
-        gradient_bytes = sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d))
-        overhead = cluster.devices[cluster.index(d)].action_overhead_s
-        reduce_times[d] = ring_allreduce_s(
-            gradient_bytes, plan.priced_replicas, bandwidth_bytes_per_s, overhead_s=overhead
-        )
+        reduce_times[d] = reductions.seconds(d, sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d)))
     return with_reduce_times(plan, graph, cluster, reduce_times)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster, reorder
-from partitioner.cost import CostModel
+from partitioner.cost import CostModel, Reductions
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
@@ -72,6 +72,7 @@ def solve(
     options: SolverOptions | None = None,
     recompute: str = "never",
     num_replicas: int = 1,
+    reductions: Reductions | None = None,
 ) -> Plan:
     """Places every node of ``graph`` on a device of ``cluster`` with CP-SAT.
 
@@ -94,6 +95,8 @@ def solve(
             only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
         num_replicas: D, the data-parallel copies this pipeline is one of (``plan_replicas`` plans replica 0 so):
             each stage's memory counts the packed gradients its all-reduce holds.
+        reductions: how each stage's ``R`` with the other replicas is priced (``cost.Reductions``): the search
+            then minimises the step with them (the plan's ``reduce_times``); None leaves them out.
 
     Returns:
         A Plan with status "optimal" (proven) or "feasible", judged on what was minimised: with
@@ -123,6 +126,7 @@ def solve(
         schedule=schedule,
         recompute=recompute,
         num_replicas=num_replicas,
+        reductions=reductions,
     )
     return solve_problem(problem, time_limit_s=time_limit_s, pins=pins, options=options)
 

@@ -588,22 +588,24 @@ def test_cli_plan_workers_prices_one_workers_pipeline_of_d(batched_profile_file,
 def test_cli_plan_worker_bandwidth_puts_the_workers_all_reduce_in_the_step(batched_profile_file, capsys) -> None:
     """--worker-bandwidth BW with --workers D: each stage's R, a ring over the D workers at BW (2 (D - 1) / D x its
     gradients' bytes / BW, + the device's fixed cost of an action), after its last action; the step ends with the
-    last R; the plan file keeps them, and a simulation of it shows them."""
+    last R; the plan file keeps them, and a simulation of it shows them. The search weighs them: its plan's step is
+    no longer than the plan made without them priced with them."""
     argv = ["plan", str(batched_profile_file), "--devices", "2", "--memory", "64GiB", "--flops-per-s", "1e12"]
     argv += ["--optimizer", "sgd", "--micro-batches", "1", "--time-limit", "5", "--workers", "3"]
     assert main([*argv, "--json"]) == 0
     without = pt.Plan.from_json(capsys.readouterr().out)
     assert main([*argv, "--worker-bandwidth", "1GB/s", "--json"]) == 0
     priced = pt.Plan.from_json(capsys.readouterr().out)
-    assert priced.assignment == without.assignment and priced.priced_replicas == 3
+    assert priced.priced_replicas == 3
     graph = pt.load_graph(batched_profile_file)
     for device in priced.stages:
         gradients = sum(graph.nodes[v]["param_bytes"] for v in priced.nodes_on(device))  # SGD: all trainable
         assert priced.reduce_times[device] == pytest.approx(2 * 2 / 3 * gradients / 1e9, rel=1e-3)
-    # each R starts at its stage's last action, which ends by the step without them
-    reduce_s = priced.reduce_times.values()
-    assert without.step_time_s < priced.step_time_s <= without.step_time_s + max(reduce_s) + 1e-12
-    assert priced.step_time_s >= min(reduce_s)
+    # R only lengthens a pipeline's step; the plan without them, priced with them, is no shorter than the search's
+    # (each of its R at most a ring of every weight's gradients, after its stage's last action)
+    every = 2 * 2 / 3 * sum(graph.nodes[v]["param_bytes"] for v in graph) / 1e9
+    assert without.step_time_s < priced.step_time_s <= without.step_time_s + every + 1e-12
+    assert priced.step_time_s >= min(priced.reduce_times.values())
     assert main([*argv, "--worker-bandwidth", "1GB/s", "--summary"]) == 0
     assert "each stage's all-reduce between the workers at 1 GB/s is in the step" in " ".join(
         capsys.readouterr().out.split()

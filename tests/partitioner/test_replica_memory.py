@@ -10,6 +10,7 @@ import partitioner as pt
 from partitioner.cost import ACCUMULATING_COPIES, REDUCING_COPIES
 from partitioner.errors import InputError
 from partitioner.search.replicas import plan_replicas
+from partitioner.simulate import simulate
 
 
 def _graph():
@@ -95,6 +96,31 @@ def test_a_workers_all_reduce_is_priced_only_on_a_plan_of_one_of_several_workers
         assert priced.reduce_times[device] == pytest.approx(2 * 3 / 4 * 2 * 2**28 / 10e9)
     assert priced.step_lower_bound_s == one_of_four.step_lower_bound_s  # R only lengthens a step
     assert priced.gap > one_of_four.gap
+
+
+def test_the_search_weighs_each_stages_all_reduce_between_workers():
+    """A GPipe chain whose last layer holds 2 GiB of weights, planned for one of 4 workers on a 10 GB/s link: the
+    search that prices no R balances compute (3 | 3 layers), and its step with R is 374 ms; with the workers'
+    reductions in the cost model it moves layers off the last stage, whose R then starts sooner (5 | 1: 353 ms),
+    and the plan's step, reduce_times and status agree with the simulator's (the search was blind to R before)."""
+    from partitioner.search.replicas import with_worker_reductions
+
+    graph = pt.chain_graph([4e11] * 6, param_bytes=[2**20] * 5 + [2**31], activation_bytes=[2**20] * 6)
+    cluster = pt.Cluster.uniform(2, memory="64GiB", flops_per_s=100e12, bandwidth=100e9)
+    blind = pt.solve(graph, cluster, num_microbatches=4, num_replicas=4, time_limit_s=5)
+    reductions = pt.Reductions.between_workers(cluster, 4, 10e9)
+    aware = pt.solve(graph, cluster, num_microbatches=4, num_replicas=4, time_limit_s=5, reductions=reductions)
+    priced = with_worker_reductions(blind, graph, cluster, 10e9)
+    assert [len(blind.nodes_on(d)) for d in blind.stages] == [3, 3]
+    assert [len(aware.nodes_on(d)) for d in aware.stages] == [5, 1]
+    assert aware.step_time_s == pytest.approx(0.3528, abs=1e-4) and priced.step_time_s == pytest.approx(
+        0.3744, abs=1e-4
+    )
+    assert aware.reduce_times == with_worker_reductions(aware, graph, cluster, 10e9).reduce_times
+    assert simulate(aware, graph, cluster).step_time_s == pytest.approx(aware.step_time_s)
+    assert aware.step_lower_bound_s <= aware.step_time_s
+    with pytest.raises(InputError, match=r"reductions price a ring of 4 replicas, but num_replicas is 2"):
+        pt.solve(graph, cluster, num_microbatches=4, num_replicas=2, time_limit_s=5, reductions=reductions)
 
 
 def test_measured_reduce_times_lengthen_the_step_where_they_end_it():
