@@ -71,6 +71,10 @@ class ExecutionOptions:
     # {a layer's name in the rebuilt model: what its added loss is} for the layers whose add_loss the stages split
     # over the batch's parts, each part's value times its share of the rows (runtime.supported.check_rows)
     loss_kinds: Mapping[str, str] = field(default_factory=dict)
+    # names (in the rebuilt model) of the Embedding layers whose ids the wrap's probe saw with the batch's rows
+    # (runtime.supported.check_rows): their lookups are a row of ids per sample even where the ids' static batch
+    # size is unknown (``program.lookup_kind``)
+    batched_lookups: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         Replicas(self.num_replicas)  # an integer >= 1, or one clear error

@@ -177,6 +177,7 @@ class StageProgram:
         # a stage with activity regularizers or split added losses takes the micro-batch's row mask and the
         # batch's row count: it weighs their parts by the micro-batch's own rows
         self.counts_rows = self.regularized or bool(self.loss_kinds)
+        self.batched_lookups = options.batched_lookups  # Embedding layers whose ids the probe saw batched
         # and one with batch normalization the mask (its statistics skip the repeated rows)
         self.takes_mask = self.counts_rows or any(
             isinstance(op, keras.layers.BatchNormalization) for op in stage.operations
@@ -208,7 +209,11 @@ class StageProgram:
         values = {id(t): x for t, x in zip(self.stage.inputs, flat[:count])}
         terms: list[tf.Tensor] = []
         self.unsplittable[kind] = None
-        recording = _lookups(self.lookups, flat[:count]) if kind == "forward" else contextlib.nullcontext()
+        recording = (
+            _lookups(self.lookups, flat[:count], self.batched_lookups)
+            if kind == "forward"
+            else contextlib.nullcontext()
+        )
         with recording:
             for node in self.stage.nodes:
                 args, kwargs = node.arguments.fill_in(values)
@@ -436,9 +441,10 @@ def check_splittable(program: StageProgram, kind: str) -> None:
 
 
 @contextlib.contextmanager
-def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor]) -> Any:
+def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor], batched: frozenset[str]) -> Any:
     """While a stage's training forward is traced, records how each ``keras.layers.Embedding`` call (inside
-    other layers too) looks its rows up, in ``found[id(table)]`` (``lookup_kind``).
+    other layers too) looks its rows up, in ``found[id(table)]`` (``lookup_kind``; ``batched``: the names of the
+    Embedding layers whose ids the wrap's probe saw with the batch's rows).
 
     ``internals.embedding_calls_observed`` sees each call: no public hook sees a lookup inside a layer
     of the user's.
@@ -450,14 +456,15 @@ def _lookups(found: dict[int, list[str]], arguments: Sequence[tf.Tensor]) -> Any
     size: int = rows
 
     def observe(layer: Any, inputs: Any) -> None:
-        found.setdefault(id(layer.embeddings), []).append(lookup_kind(tf.convert_to_tensor(inputs), arguments, size))
+        kind = lookup_kind(tf.convert_to_tensor(inputs), arguments, size, seen_batched=layer.name in batched)
+        found.setdefault(id(layer.embeddings), []).append(kind)
 
     found.clear()
     with embedding_calls_observed(observe):
         yield
 
 
-def lookup_kind(ids: tf.Tensor, arguments: Sequence[tf.Tensor], rows: int) -> str:
+def lookup_kind(ids: tf.Tensor, arguments: Sequence[tf.Tensor], rows: int, *, seen_batched: bool = False) -> str:
     """How an embedding lookup's ``ids`` relate to the micro-batch of ``rows`` rows (the stage function's
     ``arguments``), which says how the original's batch gives the lookup's sparse gradient rows:
 
@@ -470,10 +477,18 @@ def lookup_kind(ids: tf.Tensor, arguments: Sequence[tf.Tensor], rows: int) -> st
       summed over the batch;
     - "unclear": anything else (ids computed from the batch's values without a row per sample, or constant
       ids whose leading dimension only happens to equal the micro-batch's): refused where it matters.
+
+    ``seen_batched``: the wrap's probe ran the lookup's layer on ids with the batch's rows, and on their halves
+    (``runtime.supported.check_rows``): ids computed from the micro-batch whose leading dimension lost its static
+    size on the way (out of a TextVectorization's string ops) are a row per sample too (they were refused as
+    unclear before stop 39).
     """
+    leading = ids.shape[0] if ids.shape.rank else None
     per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
     computed = _computed_from(ids, arguments)
     if per_sample and (computed or (ids.shape.rank >= 2 and rows >= 2)):
+        return "batched"
+    if seen_batched and computed and ids.shape.rank and leading is None:
         return "batched"
     if not per_sample and not computed:
         return "shared"

@@ -222,12 +222,12 @@ def check_rows(
             probe.check_output(calls, sources[id(tensor)])
         batch = [probe.produced[sources[id(t)].call][sources[id(t)].output].whole for t in functional.inputs]
         if probe.mixing_allowed:
-            return RowCheck({}, batch, probe.global_draws)
+            return RowCheck({}, batch, probe.global_draws, frozenset(probe.batched_lookups))
         for sign in _CONTRASTS:  # halves apart in sign and scale: a branch or a clip on a batch-wide statistic
             contrasting = _Probe(model.name, num_microbatches, contrast=sign, num_replicas=num_replicas)
             for call in calls:
                 contrasting.run(call, shapes)
-    return RowCheck(probe.loss_kinds, batch, probe.global_draws)
+    return RowCheck(probe.loss_kinds, batch, probe.global_draws, frozenset(probe.batched_lookups))
 
 
 class RowCheck(NamedTuple):
@@ -237,6 +237,9 @@ class RowCheck(NamedTuple):
     loss_kinds: dict[int, str]  # id(layer) -> its kind in LOSS_KINDS, for the layers that add a loss
     batch: list[Any]  # one tensor of PROBE_ROWS rows per model input, in the order of ``model.inputs``
     global_draws: set[int]  # id(op) of the ops whose call (in training, for a layer of the user's) drew from it
+    # id(layer) of the Embedding layers of the graph whose ids the probe saw with the batch's rows (a lookup whose
+    # ids lose their static batch size on the way, out of a TextVectorization, is still a row of ids per sample)
+    batched_lookups: frozenset[int] = frozenset()
 
 
 def check_recomputable(names: dict[str, int], recomputes: Callable[[int], bool]) -> None:
@@ -412,6 +415,7 @@ class _Probe:
         self.loss_kinds: dict[int, str] = {}  # id(layer) -> what its added loss is (``LOSS_KINDS``)
         self.added: float | None = None  # the loss the last call added (its own activity regularizer's aside)
         self.global_draws: set[int] = set()  # id(op) of the ops that drew from Keras' global seed generator
+        self.batched_lookups: set[int] = set()  # id(Embedding) of the lookups whose ids had the batch's rows
         self.num_microbatches = num_microbatches
         self.mixing_allowed = num_microbatches == 1 and num_replicas == 1  # the one micro-batch is the batch
         # how the batch is split, for the messages: micro-batches, of each worker's shard with replicas
@@ -430,6 +434,8 @@ class _Probe:
             self.produced.append([_Value(value, tuple(value[a:b] for a, b in _HALVES), None, True)])
             return
         inputs = [self.produced[s.call][s.output] for s in call.sources]
+        if isinstance(call.operation, keras.layers.Embedding) and inputs and inputs[0].rows:
+            self.batched_lookups.add(id(call.operation))
 
         def batch() -> dict[int, Any]:  # fresh tensors each call: a layer may take the mask off its inputs
             return {id(t): _with_mask(x.whole, x.mask) for t, x in zip(call.node.input_tensors, inputs)}

@@ -397,7 +397,8 @@ def _wrap(model: Any, plan: Plan, options: ExecutionOptions, checked: RowCheck) 
     drawing = [rebuilt.clone_of[key] for key in checked.global_draws if key in rebuilt.clone_of]
     check_recomputable({clone.name: stages[rebuilt.device_of[id(clone)]] for clone in drawing}, options.recomputes)
     kinds = {rebuilt.clone_of[key].name: kind for key, kind in checked.loss_kinds.items() if key in rebuilt.clone_of}
-    wrapped = PipelinedModel(rebuilt, plan, model, replace(options, loss_kinds=kinds))
+    batched = frozenset(rebuilt.clone_of[key].name for key in checked.batched_lookups if key in rebuilt.clone_of)
+    wrapped = PipelinedModel(rebuilt, plan, model, replace(options, loss_kinds=kinds, batched_lookups=batched))
     pairs = [(a, b) for original, clone in rebuilt.origin for a, b in zip(original.weights, clone.weights)]
     compile_like(model, wrapped, pairs)
     join_replicas(wrapped, options.num_replicas)
