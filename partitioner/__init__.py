@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from partitioner.cluster import Cluster, Device
-from partitioner.cost import CostModel, Reductions
+from partitioner.cost import CostModel
 from partitioner.errors import (
     ClusterError,
     GraphError,
@@ -33,7 +33,7 @@ from partitioner.errors import (
 )
 from partitioner.graph import chain_graph, load_graph, rescale_graph, save_graph, validate_graph
 from partitioner.plan import Plan
-from partitioner.problem import Problem
+from partitioner.problem import Problem, Reductions
 from partitioner.schedule import Action, Schedule, ScheduleFamily, schedule_family
 from partitioner.score import score_assignment
 from partitioner.search import baselines

@@ -38,11 +38,10 @@ from partitioner.cluster import (
     bundled_clusters,
     subset,
 )
-from partitioner.cost import Reductions
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError
 from partitioner.graph import load_graph, micro_batch_size, rescale_graph, save_graph
 from partitioner.plan import Plan
-from partitioner.problem import RECOMPUTE
+from partitioner.problem import RECOMPUTE, Reductions
 from partitioner.schedule import SCHEDULES
 from partitioner.search import baselines as baseline_methods
 from partitioner.search.choose import AUTO, Choice, choose, timed_sizes

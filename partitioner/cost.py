@@ -59,7 +59,7 @@ import numpy as np
 from partitioner.cluster import Cluster
 from partitioner.errors import InputError, PlanError
 from partitioner.graph import gradient_bytes, topological_order, trainable_param_bytes
-from partitioner.problem import Problem, check_recompute
+from partitioner.problem import Problem, Reductions, check_recompute
 from partitioner.schedule import schedule_family
 
 MODES = ("kept", "recomputed")
@@ -528,12 +528,7 @@ class CostModel:
     def reduce_times(self, assignment: Mapping[str, str]) -> dict[str, float]:
         """Seconds of each used device's ``R`` under ``assignment`` ({node: device}): the stage's weight gradients
         all-reduced with the other replicas as ``reductions`` prices it; empty where it prices none."""
-        if self.reductions is None:
-            return {}
-        gradients: dict[str, float] = {}
-        for node, device in assignment.items():
-            gradients[device] = gradients.get(device, 0.0) + trainable_param_bytes(self.graph.nodes[node])
-        return {device: self.reductions.seconds(device, size) for device, size in gradients.items()}
+        return {} if self.reductions is None else reduce_times(self.reductions, self.graph, assignment)
 
     def on(self, cluster: Cluster) -> CostModel:
         """The same graph and settings (M, optimizer slots, cost source, schedule, recompute) on
@@ -1090,7 +1085,7 @@ def allreduce_s(num_bytes: float, cluster: Cluster, group: Sequence[str]) -> flo
     """
     if len(group) < 2 or num_bytes <= 0:
         return 0.0
-    return Reductions.over_groups(cluster, [[name] for name in group]).seconds(group[0], num_bytes)
+    return reduce_s(Reductions.over_groups(cluster, [[name] for name in group]), group[0], num_bytes)
 
 
 def ring_allreduce_s(
@@ -1111,56 +1106,31 @@ def ring_allreduce_s(
     return 2 * (num_members - 1) / num_members * num_bytes / bandwidth_bytes_per_s + overhead_s
 
 
-@dataclass(frozen=True)
-class Reductions:
-    """How each stage's ``R`` is priced, where the plan is one of D replicas: its weight gradients all-reduced
-    (SUM) with the same stage of the other D - 1 replicas, a ring whose slowest link and slowest device's fixed
-    cost of an action are given per device of this pipeline (:func:`ring_allreduce_s`). In a ``Problem``, the
-    search weighs each stage's ``R`` in the simulated step it minimises (``CostModel.reduce_times``).
+def reduce_times(reductions: Reductions, graph: nx.DiGraph, assignment: Mapping[str, str]) -> dict[str, float]:
+    """Seconds of each used device's ``R`` under ``assignment`` ({node: device}): the stage's trainable weights'
+    gradients all-reduced as ``reductions`` prices them (:func:`reduce_s`)."""
+    gradients: dict[str, float] = {}
+    for node, device in assignment.items():
+        gradients[device] = gradients.get(device, 0.0) + trainable_param_bytes(graph.nodes[node])
+    return {device: reduce_s(reductions, device, size) for device, size in gradients.items()}
+
+
+def reduce_s(reductions: Reductions, device: str, num_bytes: float) -> float:
+    """Seconds of the ``R`` of the stage on ``device`` whose weight gradients take ``num_bytes``, as ``reductions``
+    prices each stage's ring (:func:`ring_allreduce_s`).
 
     Example:
         >>> cluster = Cluster.uniform(2, memory="16GiB", bandwidth=100e9)
         >>> workers = Reductions.between_workers(cluster, 4, 10e9)      # 4 workers on a 10 GB/s link
-        >>> workers.seconds(cluster.names[0], 1e9)                       # 2 x 3/4 x 1 GB at 10 GB/s
+        >>> reduce_s(workers, cluster.names[0], 1e9)                     # 2 x 3/4 x 1 GB at 10 GB/s
         0.15
     """
-
-    num_replicas: int  # D, the members of each stage's ring
-    bandwidth_bytes_per_s: Mapping[str, float]  # device of this pipeline -> its ring's slowest link
-    overhead_s: Mapping[str, float]  # device of this pipeline -> the fixed cost of an action on its ring
-
-    def seconds(self, device: str, num_bytes: float) -> float:
-        """The ``R`` of the stage on ``device`` whose weight gradients take ``num_bytes``."""
-        return ring_allreduce_s(
-            num_bytes, self.num_replicas, self.bandwidth_bytes_per_s[device], overhead_s=self.overhead_s[device]
-        )
-
-    @classmethod
-    def between_workers(cls, cluster: Cluster, num_workers: int, bandwidth_bytes_per_s: float) -> Reductions:
-        """One worker's pipeline on ``cluster``, of ``num_workers`` whose link carries ``bandwidth_bytes_per_s``
-        (``partitioner plan --workers D --worker-bandwidth BW``): every stage's ring crosses that link."""
-        if not bandwidth_bytes_per_s > 0:
-            raise InputError(
-                f"The workers' link needs a bandwidth > 0 in bytes per second. Received: {bandwidth_bytes_per_s!r}."
-            )
-        return cls(
-            num_workers,
-            {d.name: bandwidth_bytes_per_s for d in cluster.devices},
-            {d.name: d.action_overhead_s for d in cluster.devices},
-        )
-
-    @classmethod
-    def over_groups(cls, cluster: Cluster, groups: Sequence[Sequence[str]]) -> Reductions:
-        """Replica 0's pipeline on ``groups[0]`` of ``cluster``'s devices, replica r's on ``groups[r]`` (the
-        same positions): the stage on ``groups[0][k]`` reduces over ``[group[k] for group in groups]``, its
-        slowest link and device read from ``cluster`` (as :func:`allreduce_s`)."""
-        bandwidths, overheads = {}, {}
-        for k, name in enumerate(groups[0]):
-            index = [cluster.index(group[k]) for group in groups]
-            ring = list(zip(index, index[1:] + index[:1]))
-            bandwidths[name] = min((cluster.bandwidth(a, b) for a, b in ring if a != b), default=math.inf)
-            overheads[name] = max(cluster.devices[i].action_overhead_s for i in index)
-        return cls(len(groups), bandwidths, overheads)
+    return ring_allreduce_s(
+        num_bytes,
+        reductions.num_replicas,
+        reductions.bandwidth_bytes_per_s[device],
+        overhead_s=reductions.overhead_s[device],
+    )
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:

@@ -15,8 +15,9 @@ schedule), and a cost model prices one replica's pipeline.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -25,11 +26,53 @@ from partitioner.errors import InputError
 from partitioner.graph import validate_graph
 from partitioner.schedule import check_schedule_name
 
-if TYPE_CHECKING:
-    from partitioner.cost import Reductions
-
 COST_SOURCES = ("flops", "time")
 RECOMPUTE = ("never", "always", "auto")
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """Where each stage's ``R`` runs, where the plan is one of D replicas: its weight gradients all-reduced (SUM)
+    with the same stage of the other D - 1 replicas, a ring whose slowest link and slowest device's fixed cost of
+    an action are given per device of this pipeline; ``cost.reduce_s`` prices it. In a ``Problem``, the search
+    weighs each stage's ``R`` in the simulated step it minimises (``CostModel.reduce_times``).
+
+    Example:
+        >>> cluster = Cluster.uniform(2, memory="16GiB", bandwidth=100e9)
+        >>> Reductions.between_workers(cluster, 4, 10e9).bandwidth_bytes_per_s  # 4 workers on a 10 GB/s link
+        {'/GPU:0': 10000000000.0, '/GPU:1': 10000000000.0}
+    """
+
+    num_replicas: int  # D, the members of each stage's ring
+    bandwidth_bytes_per_s: Mapping[str, float]  # device of this pipeline -> its ring's slowest link
+    overhead_s: Mapping[str, float]  # device of this pipeline -> the fixed cost of an action on its ring
+
+    @classmethod
+    def between_workers(cls, cluster: Cluster, num_workers: int, bandwidth_bytes_per_s: float) -> Reductions:
+        """One worker's pipeline on ``cluster``, of ``num_workers`` whose link carries ``bandwidth_bytes_per_s``
+        (``partitioner plan --workers D --worker-bandwidth BW``): every stage's ring crosses that link."""
+        if not bandwidth_bytes_per_s > 0:
+            raise InputError(
+                f"The workers' link needs a bandwidth > 0 in bytes per second. Received: {bandwidth_bytes_per_s!r}."
+            )
+        return cls(
+            num_workers,
+            {d.name: bandwidth_bytes_per_s for d in cluster.devices},
+            {d.name: d.action_overhead_s for d in cluster.devices},
+        )
+
+    @classmethod
+    def over_groups(cls, cluster: Cluster, groups: Sequence[Sequence[str]]) -> Reductions:
+        """Replica 0's pipeline on ``groups[0]`` of ``cluster``'s devices, replica r's on ``groups[r]`` (the
+        same positions): the stage on ``groups[0][k]`` reduces over ``[group[k] for group in groups]``, its
+        slowest link and device read from ``cluster`` (as :func:`allreduce_s`)."""
+        bandwidths, overheads = {}, {}
+        for k, name in enumerate(groups[0]):
+            index = [cluster.index(group[k]) for group in groups]
+            ring = list(zip(index, index[1:] + index[:1]))
+            bandwidths[name] = min((cluster.bandwidth(a, b) for a, b in ring if a != b), default=math.inf)
+            overheads[name] = max(cluster.devices[i].action_overhead_s for i in index)
+        return cls(len(groups), bandwidths, overheads)
 
 
 @dataclass(frozen=True)

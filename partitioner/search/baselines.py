@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import CostModel, Reductions
+from partitioner.cost import CostModel
 from partitioner.errors import InputError
 from partitioner.graph import colocation_groups
 from partitioner.plan import Plan
+from partitioner.problem import Reductions
 from partitioner.score import score_assignment
 
 __all__ = ["BASELINES", "by_params", "by_time", "split_balanced", "split_even", "split_with", "uniform"]

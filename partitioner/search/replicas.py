@@ -67,10 +67,10 @@ from typing import Any
 import networkx as nx
 
 from partitioner.cluster import Cluster, subset
-from partitioner.cost import Reductions
+from partitioner.cost import reduce_times
 from partitioner.errors import InfeasiblePlanError, InputError, SolverTimeoutError
-from partitioner.graph import trainable_param_bytes
 from partitioner.plan import Plan
+from partitioner.problem import Reductions
 from partitioner.search.choose import AUTO, choose
 from partitioner.simulate import simulate
 from partitioner.verdict import least_bound, on_step
@@ -245,13 +245,11 @@ def _with_replicas(plan: Plan, graph: nx.DiGraph, cluster: Cluster, groups: Sequ
     """``plan`` (replica 0's) with the replicas' devices, each stage's R after its last action, and the step."""
     position = {name: k for k, name in enumerate(groups[0])}
     replica_devices = tuple(tuple(group[position[d]] for d in plan.devices) for group in groups)
-    reductions = Reductions.over_groups(cluster, groups)
-    reduce_times = {}
-    for d in plan.devices:
-        reduce_times[d] = reductions.seconds(d, sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d)))
+    priced = reduce_times(Reductions.over_groups(cluster, groups), graph, plan.assignment)
+    times = {d: priced.get(d, 0.0) for d in plan.devices}
     if len(groups) == 1:
-        return dataclasses.replace(plan, reduce_times=reduce_times)
-    replicated = dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=reduce_times)
+        return dataclasses.replace(plan, reduce_times=times)
+    replicated = dataclasses.replace(plan, replica_devices=replica_devices, reduce_times=times)
     zero = _replica_zero(cluster, groups, cluster.name)
     step = simulate(replicated, graph, subset(zero, plan.devices)).step_time_s  # R priced by the simulator
     return dataclasses.replace(replicated, step_time_s=step)
@@ -279,10 +277,7 @@ def with_worker_reductions(plan: Plan, graph: nx.DiGraph, cluster: Cluster, band
     """
     _check_worker_plan(plan)
     reductions = Reductions.between_workers(cluster, plan.priced_replicas, bandwidth_bytes_per_s)
-    reduce_times = {}
-    for d in plan.devices:
-        reduce_times[d] = reductions.seconds(d, sum(trainable_param_bytes(graph.nodes[v]) for v in plan.nodes_on(d)))
-    return with_reduce_times(plan, graph, cluster, reduce_times)
+    return with_reduce_times(plan, graph, cluster, reduce_times(reductions, graph, plan.assignment))
 
 
 def with_reduce_times(plan: Plan, graph: nx.DiGraph, cluster: Cluster, reduce_times: dict[str, float]) -> Plan:

@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster, reorder
-from partitioner.cost import CostModel, Reductions
+from partitioner.cost import CostModel
 from partitioner.errors import InfeasiblePlanError, InputError, PartitionerError, SolverTimeoutError
 from partitioner.graph import colocation_groups, is_chain
 from partitioner.infeasibility import explain_infeasible
 from partitioner.plan import Plan
-from partitioner.problem import Problem
+from partitioner.problem import Problem, Reductions
 from partitioner.score import score_assignment, shorter_step, smaller_bottleneck, with_step_bound
 from partitioner.search.baselines import check_stage_count
 from partitioner.search.chain import exact_chain_for
@@ -95,7 +95,7 @@ def solve(
             only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
         num_replicas: D, the data-parallel copies this pipeline is one of (``plan_replicas`` plans replica 0 so):
             each stage's memory counts the packed gradients its all-reduce holds.
-        reductions: how each stage's ``R`` with the other replicas is priced (``cost.Reductions``): the search
+        reductions: how each stage's ``R`` with the other replicas is priced (``problem.Reductions``, priced by ``cost.reduce_s``): the search
             then minimises the step with them (the plan's ``reduce_times``); None leaves them out.
 
     Returns:
