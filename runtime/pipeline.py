@@ -512,7 +512,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         problem = self._loss_split_problem(y, sample_weight)
         if problem is not None:
             raise InputError(problem)
-        in_step(executor.collectives, "a training step")  # the replicas are all at a training step
+        in_step(executor.collectives, "a training step", inputs)  # the replicas are all at a training step
         with self._first_stage():  # the targets split into micro-batches, the loop's bookkeeping
             loss, collected, gradients, rows = executor.train(
                 inputs, y, sample_weight, self._micro_loss, scale, summable
@@ -678,7 +678,7 @@ class PipelinedModel(keras.Model):  # type: ignore[misc]  # keras ships no type 
         problem = self._loss_split_problem(y, sample_weight)
         if problem is not None and self.options.num_replicas > 1:
             raise InputError(problem)  # each replica's loss is averaged by rows
-        in_step(executor.collectives, "an evaluate (or validation) step")
+        in_step(executor.collectives, "an evaluate (or validation) step", inputs)
         with self._first_stage():
             collected, layer_loss = executor.forward(inputs, losses=True)
         batch = tf.shape(inputs[0])[0]

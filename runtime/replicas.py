@@ -175,11 +175,16 @@ def out_of_step(action: str, counts: Sequence[float] | None = None) -> str:
     )
 
 
-def in_step(collectives: Sequence[StageCollectives], action: str) -> None:
+def in_step(collectives: Sequence[StageCollectives], action: str, data: Sequence[tf.Tensor]) -> None:
     """While a step that issues collectives is traced, before its other collectives: the replicas sum which of
     ``ACTIONS`` each is at, on the first stage's device, and an assertion that all are at ``action`` fails the
     step where one is not (``OUT_OF_STEP``'s message and the counts, tf.errors.InvalidArgumentError; the step's
     collectives waiting for the other replica are cancelled with it). Nothing with one replica.
+
+    The sum waits for the step's ``data`` (its input tensors): a step that finds its data ended (a dataset of
+    unknown size ends so, in one more call of the step) issues no collective. Without it the check ran in that
+    call on one worker, was cancelled there, and the workers' checks paired up a step apart: a false error, a
+    hang or a crash with even shards of a filtered dataset or a generator (found by probing, stop 39).
 
     The step's other collectives do not wait for the assertion: a worker killed just before a step was found
     in 0.05 s by a step's gradient sum waiting on its connection, and in 7.5 s (the coordination service's
@@ -188,7 +193,7 @@ def in_step(collectives: Sequence[StageCollectives], action: str) -> None:
     if not collectives or collectives[0].num_replicas == 1:
         return
     group = collectives[0]
-    with tf.device(group.device):
+    with tf.device(group.device), tf.control_dependencies(tf.nest.flatten(list(data), expand_composites=True)):
         counts = _action_counts(group, action)
         tf.debugging.Assert(  # TensorFlow's message: "[out_of_step(action)] [the counts]"
             tf.equal(counts[ACTIONS.index(action)], group.num_replicas),

@@ -85,7 +85,7 @@ def test_a_replica_out_of_step_raises_and_the_replicas_go_on_in_step(virtual_dev
 
     @tf.function(autograph=False)
     def out_of_step() -> list:
-        in_step(groups[:1], "a training step")
+        in_step(groups[:1], "a training step", [])
         summed = groups[0].sum([tf.ones([3])])
         with tf.device(groups[1].device):
             return [summed, _action_counts(groups[1], "the end of an epoch")]
@@ -105,7 +105,7 @@ def test_a_replica_out_of_step_raises_and_the_replicas_go_on_in_step(virtual_dev
     def in_step_together() -> list:
         results = []
         for group in groups:
-            in_step([group], "a training step")
+            in_step([group], "a training step", [])
             results.append(group.sum([tf.ones([3])])[0])
         return results
 

@@ -4,7 +4,9 @@ tests/runtime/test_faults.py. CASE is one of:
 
 - ``training``: worker 1's shard has a batch more (4 training steps an epoch against 3);
 - ``validation``: worker 1's validation data has a batch more;
-- ``evaluate``: both fit alike, then worker 0 alone calls ``evaluate`` and worker 1 ends.
+- ``evaluate``: both fit alike, then worker 0 alone calls ``evaluate`` and worker 1 ends;
+- ``unknown-size``: no step more anywhere, the data as datasets of unknown size (a filter): their end is found by
+  one more call of the step, which must issue no collective; fit with validation, then evaluate twice.
 
 Each worker writes OUT/done-<rank> when its part ended without an error.
 """
@@ -20,6 +22,7 @@ worker = start_worker(num_devices=2)
 
 import keras  # noqa: E402  (after start_worker: TensorFlow must not initialise first)
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from runtime import plan_and_wrap  # noqa: E402
 
@@ -43,7 +46,16 @@ x, y = np.concatenate([s[0] for s in shards]), np.concatenate([s[1] for s in sha
 extra = worker.rank == 1
 train = (np.concatenate([x, x[:rows]]), np.concatenate([y, y[:rows]])) if extra and case == "training" else (x, y)
 validation = (x[: 2 * rows], y[: 2 * rows]) if extra and case == "validation" else (x[:rows], y[:rows])
-wrapped.fit(*train, batch_size=rows, epochs=2, validation_data=validation, shuffle=False, verbose=0)
+if case == "unknown-size":
+
+    def unknown(a: np.ndarray, b: np.ndarray) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((a, b)).filter(lambda *_: True).batch(rows)
+
+    wrapped.fit(unknown(x, y), epochs=2, validation_data=unknown(x[:rows], y[:rows]), verbose=0)
+    for _ in range(2):
+        wrapped.evaluate(unknown(x, y), verbose=0)
+else:
+    wrapped.fit(*train, batch_size=rows, epochs=2, validation_data=validation, shuffle=False, verbose=0)
 if case == "evaluate" and worker.rank == 0:
     wrapped.evaluate(x, y, batch_size=rows, verbose=0)
 (out / f"done-{worker.rank}").write_text("")
