@@ -699,7 +699,7 @@ class _Probe:
         for position, grad in enumerate(whole[1]):
             halves = [part[1][position] for part in parts]
             if grad is not None and all(h is not None for h in halves):
-                summed = sum(_numpy(h).astype(np.float64) for h in halves)
+                summed = np.sum([_numpy(h).astype(np.float64) for h in halves], axis=0)
                 what = f"the gradient of '{weights[position].path}' summed over the halves differs"
                 compared.append((what, grad, summed))
         # one scale for all of them: a gradient that is 0 up to rounding (an attention key's bias) differs from

@@ -95,8 +95,9 @@ def solve(
             only where that is needed to fit; it never shortens a step). ``Plan.recompute`` says which.
         num_replicas: D, the data-parallel copies this pipeline is one of (``plan_replicas`` plans replica 0 so):
             each stage's memory counts the packed gradients its all-reduce holds.
-        reductions: how each stage's ``R`` with the other replicas is priced (``problem.Reductions``, priced by ``cost.reduce_s``): the search
-            then minimises the step with them (the plan's ``reduce_times``); None leaves them out.
+        reductions: where each stage's ``R`` with the other replicas runs (``problem.Reductions``, priced by
+            ``cost.reduce_s``): the search then minimises the step with them (the plan's ``reduce_times``); None
+            leaves them out.
 
     Returns:
         A Plan with status "optimal" (proven) or "feasible", judged on what was minimised: with
