@@ -26,7 +26,14 @@ from runtime.optimizer_state import compile_like
 from runtime.pipeline import PipelinedModel
 from runtime.rebuild import rebuild
 from runtime.replicas import Replicas, measure_reductions
-from runtime.supported import RowCheck, check_rebuilt, check_recomputable, check_rows, check_steps
+from runtime.supported import (
+    RowCheck,
+    check_rebuilt,
+    check_recomputable,
+    check_row_count,
+    check_rows,
+    check_steps,
+)
 from runtime.workers import current_worker, join_replicas
 
 
@@ -232,6 +239,7 @@ def plan_and_wrap(
     except InfeasiblePlanError as error:
         raise cluster.headroom_note(error) from None
     validate_plan(plan, graph, cluster)
+    check_row_count(model, checked.batch, batch_size, plan.num_microbatches)  # M known, B above the probe's
     options = ExecutionOptions(
         plan.num_microbatches,
         schedule=plan.schedule,

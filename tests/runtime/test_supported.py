@@ -637,3 +637,39 @@ def test_a_stage_that_recomputes_a_draw_from_the_global_seed_generator_is_refuse
     with pytest.raises(InputError, match=r"'noise' draws random values from Keras' global seed generator .* stage 0"):
         plan_and_wrap(model, recompute="always", **options)
     assert plan_and_wrap(model, recompute="never", **options).plan.num_stages == 2
+
+
+class _RowCountBranch(keras.layers.Layer):
+    """Doubles its input on batches of more than 8 rows: a branch on the row count above the probe batch's 4."""
+
+    def call(self, x):
+        return keras.ops.cond(keras.ops.shape(x)[0] > 8, lambda: x * 2.0, lambda: x)
+
+
+@pytest.mark.parametrize(("batch", "num_microbatches", "refused"), [(16, 2, True), (16, 1, False), (8, 2, False)])
+def test_a_branch_on_the_batchs_row_count_is_refused_where_a_microbatch_takes_the_other_branch(
+    batch: int, num_microbatches: int, refused: bool, virtual_devices
+) -> None:
+    """Found by probing (stop 38, confirmed stop 39): predict 3.42 off at B = 16, M = 2, unrefused (the row check's
+    probe batch has 4 rows, its halves 2: both take the same branch). plan_and_wrap knows B and M: the model on a
+    micro-batch's rows against the same rows of the batch."""
+    inputs = keras.Input((4,))
+    x = _RowCountBranch(name="branch")(keras.layers.Dense(4, name="first")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="last")(x), name="rows")
+    before = [w.copy() for w in model.get_weights()]
+    pins = {"first": virtual_devices[0], "last": virtual_devices[1]}
+
+    def wrapping() -> None:
+        plan_and_wrap(model, virtual_devices[:2], batch_size=batch, num_microbatches=num_microbatches, pins=pins)
+
+    if not refused:
+        wrapping()
+        return
+    message = (
+        r"^Model 'rows' computes other values for a micro-batch than for the same rows of its batch: its output 0 on "
+        r"the first 8 rows of a 16-row batch differs by"
+    )
+    with pytest.raises(InputError, match=message):
+        wrapping()
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
