@@ -483,12 +483,11 @@ def lookup_kind(ids: tf.Tensor, arguments: Sequence[tf.Tensor], rows: int, *, se
     size on the way (out of a TextVectorization's string ops) are a row per sample too (they were refused as
     unclear before stop 39).
     """
-    leading = ids.shape[0] if ids.shape.rank else None
     per_sample = ids.shape.rank is not None and ids.shape.rank > 0 and ids.shape[0] == rows
     computed = _computed_from(ids, arguments)
     if per_sample and (computed or (ids.shape.rank >= 2 and rows >= 2)):
         return "batched"
-    if seen_batched and computed and ids.shape.rank and leading is None:
+    if seen_batched and computed and ids.shape.rank and ids.shape[0] is None:
         return "batched"
     if not per_sample and not computed:
         return "shared"

@@ -274,12 +274,11 @@ def check_rebuilt(original: Any, rebuilt: Any, batch: list[Any]) -> None:
     draws random values (two runs of the original differ) is left alone. The models' non-trainable variables are
     put back after (seed states, a layer's own counts); state a layer keeps outside its variables is not."""
     functional = functional_graph(original)
-    inputs = keras.tree.pack_sequence_as(input_structure(functional), batch)
     with variables_kept([*functional.non_trainable_variables, *rebuilt.non_trainable_variables]):  # seeds, counts
-        first, again = (keras.tree.flatten(functional(inputs, training=False)) for _ in range(2))
-        if any(_difference(a, _numpy(b)) is not None for a, b in zip(first, again, strict=True)):
+        first = _repeatable_inference(functional, batch)
+        if first is None:
             return
-        ours = keras.tree.flatten(rebuilt(keras.tree.pack_sequence_as(input_structure(rebuilt), batch), training=False))
+        ours = _inference(rebuilt, batch)
     for position, (want, got) in enumerate(zip(first, ours, strict=True)):
         worst = _difference(got, _numpy(want))
         if worst is not None:
@@ -309,18 +308,13 @@ def check_row_count(model: Any, batch: list[Any], batch_size: int, num_microbatc
         return
     rows = -(-batch_size // num_microbatches)
     whole = [tf.gather(t, tf.range(batch_size) % PROBE_ROWS) for t in batch]
-    structure = input_structure(functional)
     with variables_kept(functional.non_trainable_variables):
-        first, again = (
-            keras.tree.flatten(functional(keras.tree.pack_sequence_as(structure, whole), training=False))
-            for _ in range(2)
-        )
-        if any(_difference(a, _numpy(b)) is not None for a, b in zip(first, again, strict=True)):
+        first = _repeatable_inference(functional, whole)
+        if first is None:
             return
-        micro = keras.tree.pack_sequence_as(structure, [t[:rows] for t in whole])
-        part = keras.tree.flatten(functional(micro, training=False))
+        part = _inference(functional, [t[:rows] for t in whole])
     for position, (want, got) in enumerate(zip(first, part, strict=True)):
-        if not _batched_as(want, batch_size) or not _batched_as(got, rows):
+        if not _batched(want, batch_size) or not _batched(got, rows):
             continue
         worst = _difference(got, _numpy(want)[:rows])
         if worst is not None:
@@ -334,8 +328,17 @@ def check_row_count(model: Any, batch: list[Any], batch_size: int, num_microbatc
             )
 
 
-def _batched_as(value: Any, rows: int) -> bool:
-    return value is not None and bool(value.shape) and value.shape[0] == rows
+def _inference(model: Any, batch: list[Any]) -> list[Any]:
+    """``model``'s flattened outputs on ``batch`` (a tensor per input, in ``model.inputs``' order), in inference."""
+    return list(keras.tree.flatten(model(keras.tree.pack_sequence_as(input_structure(model), batch), training=False)))
+
+
+def _repeatable_inference(model: Any, batch: list[Any]) -> list[Any] | None:
+    """``_inference``, or None where a second run gives other outputs (the model draws random values there)."""
+    first, second = _inference(model, batch), _inference(model, batch)
+    if any(_difference(a, _numpy(b)) is not None for a, b in zip(first, second, strict=True)):
+        return None
+    return first
 
 
 def _keras_own(operation: Any) -> bool:
@@ -362,8 +365,9 @@ def _holds_user_function(layer: Any) -> bool:
     )
 
 
-def _batched(value: Any) -> bool:
-    return value is not None and bool(value.shape) and value.shape[0] == PROBE_ROWS
+def _batched(value: Any, rows: int = PROBE_ROWS) -> bool:
+    """Whether ``value`` has ``rows`` rows (the probe batch's by default)."""
+    return value is not None and bool(value.shape) and value.shape[0] == rows
 
 
 def _sliced(value: Any) -> tuple[Any, ...]:
@@ -731,8 +735,7 @@ class _Probe:
                 whole = gradients(batch(), slice(None))
                 parts = []
                 for h, (start, stop) in enumerate(_HALVES):
-                    part = {id(t): self._part(x, h) for t, x in zip(call.node.input_tensors, inputs)}
-                    parts.append(gradients(part, slice(start, stop)))
+                    parts.append(gradients(self._half(call, inputs, h), slice(start, stop)))
         except (InputError, LookupError, TypeError, ValueError, tf.errors.OpError):
             return  # no gradient to compare (an op without one): the step says why, as Keras would
         compared = []  # (what, the whole batch's gradient, the halves' as the whole's would be)
@@ -838,9 +841,12 @@ class _Probe:
         return list(keras.tree.flatten(outputs))
 
     def _call_on_half(self, call: LayerCall, inputs: list[_Value], half: int, training: bool = False) -> list[Any]:
-        """The call on the rows ``half`` of the probe batch (``_part`` of each of its inputs)."""
-        part = {id(t): self._part(x, half) for t, x in zip(call.node.input_tensors, inputs)}
-        return self._call(call, part, half, training)
+        """The call on the rows ``half`` of the probe batch (``_half``)."""
+        return self._call(call, self._half(call, inputs, half), half, training)
+
+    def _half(self, call: LayerCall, inputs: list[_Value], half: int) -> dict[int, Any]:
+        """{id(input tensor): what a micro-batch of the probe batch's rows ``half`` gives it} (``_part``)."""
+        return {id(t): self._part(x, half) for t, x in zip(call.node.input_tensors, inputs)}
 
     def _part(self, value: _Value, half: int) -> Any:
         """What a micro-batch of the probe batch's rows ``half`` gives an op: those rows of a batched

@@ -33,11 +33,12 @@ NUM_EPOCHS = 4  # as workers/faults.py runs them
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}  # the workers import this checkout
 
 
-def _launch(out: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Runs workers/faults.py by ``partitioner launch``; returns its result and when it returned."""
+def _launch(out: Path, case: str, *args: str, script: str = "faults.py") -> tuple[subprocess.CompletedProcess, float]:
+    """Runs workers/``script`` (faults.py: ``case`` is the fault) by ``partitioner launch`` with the launcher's
+    ``args``; returns its result and when it returned."""
     command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
     command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(out / "logs"), *args, "--"]
-    command += [sys.executable, str(HERE / "faults.py"), str(out), fault]
+    command += [sys.executable, str(HERE / script), str(out), case]
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
     return result, time.time()
 
@@ -165,10 +166,7 @@ def test_workers_with_a_step_more_fail_with_one_clear_error(case, tmp_path) -> N
     timeout before, for a collective the other never issued, both alive (found by probing, stop 38); a step more
     in training summed worker 1's last step with worker 0's first of the next epoch. Now every action that issues
     collectives first sums which action each worker is at, and both fail there."""
-    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
-    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--"]
-    command += [sys.executable, str(HERE / "uneven.py"), str(tmp_path), case]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
+    result, _ = _launch(tmp_path, case, script="uneven.py")
     assert result.returncode not in (0, 124), result.stdout[-3000:]
     here, there = (
         ("the end of an epoch", "a training step")
@@ -185,10 +183,7 @@ def test_workers_with_a_step_more_fail_with_one_clear_error(case, tmp_path) -> N
 def test_evaluate_on_one_worker_fails_when_the_other_ends(tmp_path) -> None:
     """Worker 0 alone calls evaluate after fit; worker 1 ends: worker 0's evaluate step, waiting for worker 1 in
     a collective, fails when worker 1's connection closes, with a note that says why."""
-    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
-    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--"]
-    command += [sys.executable, str(HERE / "uneven.py"), str(tmp_path), "evaluate"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
+    result, _ = _launch(tmp_path, "evaluate", script="uneven.py")
     assert result.returncode not in (0, 124), result.stdout[-3000:]
     log = (tmp_path / "logs" / "worker-0.log").read_text()
     assert "another worker left the cluster (it ended, failed or was killed)" in log, log[-3000:]
@@ -199,9 +194,6 @@ def test_workers_with_data_of_unknown_size_find_its_end_together(tmp_path) -> No
     """Datasets of unknown size (a filter) end in one more call of the step; a step's check of the workers' actions
     ran in that call until it waited for the step's data: false out-of-step errors, hangs and crashes with even
     shards (found by probing, stop 39, in the same session as the check)."""
-    command = [sys.executable, "-m", "partitioner.cli", "launch", "--workers", "2", "--devices-per-worker", "2"]
-    command += ["--timeout", str(TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--"]
-    command += [sys.executable, str(HERE / "uneven.py"), str(tmp_path), "unknown-size"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S + 30, check=False, env=ENV)
+    result, _ = _launch(tmp_path, "unknown-size", script="uneven.py")
     assert result.returncode == 0, result.stdout[-3000:]
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()

@@ -30,10 +30,8 @@ worker = start_worker(num_devices=2)
 import keras  # noqa: E402  (after start_worker: TensorFlow must not initialise first)
 import numpy as np  # noqa: E402
 
-from runtime import plan_and_wrap  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
-from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
+from shards import NUM_STEPS, build, shard, wrap_two_stages  # noqa: E402
 
 NUM_EPOCHS = 4
 FAULT_EPOCH = 2  # epoch 3, counted from 0 as Keras does
@@ -65,14 +63,7 @@ class Fault(keras.callbacks.Callback):
 
 keras.utils.set_random_seed(100 + worker.rank)  # a different initial model on each worker
 model = build()
-devices = worker.devices
-wrapped = plan_and_wrap(
-    model,
-    devices=list(devices),
-    batch_size=-(-GLOBAL_BATCH // worker.num_workers),
-    num_microbatches=2,
-    pins={"hidden": devices[0], "middle": devices[0], "head": devices[1]},
-)
+wrapped = wrap_two_stages(model, worker)
 assert wrapped.plan.num_stages == 2, wrapped.plan.assignment
 wrapped.compile(
     optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -82,3 +84,18 @@ def output_data() -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 def output_compile_arguments() -> dict:
     return {"optimizer": keras.optimizers.SGD(0.1), "loss": {"a": "mse", "b": "mse"}}
+
+
+def wrap_two_stages(model: keras.Model, worker: Any) -> Any:
+    """``model`` wrapped for ``worker`` (``runtime.start_worker()``'s) as 2 stages on its 2 devices, 2 micro-batches
+    of its share of the global batch: 'hidden' and 'middle' on the first, 'head' on the second."""
+    from runtime import plan_and_wrap
+
+    devices = worker.devices
+    return plan_and_wrap(
+        model,
+        devices=list(devices),
+        batch_size=-(-GLOBAL_BATCH // worker.num_workers),
+        num_microbatches=2,
+        pins={"hidden": devices[0], "middle": devices[0], "head": devices[1]},
+    )

@@ -24,21 +24,12 @@ import keras  # noqa: E402  (after start_worker: TensorFlow must not initialise 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from runtime import plan_and_wrap  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
-from shards import GLOBAL_BATCH, NUM_STEPS, build, shard  # noqa: E402
+from shards import NUM_STEPS, build, shard, wrap_two_stages  # noqa: E402
 
 out, case = Path(sys.argv[1]), sys.argv[2]
 model = build()
-devices = worker.devices
-wrapped = plan_and_wrap(
-    model,
-    devices=list(devices),
-    batch_size=-(-GLOBAL_BATCH // worker.num_workers),
-    num_microbatches=2,
-    pins={"hidden": devices[0], "middle": devices[0], "head": devices[1]},
-)
+wrapped = wrap_two_stages(model, worker)
 wrapped.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 shards = [shard(worker.rank, worker.num_workers, step) for step in range(NUM_STEPS)]
 rows = len(shards[0][0])
